@@ -1,0 +1,87 @@
+"""The adapter protocol: how the suite drives an implementation.
+
+An implementation provides a *factory* (a class or function with no required arguments) returning
+an object that satisfies ``LoaderAdapter``. See docs/adapters.md for a worked example.
+
+The suite sets the worker's identity in the process environment before ``open`` and resets
+Paddle's cached parallel env, so implementations read it as they would in production:
+``PADDLE_TRAINER_ID`` (global rank), ``CUDA_VISIBLE_DEVICES`` and ``FLAGS_selected_gpus``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+class UnsupportedLoadPath(Exception):
+    """Raised by an adapter asked for a path it does not implement."""
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    load_strategy: str  # "ipc_snapshot" | "ipc" | "ipc_bucket"
+    model_dir: str  # snapshot files live here
+    shared_dir: str  # the /shared_ipc_meta stand-in: pickle fallback and ipc_metas_{id}
+    options: Mapping[str, Any] = field(default_factory=dict)  # path-specific settings
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One parameter as the model holds it. ``data`` is None when the parameter is not loaded."""
+
+    dtype: str  # canonical name: "bfloat16", "float32", ...
+    shape: tuple[int, ...]
+    data: bytes | None
+
+
+@dataclass(frozen=True)
+class LoadEvent:
+    label: str  # "snapshot-part{N}", "snapshot", "raw", ...
+    source: str | None  # path or endpoint
+
+
+@runtime_checkable
+class LoaderSession(Protocol):
+    def update(self) -> None:
+        """Load all weights from the configured source and finalize; raise on any failure."""
+
+    def clear(self) -> None:
+        """Release every parameter; afterwards none is loaded."""
+
+    def observe(self) -> dict[str, Observed]:
+        """Every captured parameter, by name."""
+
+    def trace(self) -> list[LoadEvent]:
+        """Sources applied by the last update, in order (capability ``trace``)."""
+
+    def status(self) -> str:
+        """"NORMAL", "UPDATING", "CLEARING" or "CLEARED" (capability ``status``)."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class LoaderAdapter(Protocol):
+    name: str
+    version: str
+    capabilities: frozenset[str]
+
+    def open(self, models: list, config: LoaderConfig) -> LoaderSession:
+        """Capture ``models`` (main first, then MTP models; Paddle layers, parameters not yet
+        loaded) for a worker configured by ``config``. Must not load anything yet."""
+
+
+def observe_paddle(params: Mapping[str, Any]) -> dict[str, Observed]:
+    """Observation helper for Paddle-based implementations: name -> Observed from live tensors."""
+    out = {}
+    for name, t in params.items():
+        dtype = str(t.dtype).removeprefix("paddle.").lower()
+        shape = tuple(int(d) for d in t.shape)
+        if t.numel() == 0:
+            out[name] = Observed(dtype, shape, b"")
+        elif not t._is_initialized():
+            out[name] = Observed(dtype, shape, None)
+        else:
+            out[name] = Observed(dtype, shape, t.numpy().tobytes())
+    return out

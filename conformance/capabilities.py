@@ -1,0 +1,25 @@
+"""The capability vocabulary. An adapter may only declare names listed here.
+
+A rule that requires a capability the adapter does not declare is reported ``not_applicable``:
+never passed, never silently skipped.
+"""
+
+CAPABILITIES = {
+    "snapshot.parts": "ipc_snapshot priority 1: model_state.tp{rank}.{id}.part{N}.pdparams, numeric order",
+    "snapshot.single": "ipc_snapshot priority 2: model_state.tp{rank}.{id}.pdparams",
+    "snapshot.legacy": "ipc_snapshot priority 3: model_state.tp0{id}.pdparams",
+    "snapshot.shared_fallback": "ipc_snapshot priority 4: {shared_dir}/model_state.tp{rank}.{id}.pdparams (pickle), "
+    "with shared_dir taken from LoaderConfig",
+    "ipc.meta": "ipc: {shared_dir}/ipc_metas_{id} of 7-field CUDA IPC metas (shared memory on CPU)",
+    "ipc.buckets": "ipc_bucket: flat uint8 buckets announced by msgpack manifests over ZMQ",
+    "trace": "session.trace() returns the sources applied in order, with their labels",
+    "status": "session.status() returns the ModelWeightsStatus name",
+    "mtp": "several models (main + MTP) captured and loaded by one session",
+}
+
+
+def validate(names) -> frozenset[str]:
+    unknown = sorted(set(names) - set(CAPABILITIES))
+    if unknown:
+        raise ValueError(f"unknown capabilities {unknown}; the vocabulary is {sorted(CAPABILITIES)}")
+    return frozenset(names)

@@ -1,0 +1,58 @@
+"""Conformance adapter for the reference (``--impl=reference``)."""
+from __future__ import annotations
+
+from conformance.adapter import LoaderConfig, LoadEvent, Observed, observe_paddle
+
+from . import __version__
+from .manager import WeightManager
+
+
+class ReferenceSession:
+    def __init__(self, models, config: LoaderConfig):
+        self.manager = WeightManager(
+            models,
+            load_strategy=config.load_strategy,
+            model_dir=config.model_dir,
+            shared_dir=config.shared_dir,
+            options=config.options,
+        )
+
+    def update(self) -> None:
+        self.manager.update()
+
+    def clear(self) -> None:
+        self.manager.clear()
+
+    def observe(self) -> dict[str, Observed]:
+        return observe_paddle(self.manager.params)
+
+    def trace(self) -> list[LoadEvent]:
+        return [LoadEvent(e.label, e.source) for e in self.manager.trace]
+
+    def status(self) -> str:
+        return self.manager.status.name
+
+    def close(self) -> None:
+        closer = getattr(self.manager, "close", None)
+        if closer:
+            closer()
+
+
+class ReferenceAdapter:
+    name = "reference"
+    version = __version__
+    capabilities = frozenset(
+        {
+            "snapshot.parts",
+            "snapshot.single",
+            "snapshot.legacy",
+            "snapshot.shared_fallback",
+            "trace",
+            "status",
+            "mtp",
+        }
+    )
+    session_class = ReferenceSession
+
+    def open(self, models, config: LoaderConfig) -> ReferenceSession:
+        return self.session_class(models, config)

@@ -1,0 +1,68 @@
+"""Applying: validate a new tensor against its target parameter, adopt it, verify the model.
+
+Validation order is part of the contract: dtype first (TypeError), then shape (ValueError).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+import paddle
+
+from .dtypes import dtype_name
+
+log = logging.getLogger("reference.apply")
+
+
+def check_match(name: str, src_dtype: str, src_shape, dst: paddle.Tensor, source: str = "") -> None:
+    """Raise TypeError on dtype mismatch, then ValueError on shape mismatch."""
+    where = f" (from {source})" if source else ""
+    dst_dtype = dtype_name(dst)
+    if src_dtype != dst_dtype:
+        raise TypeError(f"Type mismatch for {name}: {src_dtype} vs {dst_dtype}{where}")
+    if tuple(src_shape) != tuple(dst.shape):
+        raise ValueError(f"Shape mismatch for {name}: {list(src_shape)} vs {list(dst.shape)}{where}")
+
+
+def adopt(name: str, new: paddle.Tensor, target: paddle.Tensor) -> None:
+    """Make ``target`` hold ``new``'s data. Zero-copy when layouts agree, else a copy."""
+    if not new.is_contiguous():
+        new = new.contiguous()
+    if new.stride() == target.stride() or not target._is_initialized():
+        new._share_buffer_to(target)
+    else:
+        log.warning("%s: stride %s differs from target stride %s; copying", name, new.stride(), target.stride())
+        target[...] = new
+
+
+def is_loaded(param: paddle.Tensor) -> bool:
+    # Paddle never marks a zero-element tensor initialized, even after it adopts a buffer; such a
+    # parameter holds no data, so it cannot be stale.
+    return param._is_initialized() or param.numel() == 0
+
+
+def unloaded(params: Mapping[str, paddle.Tensor]) -> list[str]:
+    return [name for name, p in params.items() if not is_loaded(p)]
+
+
+def still_loaded(params: Mapping[str, paddle.Tensor]) -> list[str]:
+    return [name for name, p in params.items() if p._is_initialized()]
+
+
+def apply_tensors(
+    targets: Mapping[str, paddle.Tensor], tensors: Iterable[tuple[str, paddle.Tensor]], source: str
+) -> tuple[int, int, list[str]]:
+    """Validate and adopt each known tensor; return (applied, seen, unknown names)."""
+    applied = seen = 0
+    unknown = []
+    with paddle.no_grad():
+        for name, tensor in tensors:
+            seen += 1
+            target = targets.get(name)
+            if target is None:
+                unknown.append(name)
+                continue
+            check_match(name, dtype_name(tensor), tensor.shape, target, source)
+            adopt(name, tensor, target)
+            applied += 1
+    return applied, seen, unknown

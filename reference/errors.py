@@ -1,0 +1,17 @@
+"""Errors that the reference raises beyond the builtin types the contract names.
+
+Each subclasses the builtin type a caller of the contract already catches, so code written
+against FastDeploy (``except ValueError``) keeps working, while tests can pin the exact class.
+"""
+
+
+class SnapshotFormatError(ValueError):
+    """A snapshot file is not a readable safetensors/pickle file (truncated, corrupt, empty)."""
+
+
+class UnsafePickleError(ValueError):
+    """A pickle names a global outside the array-reconstruction allow-list; nothing was executed."""
+
+
+class GpuIdError(ValueError):
+    """CUDA_VISIBLE_DEVICES / FLAGS_selected_gpus do not name a physical GPU index."""

@@ -1,0 +1,129 @@
+"""The reference weight manager: FastDeploy's DynamicWeightManager contract, written fresh.
+
+Lifecycle: ``clear()`` -> ``update()`` (load with the configured strategy, then ``finalize()``).
+Status values follow ModelWeightsStatus; a failed update leaves the status at UPDATING (never
+NORMAL) with the exception in ``last_error``.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import paddle
+
+from . import apply, identity
+from .status import Status
+
+log = logging.getLogger("reference.manager")
+
+DEFAULT_SHARED_DIR = "/shared_ipc_meta"
+
+# Strategy name -> "module:function" taking the manager. Imported lazily so that a path's extra
+# dependencies (zmq for buckets) are only needed when that path is used.
+STRATEGIES = {
+    "ipc_snapshot": "reference.snapshot:update_from_snapshot",
+    "ipc": "reference.ipc_meta:update_from_ipc_meta",
+    "ipc_bucket": "reference.buckets:update_from_buckets",
+}
+
+
+@dataclass(frozen=True)
+class LoadEvent:
+    label: str  # "snapshot-part{N}", "snapshot", "raw", "bucket-{version}-{index}"...
+    source: str | None  # file path or endpoint the tensors came from
+    applied: int
+    seen: int
+
+
+class WeightManager:
+    def __init__(
+        self,
+        models,
+        *,
+        load_strategy: str = "ipc_snapshot",
+        model_dir: str | None = None,
+        shared_dir: str = DEFAULT_SHARED_DIR,
+        env: Mapping[str, str] | None = None,
+        options: Mapping | None = None,
+    ):
+        if load_strategy not in STRATEGIES:
+            raise ValueError(f"Unsupported strategy: {load_strategy} (supported: {', '.join(STRATEGIES)})")
+        self.load_strategy = load_strategy
+        self.model_list = list(models) if isinstance(models, (list, tuple)) else [models]
+        self.model_dir = model_dir
+        self.shared_dir = shared_dir
+        self.env = dict(os.environ if env is None else env)
+        self.options = dict(options or {})
+        self.rank = identity.global_rank()
+        self.gpu_id = identity.physical_gpu_id(self.env)
+        self.params = self._capture()
+        self.status = Status.CLEARED if not apply.still_loaded(self.params) else Status.NORMAL
+        self.trace: list[LoadEvent] = []
+        self.last_error: BaseException | None = None
+
+    def _capture(self) -> dict[str, paddle.Tensor]:
+        # Never initialize here: capturing must not allocate (FastDeploy #7171, OOM on ipc).
+        params: dict[str, paddle.Tensor] = {}
+        owner: dict[str, int] = {}
+        for index, model in enumerate(self.model_list):
+            for name, param in model.state_dict().items():
+                if name in params:
+                    raise ValueError(
+                        f"parameter {name!r} appears in model {owner[name]} and model {index}; "
+                        "main and MTP parameter names must be unique"
+                    )
+                params[name], owner[name] = param, index
+        return params
+
+    # -- clear -------------------------------------------------------------------------------
+    def clear(self) -> None:
+        self.status = Status.CLEARING
+        for param in self.params.values():
+            param._clear_data()
+        left = apply.still_loaded(self.params)
+        if left:
+            raise RuntimeError(f"Model Parameter clearance verification failed: still initialized: {', '.join(left)}")
+        self.status = Status.CLEARED
+        log.info("cleared %d parameters", len(self.params))
+
+    # -- update ------------------------------------------------------------------------------
+    def update(self) -> None:
+        """Load every parameter from the configured source, then verify; raises on any failure."""
+        if self.status != Status.CLEARED:
+            raise RuntimeError(
+                f"update() needs cleared weights, status is {self.status.name}: call clear() first"
+            )
+        self.status = Status.UPDATING
+        self.trace = []
+        self.last_error = None
+        try:
+            module, func = STRATEGIES[self.load_strategy].split(":")
+            getattr(importlib.import_module(module), func)(self)
+            self.finalize()
+        except BaseException as e:
+            self.last_error = e
+            log.error("update via %s failed: %s", self.load_strategy, e)
+            raise
+
+    def apply(self, tensors: Iterable[tuple[str, paddle.Tensor]], label: str, source: str | None) -> int:
+        """Validate and adopt tensors from one source; an empty source is a ValueError."""
+        applied, seen, unknown = apply.apply_tensors(self.params, tensors, source or label)
+        if seen == 0:
+            raise ValueError(f"No parameter found in state dict from {source or label} ({label})")
+        for name in unknown:
+            log.debug("Ignoring unmatched %s param: %s", label, name)
+        self.trace.append(LoadEvent(label, source, applied, seen))
+        log.info("Updated %d/%d parameters from %s source %s", applied, seen, label, source)
+        return applied
+
+    def finalize(self) -> None:
+        missing = apply.unloaded(self.params)
+        if missing:
+            raise RuntimeError(
+                f"Model Parameter update verification failed: {len(missing)} parameter(s) not loaded: "
+                + ", ".join(missing)
+            )
+        self.status = Status.NORMAL

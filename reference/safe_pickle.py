@@ -1,0 +1,57 @@
+"""A restricted unpickler for the two pickle inputs of the contract.
+
+Paddle's ``paddle.save`` writes a state dict as a protocol-4 pickle whose only globals rebuild
+numpy arrays; the ``ipc_metas_{id}`` file holds plain lists, strings and ints. Both are read here
+with ``find_class`` limited to that allow-list, so a crafted file raises UnsafePickleError and no
+callable it names is ever looked up, let alone called.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+
+from .errors import SnapshotFormatError, UnsafePickleError
+
+ARRAY_GLOBALS = frozenset(
+    {
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.multiarray", "scalar"),
+        ("collections", "OrderedDict"),
+    }
+)
+
+
+class _Restricted(pickle.Unpickler):
+    def __init__(self, file, path: str, allowed: frozenset):
+        super().__init__(file)
+        self._path = path
+        self._allowed = allowed
+
+    def find_class(self, module, name):
+        if (module, name) not in self._allowed:
+            raise UnsafePickleError(
+                f"{self._path}: refusing to unpickle global {module}.{name}; only array "
+                f"reconstruction is allowed ({', '.join(sorted(f'{m}.{n}' for m, n in self._allowed))})"
+            )
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+
+
+def load_restricted(path: str, *, allow_arrays: bool = True):
+    """Unpickle ``path`` admitting only array-reconstruction globals (or none at all)."""
+    allowed = ARRAY_GLOBALS if allow_arrays else frozenset()
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data:
+        raise SnapshotFormatError(f"{path}: file is empty (0 bytes)")
+    try:
+        return _Restricted(io.BytesIO(data), path, allowed).load()
+    except UnsafePickleError:
+        raise
+    except Exception as e:  # truncated or garbage pickles raise many types
+        raise SnapshotFormatError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from None

@@ -1,0 +1,49 @@
+"""The ``ipc_snapshot`` strategy: plan, validate every file's header, then load file by file."""
+from __future__ import annotations
+
+import gc
+import logging
+
+from . import apply
+from .snapshot_load import iter_safetensors, load_pickle_state_dict, read_header
+from .snapshot_plan import list_dir, plan_snapshot
+
+log = logging.getLogger("reference.snapshot")
+
+
+def update_from_snapshot(manager) -> None:
+    model_dir = manager.model_dir
+    if not model_dir:
+        raise ValueError("ipc_snapshot needs model_dir (the directory holding model_state.tp{rank}.{id}* files)")
+    plan = plan_snapshot(
+        model_dir, list_dir(model_dir), manager.shared_dir, list_dir(manager.shared_dir), manager.rank, manager.gpu_id
+    )
+    if plan.invalid_parts:
+        log.warning(
+            "Found snapshot part files with invalid naming pattern under %s: %s. "
+            "These files will be ignored when loading IPC snapshot parts.",
+            model_dir,
+            ", ".join(plan.invalid_parts),
+        )
+    # Validate every safetensors header before any parameter changes: a bad part 7 must not leave
+    # parts 0-6 applied. (The pickle fallback has no header; it is validated as it is applied.)
+    for src in plan.sources:
+        if src.fmt != "safetensors":
+            continue
+        infos = read_header(src.path)
+        if not infos:
+            raise ValueError(f"No parameter found in state dict from {src.path} ({src.label}): file holds no tensors")
+        for info in infos:
+            target = manager.params.get(info.name)
+            if target is not None:
+                apply.check_match(info.name, info.dtype, info.shape, target, src.path)
+
+    count = len(plan.sources)
+    for position, src in enumerate(plan.sources, 1):
+        log.info("Loading snapshot %s (%d/%d) from %s", src.label, position, count, src.path)
+        tensors = iter_safetensors(src.path) if src.fmt == "safetensors" else load_pickle_state_dict(src.path).items()
+        manager.apply(tensors, src.label, src.path)
+        # Only one file's tensors may be alive at once (FastDeploy #6852, host-memory peak).
+        del tensors
+        gc.collect()
+    log.info("IPC snapshot update completed from %d file(s) for %s", count, plan.base_name)
