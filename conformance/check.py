@@ -122,3 +122,14 @@ def raises(exc_type, *, match: str, names: Iterable[str] = (), where: str = ""):
     assert re.search(match, message), f"{where}: {type(info.value).__name__} message {message!r} does not match {match!r}"
     missing = [n for n in names if str(n) not in message]
     assert not missing, f"{where}: error message {message!r} does not name {missing}"
+
+
+def that(condition: bool, message: str) -> None:
+    """Generic check: ``message`` must name the path, tensor/field and both values."""
+    _count()
+    assert condition, message
+
+
+def equal(got, expected, where: str) -> None:
+    _count()
+    assert got == expected, f"{where}: got {got!r}, expected {expected!r}"
