@@ -1,0 +1,1 @@
+"""Multi-process simulator: fake trainers publishing weights to a receiving weight manager."""
