@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import sys
 from collections import Counter, defaultdict
 
@@ -35,6 +36,10 @@ def pytest_addoption(parser):
 
 
 def _is_conformance(item) -> bool:
+    """A test under conformance/, or one marked ``rule``/``requires`` wherever it lives (so that a
+    missing or stray marker is caught, and the plugin's own tests can build conformance tests)."""
+    if item.get_closest_marker("rule") is not None or item.get_closest_marker("requires") is not None:
+        return True
     return os.path.abspath(str(item.path)).startswith(CONFORMANCE_DIR + os.sep)
 
 
@@ -200,6 +205,8 @@ def pytest_collection_finish(session):
         if not _is_conformance(item):
             continue
         rule_id = rule_of(item)
+        if rule_id not in rules():
+            continue  # a collection error already reported as a usage error (this hook runs anyway)
         rel = os.path.relpath(str(item.path))
         results[item.nodeid] = {
             "nodeid": item.nodeid,
@@ -209,8 +216,15 @@ def pytest_collection_finish(session):
             "requires": sorted({c for m in item.iter_markers("requires") for c in m.args}),
             "status": None,
             "message": "",
-            "repro": f"pytest '{rel}::{item.name}' --impl={session.config.getoption('--impl')}",
+            "repro": repro_command(session.config, rel, item.name),
         }
+
+
+def repro_command(config, rel_path: str, name: str) -> str:
+    """A shell command that reruns one test with the same implementation and options, from the
+    directory the suite was run in."""
+    args = [f"--impl={config.getoption('--impl')}"] + [f"--impl-opt={kv}" for kv in config.getoption("--impl-opt")]
+    return f"pytest {shlex.quote(f'{rel_path}::{name}')} " + " ".join(shlex.quote(a) for a in args)
 
 
 def summarize(results) -> dict:

@@ -47,6 +47,8 @@ class ReferenceAdapter:
             "snapshot.single",
             "snapshot.legacy",
             "snapshot.shared_fallback",
+            "ipc.meta",
+            "ipc.buckets",
             "trace",
             "status",
             "mtp",

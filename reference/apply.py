@@ -5,6 +5,7 @@ Validation order is part of the contract: dtype first (TypeError), then shape (V
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 
 import paddle
@@ -38,7 +39,8 @@ def adopt(name: str, new: paddle.Tensor, target: paddle.Tensor) -> None:
 def is_loaded(param: paddle.Tensor) -> bool:
     # Paddle never marks a zero-element tensor initialized, even after it adopts a buffer; such a
     # parameter holds no data, so it cannot be stale.
-    return param._is_initialized() or param.numel() == 0
+    # (numel() itself needs an allocated tensor, so count from the shape.)
+    return param._is_initialized() or math.prod(param.shape) == 0
 
 
 def unloaded(params: Mapping[str, paddle.Tensor]) -> list[str]:

@@ -63,7 +63,10 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, paddle.Tensor]]:
                 yield name, paddle.empty(shape, dtype=paddle_dtype(SAFETENSORS_TO_NAME[sl.get_dtype()]))
                 continue
             try:
-                yield name, f.get_tensor(name)
+                # get_tensor returns a view of the file's mmap, never read until used: copy it so the
+                # parameter owns its memory and a trainer rewriting or truncating the file in place
+                # cannot change or SIGBUS it. The view dies here; the mapping goes when f closes.
+                yield name, f.get_tensor(name).clone()
             except Exception as e:
                 raise SnapshotFormatError(f"{path}: cannot read tensor {name!r} ({e})") from None
 

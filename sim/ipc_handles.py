@@ -8,6 +8,8 @@ segment with the resource tracker, which unlinks it when the *attaching* process
 """
 from __future__ import annotations
 
+import functools
+import math
 import mmap
 import os
 import secrets
@@ -105,3 +107,165 @@ def leaked_segments(prefix: str = PREFIX) -> list[str]:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix + "_"))
     except FileNotFoundError:
         return []
+
+
+# --- 7-field metas: Paddle's ``DenseTensor._share_cuda()`` tuple ---------------------------------
+#
+# [handle, offset_bytes, size, type_idx, dims, lod, device_id] (fd-spec §3.3). Trainers store the
+# handle as a latin-1 ``str`` because ``paddle.save`` refuses ``bytes`` values, and the file as a
+# list per tensor. The functions below are shared by the ``ipc`` loader and the bucket path.
+
+META_FIELDS = ("handle", "offset_bytes", "size", "type_idx", "dims", "lod", "device_id")
+
+# phi::DataType values in Paddle 3.x, used only where Paddle cannot be imported. Note INT16 is 5
+# (UINT16 is 4): a table written from memory gets this wrong, so the live one comes from Paddle.
+PHI_DTYPE_CODES_PADDLE3 = {
+    "bool": 1, "uint8": 2, "int8": 3, "int16": 5, "int32": 7, "int64": 9,
+    "float32": 10, "float64": 11, "float16": 15, "bfloat16": 16,
+    "float8_e4m3fn": 17, "float8_e5m2": 18,
+}
+
+
+class MetaError(ValueError):
+    """A stored meta that is malformed; the message names the tensor and the field."""
+
+
+def numpy_dtype(name: str):
+    """numpy dtype for a canonical dtype name (ml_dtypes for bfloat16 and fp8)."""
+    import ml_dtypes
+    import numpy as np
+
+    special = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+    return np.dtype(special.get(name, name))
+
+
+@functools.cache
+def phi_dtype_codes() -> dict[str, int]:
+    """dtype name -> phi DataType int, read from the installed Paddle (static Paddle 3.x table without it)."""
+    try:
+        from paddle.base import core
+    except ImportError:
+        return dict(PHI_DTYPE_CODES_PADDLE3)
+    return {name: int(getattr(core.DataType, name.upper())) for name in PHI_DTYPE_CODES_PADDLE3}
+
+
+def dtype_of_code(type_idx) -> str | None:
+    """Canonical dtype name for a phi DataType int, or None when this project does not carry it."""
+    for name, code in phi_dtype_codes().items():
+        if code == type_idx:
+            return name
+    return None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def normalize_meta(meta, *, name: str, device: int) -> tuple:
+    """A stored meta -> the 7-tuple ``_new_shared_cuda`` takes, with device_id set to ``device``.
+
+    FastDeploy's conversion (``meta[0].encode("latin-1")``, ``meta[6] = FLAGS_selected_gpus``), done
+    without mutating ``meta`` and checked field by field. Accepted on purpose: a tuple as well as a
+    list, and the handle as ``bytes`` as well as a latin-1 ``str`` (``_share_cuda()`` itself returns
+    a tuple holding bytes; both spellings are unambiguous). MetaError names the tensor and field.
+    """
+    where = f"IPC meta of tensor {name!r}"
+    if not isinstance(meta, (list, tuple)):
+        raise MetaError(f"{where} is a {type(meta).__name__}, expected a list of 7 fields {list(META_FIELDS)}")
+    if len(meta) != len(META_FIELDS):
+        raise MetaError(
+            f"{where} has {len(meta)} fields, expected 7 fields {list(META_FIELDS)} (Paddle's _share_cuda() tuple)"
+        )
+    handle, offset, size, type_idx, dims, lod, _trainer_device = meta
+    if isinstance(handle, str):
+        try:
+            handle = handle.encode("latin-1")
+        except UnicodeEncodeError:
+            raise MetaError(f"{where}: field handle is a str with characters outside latin-1; expected the "
+                            f"{HANDLE_SIZE} handle bytes decoded as latin-1") from None
+    elif isinstance(handle, (bytes, bytearray)):
+        handle = bytes(handle)
+    else:
+        raise MetaError(f"{where}: field handle is a {type(handle).__name__}, expected a latin-1 str or bytes")
+    if len(handle) != HANDLE_SIZE:
+        raise MetaError(f"{where}: field handle has {len(handle)} bytes, expected {HANDLE_SIZE}")
+    for field, value in (("offset_bytes", offset), ("size", size)):
+        if not _is_int(value) or value < 0:
+            raise MetaError(f"{where}: field {field} is {value!r}, expected a non-negative int")
+    dtype = dtype_of_code(type_idx) if _is_int(type_idx) else None
+    if dtype is None:
+        known = ", ".join(f"{c}={n}" for n, c in sorted(phi_dtype_codes().items(), key=lambda kv: kv[1]))
+        raise MetaError(f"{where}: field type_idx is {type_idx!r}, not a phi DataType this loader carries ({known})")
+    if not isinstance(dims, (list, tuple)) or not all(_is_int(d) and d >= 0 for d in dims):
+        raise MetaError(f"{where}: field dims is {dims!r}, expected a list of non-negative ints")
+    want = math.prod(dims) * numpy_dtype(dtype).itemsize
+    if size != want:
+        raise MetaError(
+            f"{where}: field size is {size} bytes but dims {list(dims)} of {dtype} need {want} "
+            f"({math.prod(dims)} x {numpy_dtype(dtype).itemsize})"
+        )
+    return (handle, offset, size, type_idx, list(dims), lod, int(device))
+
+
+def current_device(env=None) -> int:
+    """The device a CUDA worker has current: its ``FLAGS_selected_gpus`` ordinal."""
+    env = os.environ if env is None else env
+    return int(env.get("FLAGS_selected_gpus", "0"))
+
+
+def open_tensor_meta(meta: tuple, *, device: int | None = None):
+    """CPU stand-in for ``LoDTensor._new_shared_cuda(meta)``: a numpy array *copy* of the tensor.
+
+    Like CUDA, the handle is opened on the process's current device (``device``, default
+    ``FLAGS_selected_gpus``), so a meta still carrying the trainer's device_id is refused. Unlike
+    CUDA, the bytes are copied and the mapping closed: Paddle on CPU cannot adopt memory mapped from
+    another process's allocation, so the worker must own its copy (on GPU, FastDeploy's parameters
+    alias the trainer's memory instead). The byte range is checked against the segment, since
+    reading past a mapping is not an error we could report afterwards.
+    """
+    import numpy as np
+
+    if not isinstance(meta, tuple) or len(meta) != len(META_FIELDS):
+        raise HandleError("Invalid Tensor meta info for shared cuda tensor!")
+    handle, offset, size, type_idx, dims, _lod, device_id = meta
+    if not isinstance(handle, bytes):
+        raise HandleError(f"field handle must be bytes for _new_shared_cuda, got {type(handle).__name__}")
+    here = current_device() if device is None else device
+    if device_id != here:
+        raise HandleError(
+            f"field device_id is {device_id} but this worker's current device is {here} "
+            "(FLAGS_selected_gpus); an IPC handle opens on the opener's own device"
+        )
+    dtype_name = dtype_of_code(type_idx)
+    if dtype_name is None:
+        raise HandleError(f"field type_idx {type_idx!r} is not a known phi DataType")
+    dtype = numpy_dtype(dtype_name)
+    if size != math.prod(dims) * dtype.itemsize:
+        raise HandleError(f"field size {size} disagrees with dims {list(dims)} of {dtype_name}")
+    with Segment.attach(handle) as seg:
+        if offset + size > seg.size:
+            raise HandleError(
+                f"field offset_bytes {offset} + size {size} = {offset + size} lies outside segment "
+                f"{seg.name!r} of {seg.size} bytes"
+            )
+        out = np.empty(dims, dtype=dtype)
+        if size:
+            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(seg.buf[offset : offset + size], np.uint8)
+    return out
+
+
+def share_array(seg: "Segment", offset: int, array, *, device_id: int = 0) -> list:
+    """Trainer side: copy ``array`` into ``seg`` at ``offset``; return its stored meta (FastDeploy
+    format: a list, handle as a latin-1 str, empty lod)."""
+    import numpy as np
+
+    arr = np.asarray(array)
+    if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
+        arr = arr.copy()
+    nbytes = arr.nbytes
+    if offset < 0 or offset + nbytes > seg.size:
+        raise HandleError(f"{nbytes} bytes at offset {offset} do not fit segment {seg.name!r} of {seg.size} bytes")
+    if nbytes:
+        seg.buf[offset : offset + nbytes] = arr.reshape(-1).view(np.uint8).tobytes()
+    code = phi_dtype_codes()[arr.dtype.name]
+    return [seg.handle.decode("latin-1"), offset, nbytes, code, list(arr.shape), [], int(device_id)]

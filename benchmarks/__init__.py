@@ -1,0 +1,1 @@
+"""Benchmarks run as scripts (``python -m benchmarks.<name>``), not as timed tests."""

@@ -1,0 +1,333 @@
+"""Peak host memory (RSS) of an ``ipc_snapshot`` update: one file against k part files.
+
+    python -m benchmarks.snapshot_memory --model-mib 1024 --parts 2,4,8,16
+
+For each layout (the single file ``model_state.tp0.0.pdparams``, then k = 2, 4, ... part files) the
+parent writes the snapshot with ``fixtures.snapshot`` (safetensors) and starts a *fresh* child
+process, so that peaks of different layouts never mix. The child imports Paddle, builds the model
+lazily (uninitialised, as after a clear) with ``fixtures.models.build_models``, creates the
+reference ``WeightManager`` and takes its baseline RSS; then it runs ``update()`` and reports
+
+- the peak RSS increase over the baseline: the larger of the kernel's high-water mark (``VmHWM``,
+  reset to the baseline through ``/proc/self/clear_refs``, which needs no root) and a psutil sampler
+  thread polling every ~1 ms (a thread can miss a peak while a C call holds the GIL; the kernel
+  cannot);
+- the RSS increase left once ``update()`` returned, and how much of it is file-backed.
+
+RSS counts the file pages a process has mapped and touched (the safetensors mmap), not just its
+own allocations: they are reported as measured, not subtracted. Before each child the files are
+fsync'ed and their page cache dropped with ``posix_fadvise(DONTNEED)`` (allowed without root), so
+reads are cold where the kernel honours it; load times are indicative only.
+
+Target: k parts peak under ``M * (1 + 1.5/k) + 64 MiB`` (k = 1 for the single file). After the
+measurement the child reads every parameter once: weights that are still views of the file's mmap
+then fault in as file-backed RSS ("file-backed weights/M" near 1), which marks the row as failed,
+since its near-zero peak only says that nothing was read. Exit status 1 when a layout fails.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 1 << 20
+COLS = 256
+RESULT_MARK = "SNAPSHOT_MEMORY_RESULT "
+
+
+def model_spec(model_mib: float, tensors: int):
+    """``tensors`` 2-D tensors of equal byte size, float32 and bfloat16 alternating, totalling ~M."""
+    from fixtures.models import spec
+
+    per = int(model_mib * MIB) // tensors
+    params = []
+    for i in range(tensors):
+        dtype, itemsize = ("float32", 4) if i % 2 == 0 else ("bfloat16", 2)
+        rows = per // (COLS * itemsize)
+        if rows < 1:
+            raise SystemExit(f"--model-mib {model_mib} is too small for {tensors} tensors of {COLS} columns")
+        params.append((f"layers.{i}.weight", dtype, (rows, COLS)))
+    return spec(*params)
+
+
+# -- child: one measurement in a fresh process ------------------------------------------------
+class Sampler(threading.Thread):
+    """Polls RSS (and its file-backed part) every ``interval`` seconds; keeps the peak."""
+
+    def __init__(self, interval: float):
+        super().__init__(daemon=True)
+        import psutil
+
+        self.proc = psutil.Process()
+        self.interval = interval
+        self.halt = threading.Event()
+        self.peak = self.peak_shared = self.samples = 0
+
+    def sample(self) -> None:
+        info = self.proc.memory_info()
+        self.samples += 1
+        if info.rss > self.peak:
+            self.peak, self.peak_shared = info.rss, info.shared
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            self.sample()
+            time.sleep(self.interval)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join()
+        self.sample()
+
+
+def _status_kib(field: str) -> int | None:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return None
+
+
+def _reset_hwm() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0, own process, no root needed)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def child(args) -> dict:
+    import resource
+
+    import numpy as np
+    import paddle  # noqa: F401  (imported before the baseline: its footprint is not the load's)
+    import psutil
+
+    from fixtures.models import build_models, weights
+    from reference import WeightManager
+
+    model = model_spec(args.model_mib, args.tensors)
+    models = build_models(model)
+    manager = WeightManager(
+        models,
+        load_strategy="ipc_snapshot",
+        model_dir=args.model_dir,
+        shared_dir=os.path.join(args.model_dir, "no-fallback"),
+        env={"CUDA_VISIBLE_DEVICES": "0", "FLAGS_selected_gpus": "0"},
+    )
+    if (manager.rank, manager.gpu_id) != (0, 0):
+        raise SystemExit(f"expected rank 0 / GPU 0, got rank {manager.rank} / GPU {manager.gpu_id}")
+    proc = psutil.Process()
+    gc.collect()
+    before = proc.memory_info()
+    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    hwm_ok = _reset_hwm()
+    sampler = Sampler(args.interval_ms / 1000)
+    sampler.start()
+    start = time.perf_counter()
+    manager.update()
+    seconds = time.perf_counter() - start
+    sampler.stop()
+    after = proc.memory_info()
+    hwm = (_status_kib("VmHWM") or 0) * 1024 if hwm_ok else 0
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # Outside the measurement. Read every parameter once: weights that still alias the file's mmap
+    # fault their pages in now and show up as file-backed RSS (a peak near 0 then means "not read",
+    # not "cheap"); weights the update copied into owned memory add nothing.
+    for param in manager.params.values():
+        param.sum()
+    touched = proc.memory_info()
+    # The update must really have loaded the bytes the fixtures wrote.
+    for p in (model.main[0], model.main[-1]):
+        got = np.ascontiguousarray(manager.params[p.name].numpy()).tobytes()
+        if got != weights(p).tobytes():
+            raise SystemExit(f"{args.model_dir}: parameter {p.name} does not hold the written bytes")
+    return {
+        "model_bytes": model.nbytes,
+        "status": manager.status.name,
+        "sources": len(manager.trace),
+        "baseline": before.rss,
+        "peak_hwm": max(hwm - before.rss, 0) if hwm_ok else None,
+        "peak_sampled": sampler.peak - before.rss,
+        "peak_sampled_file": sampler.peak_shared - before.shared,
+        "samples": sampler.samples,
+        # ru_maxrss cannot be reset: it only says something when nothing before the update was higher.
+        "peak_maxrss": maxrss - before.rss if maxrss_before <= before.rss else None,
+        "final": after.rss - before.rss,
+        "final_file": after.shared - before.shared,
+        "weights_file": max(touched.shared - before.shared, 0),
+        "seconds": seconds,
+    }
+
+
+# -- parent: write, drop cache, measure in a child, tabulate ---------------------------------
+def write_layout(root: str, state, k: int) -> list[str]:
+    from fixtures import snapshot
+
+    model_dir = os.path.join(root, "single" if k == 1 else f"parts{k}")
+    if k == 1:
+        return [snapshot.write_safetensors(snapshot.single_path(model_dir, 0, 0), state)]
+    return snapshot.write_parts(model_dir, 0, 0, dict(enumerate(snapshot.split(state, k))))
+
+
+def drop_page_cache(paths) -> bool:
+    ok = hasattr(os, "posix_fadvise")
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            if ok:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return ok
+
+
+def measure(args, model_dir: str) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.snapshot_memory", "--child", model_dir,
+           "--model-mib", str(args.model_mib), "--tensors", str(args.tensors),
+           "--interval-ms", str(args.interval_ms)]
+    env = dict(os.environ, PADDLE_TRAINER_ID="0")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    raise RuntimeError(f"child for {model_dir} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+
+
+def target_bytes(model_bytes: int, k: int, slack_mib: float) -> float:
+    return model_bytes * (1 + 1.5 / k) + slack_mib * MIB
+
+
+def machine_info() -> dict:
+    import paddle
+    import psutil
+    import safetensors
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), platform.processor())
+    except OSError:
+        cpu = platform.processor()
+    return {
+        "host": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "cpu": f"{cpu} ({os.cpu_count()} logical cores)",
+        "memory": f"{psutil.virtual_memory().total / (1 << 30):.1f} GiB",
+        "python": platform.python_version(),
+        "paddle": paddle.__version__,
+        "safetensors": safetensors.__version__,
+    }
+
+
+def run(args) -> tuple[list[dict], dict]:
+    from fixtures.models import state
+
+    ks = [1] + [int(k) for k in args.parts.split(",") if k.strip()]
+    if max(ks) > args.tensors:
+        raise SystemExit(f"--tensors {args.tensors} cannot be split into {max(ks)} parts")
+    model = model_spec(args.model_mib, args.tensors)
+    values = state(model)
+    root = tempfile.mkdtemp(prefix="snapshot-memory-", dir=args.work_dir)
+    rows, dropped = [], True
+    try:
+        for k in ks:
+            paths = write_layout(root, values, k)
+            if args.drop_cache:
+                dropped = drop_page_cache(paths) and dropped
+            r = measure(args, os.path.dirname(paths[0]))
+            shutil.rmtree(os.path.dirname(paths[0]))
+            m = r["model_bytes"]
+            peak = max(v for v in (r["peak_hwm"], r["peak_sampled"]) if v is not None)
+            target = target_bytes(m, k, args.slack_mib)
+            # Weights left as views of the file's mmap were never read: their near-zero peak measures
+            # nothing, so such a row cannot pass.
+            aliased = r["weights_file"] > m / 2
+            rows.append({
+                "layout": "single" if k == 1 else "parts",
+                "k": k,
+                "peak_over_m": peak / m,
+                "final_over_m": r["final"] / m,
+                "target_over_m": target / m,
+                "verdict": "FAIL: weights alias the file" if aliased else ("pass" if peak <= target else "FAIL"),
+                "peak_mib": peak / MIB,
+                "final_file_over_m": r["final_file"] / m,
+                "weights_file_over_m": r["weights_file"] / m,
+                "sampled_over_m": r["peak_sampled"] / m,
+                "hwm_over_m": None if r["peak_hwm"] is None else r["peak_hwm"] / m,
+                "maxrss_over_m": None if r["peak_maxrss"] is None else r["peak_maxrss"] / m,
+                **r,
+            })
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    info = machine_info()
+    info["page cache"] = ("fsync + posix_fadvise(DONTNEED) before each child" if args.drop_cache and dropped
+                          else "not dropped: files were just written and are read from the page cache")
+    return rows, info
+
+
+def render(rows, info, argv) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def ratio(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    m = rows[0]["model_bytes"]
+    table = Table(title=f"ipc_snapshot update, peak host RSS over the pre-update baseline (M = {m / MIB:.0f} MiB)")
+    for col in ("layout", "k", "peak/M", "final/M", "target/M", "verdict",
+                "peak MiB", "file-backed weights/M", "hwm/M", "sampled/M", "load s"):
+        table.add_column(col, justify="left" if col in ("layout", "verdict") else "right")
+    for r in rows:
+        table.add_row(
+            r["layout"], str(r["k"]), ratio(r["peak_over_m"]), ratio(r["final_over_m"]), ratio(r["target_over_m"]),
+            r["verdict"] if r["verdict"] == "pass" else f"[bold red]{r['verdict']}[/]", f"{r['peak_mib']:.0f}",
+            ratio(r["weights_file_over_m"]), ratio(r["hwm_over_m"]), ratio(r["sampled_over_m"]), f"{r['seconds']:.2f}",
+        )
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    console.print(table)
+    console.print("command: python -m benchmarks.snapshot_memory " + " ".join(argv))
+    for key, value in info.items():
+        console.print(f"{key}: {value}")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.snapshot_memory", description=__doc__.split("\n")[0])
+    ap.add_argument("--model-mib", type=float, default=1024, help="model size M in MiB (default 1024)")
+    ap.add_argument("--parts", default="2,4,8,16", help="comma-separated part counts k (default 2,4,8,16)")
+    ap.add_argument("--tensors", type=int, default=32, help="number of tensors, >= the largest k (default 32)")
+    ap.add_argument("--slack-mib", type=float, default=64, help="fixed allowance in the target (default 64)")
+    ap.add_argument("--interval-ms", type=float, default=1.0, help="sampler period (default 1 ms)")
+    ap.add_argument("--work-dir", default=None, help="where snapshot files are written (default: system temp)")
+    ap.add_argument("--no-drop-cache", dest="drop_cache", action="store_false",
+                    help="leave the written files in the page cache")
+    ap.add_argument("--json", default=None, help="also write the rows and machine info to this file")
+    ap.add_argument("--child", metavar="MODEL_DIR", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        args.model_dir = args.child
+        print(RESULT_MARK + json.dumps(child(args)), flush=True)
+        return 0
+    rows, info = run(args)
+    render(rows, info, argv)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": argv, "rows": rows, "machine": info}, f, indent=2)
+    return 0 if all(r["verdict"] == "pass" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

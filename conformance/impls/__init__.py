@@ -1,0 +1,1 @@
+"""Adapters for implementations other than the reference (``--impl=fastdeploy``)."""

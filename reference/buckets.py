@@ -1,0 +1,230 @@
+"""The ``ipc_bucket`` strategy: flat uint8 buckets in shared memory, announced by msgpack manifests
+over ZMQ (SPEC.md "Async IPC buckets"; wire format and checks in ``sim.protocol``).
+
+Options (``LoaderConfig.options``): ``endpoint`` (``ipc://...`` or ``tcp://127.0.0.1:port``, where
+the trainer has bound), ``version`` (expected version; absent: the first manifest's), ``timeout_s``
+(longest silence tolerated from the trainer, default 5 s) and, for in-process callers only,
+``progress`` (called with the byte count of each bucket copied).
+
+Atomicity: each bucket is validated completely before a byte of it is read, then copied into Paddle
+tensors this worker owns, then acknowledged. The model's parameters adopt those tensors only after
+the end message checks out (bucket count, tensor count, name digest) and every parameter arrived. A
+failure at bucket k thus leaves the model exactly as ``clear()`` left it. The price is that a whole
+update is staged at once, as the snapshot path holds a whole file.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import re
+import time
+from collections import defaultdict
+
+import numpy as np
+import paddle
+import zmq
+
+from sim import protocol
+from sim.ipc_handles import Segment
+
+from . import apply
+from .dtypes import paddle_dtype
+
+log = logging.getLogger("reference.buckets")
+
+DEFAULT_TIMEOUT_S = 5.0
+# Shared memory is local by nature, so only local endpoints make sense; refusing others keeps the
+# control socket off the network.
+LOCAL_ENDPOINT = re.compile(r"^(ipc://.+|tcp://(127\.0\.0\.1|localhost|\[::1\]):\d+)$")
+
+
+class Link:
+    """The receiver's REQ socket: every request gets exactly one reply within ``timeout_s``."""
+
+    def __init__(self, endpoint: str, timeout_s: float):
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.sock = zmq.Context.instance().socket(zmq.REQ)
+        self.sock.setsockopt(zmq.LINGER, 0)  # a dead trainer must not make close() wait
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME)
+        self.sock.connect(endpoint)
+        self.can_send = True
+
+    def request(self, message: dict, where: str) -> dict:
+        self.sock.send(protocol.encode(message))
+        self.can_send = False
+        return self.receive(where)
+
+    def receive(self, where: str) -> dict:
+        if not self.sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+            raise protocol.TransferTimeout(
+                f"ipc_bucket: no message from the trainer at {self.endpoint} within {self.timeout_s:g}s while "
+                f"waiting for {where} (trainer dead or stalled)"
+            )
+        frame = self.sock.recv(copy=False).bytes
+        self.can_send = True
+        return protocol.decode(frame, f"message from {self.endpoint} for {where}")
+
+    def tell(self, message: dict) -> None:
+        """Best effort, no reply expected (error reports, the final done)."""
+        if self.can_send:
+            try:
+                self.sock.send(protocol.encode(message), zmq.NOBLOCK)
+                self.can_send = False
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Attachments:
+    """The trainer's buffers mapped in this process, each handle opened once per update."""
+
+    def __init__(self):
+        self.segments: dict[bytes, Segment] = {}
+
+    def get(self, handle: bytes) -> Segment:
+        seg = self.segments.get(handle)
+        if seg is None:
+            seg = self.segments[handle] = Segment.attach(handle)
+        return seg
+
+
+def release(attached: Attachments) -> None:
+    """Unmap every buffer: a mapping kept past the update pins the trainer's memory (slime #1731)."""
+    for seg in attached.segments.values():
+        seg.close()
+    attached.segments.clear()
+
+
+def _writable_bytes(tensor: paddle.Tensor, nbytes: int) -> np.ndarray:
+    """A uint8 numpy view of a CPU tensor's own allocation, so one copy lands the bytes in it."""
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr()), np.uint8)
+
+
+class Staging:
+    """Receiver-owned tensors of the update, filled chunk by chunk, adopted only at commit."""
+
+    def __init__(self, targets):
+        self.targets = targets
+        self.tensors: dict[str, paddle.Tensor] = {}
+        self._bytes: dict[str, np.ndarray] = {}
+
+    def dest(self, e: protocol.Entry) -> np.ndarray:
+        view = self._bytes.get(e.name)
+        if view is None:
+            tensor = paddle.empty(list(e.shape), dtype=paddle_dtype(e.dtype))
+            self.tensors[e.name] = tensor
+            # Sized from the tensor itself, not the manifest, so no manifest can write past it.
+            nbytes = math.prod(e.shape) * tensor.element_size()
+            view = self._bytes[e.name] = _writable_bytes(tensor, nbytes)
+        return view
+
+    def drop_views(self) -> None:
+        self._bytes.clear()
+
+
+def stage_bucket(staging: Staging, segment: Segment, entries) -> None:
+    """Copy every entry of a validated bucket out of the trainer's buffer (before the ack)."""
+    src = np.frombuffer(segment.buf, np.uint8)
+    try:
+        for e in entries:
+            dst = staging.dest(e)
+            if e.nbytes:
+                np.copyto(dst[e.chunk_offset : e.chunk_offset + e.nbytes], src[e.offset : e.end])
+    finally:
+        del src  # no export of the mapping may outlive this call, or it could not be unmapped
+
+
+def check_targets(bucket: protocol.Bucket, targets, source: str) -> None:
+    """dtype, then shape, against the model's parameter (the APPLY rules' errors)."""
+    where = f"{source}, bucket {bucket.index} of version {bucket.version}"
+    for e in bucket.entries:
+        apply.check_match(e.name, e.dtype, e.shape, targets[e.name], where)
+
+
+def new_update_state(known, version) -> protocol.UpdateState:
+    return protocol.UpdateState(known=frozenset(known), version=version)
+
+
+def receive(link: Link, attached: Attachments, state: protocol.UpdateState, staging: Staging, rank: int,
+            progress=None) -> None:
+    """Run the exchange up to a validated end message; every tensor is staged on return."""
+    message = link.request(protocol.hello(state.version, rank), state.where())
+    while True:
+        kind = message["type"]
+        if kind == protocol.ABORT:
+            raise RuntimeError(f"ipc_bucket: the trainer at {link.endpoint} aborted {state.where()}: "
+                               f"{message.get('message', '(no reason given)')}")
+        if kind == protocol.END:
+            protocol.validate_end(message, state)
+            return
+        bucket = protocol.parse_bucket(message, state)
+        segment = attached.get(bucket.handle)
+        protocol.validate_bucket(bucket, state, segment.size)
+        check_targets(bucket, staging.targets, link.endpoint)
+        stage_bucket(staging, segment, bucket.entries)
+        state.admit(bucket)
+        if progress is not None:
+            progress(sum(e.nbytes for e in bucket.entries))
+        message = link.request(protocol.ack(bucket.version, bucket.index), state.where())
+
+
+def commit(manager, state: protocol.UpdateState, staging: Staging, source: str) -> None:
+    """Adopt the staged tensors, one trace event per bucket that completed at least one tensor."""
+    missing = [n for n in manager.params if n not in staging.tensors]
+    if missing:
+        raise RuntimeError(
+            f"ipc_bucket update of version {state.version} from {source} lacks {len(missing)} parameter(s): "
+            + ", ".join(missing) + "; nothing was applied"
+        )
+    staging.drop_views()
+    by_bucket: dict[int, list[str]] = defaultdict(list)
+    for name in state.order:
+        by_bucket[state.completed_in[name]].append(name)
+    for index in sorted(by_bucket):
+        manager.apply(((n, staging.tensors[n]) for n in by_bucket[index]), f"bucket-{state.version}-{index}", source)
+
+
+def _options(manager) -> tuple[str, int | None, float]:
+    opts = manager.options
+    endpoint = opts.get("endpoint")
+    if not isinstance(endpoint, str) or not LOCAL_ENDPOINT.match(endpoint):
+        raise ValueError(f"ipc_bucket needs options['endpoint'] = 'ipc://PATH' or 'tcp://127.0.0.1:PORT' where "
+                         f"the trainer binds; got {endpoint!r}")
+    version = opts.get("version")
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+        raise ValueError(f"ipc_bucket options['version'] must be an int, got {version!r}")
+    timeout = opts.get("timeout_s", DEFAULT_TIMEOUT_S)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"ipc_bucket options['timeout_s'] must be a positive number of seconds, got {timeout!r}")
+    return endpoint, version, float(timeout)
+
+
+def update_from_buckets(manager) -> None:
+    endpoint, version, timeout = _options(manager)
+    state = new_update_state(manager.params, version)
+    staging = Staging(manager.params)
+    attached = Attachments()
+    link = Link(endpoint, timeout)
+    start = time.perf_counter()
+    try:
+        receive(link, attached, state, staging, manager.rank, manager.options.get("progress"))
+        release(attached)
+        commit(manager, state, staging, endpoint)
+        link.tell(protocol.done(state.version, len(state.order)))
+    except BaseException as e:
+        # Tell the trainer why (it is waiting for our next request), so it does not wait for a timeout.
+        link.tell(protocol.error(state.version, state.next_bucket, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        release(attached)
+        link.close()
+    seconds = time.perf_counter() - start
+    log.info("ipc_bucket version %s: %d tensors, %d bytes in %d bucket(s) from %s in %.3fs (%.2f GB/s)",
+             state.version, len(state.order), state.nbytes, state.next_bucket, endpoint, seconds,
+             state.nbytes / max(seconds, 1e-9) / 1e9)

@@ -1,0 +1,405 @@
+"""Self-tests of the conformance harness (conformance/plugin.py, registry.py, harness.py, check.py).
+
+Most tests read the result of one of a few pytest subprocesses, started together once per module:
+a *sandbox* directory holds a fake adapter and rule-marked tests that pass, fail, are vacuous or are
+not applicable; the plugin treats them as conformance tests because they carry a ``rule`` marker.
+Usage-error runs never import Paddle and take about a second each.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from conformance import check
+from conformance.adapter import Observed
+from conformance.spec import rules
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+USAGE_ERROR = 4
+
+FAKE_ADAPTER = '''
+"""A fake implementation: loads nothing, claims snapshot.single only."""
+
+
+class Session:
+    def __init__(self, models):
+        self.models = models
+
+    def update(self):
+        pass
+
+    def clear(self):
+        pass
+
+    def observe(self):
+        return {}
+
+    def trace(self):
+        return []
+
+    def status(self):
+        return "NORMAL"
+
+    def close(self):
+        pass
+
+
+class FakeAdapter:
+    name = "fake"
+    version = "9.9"
+    capabilities = frozenset({"snapshot.single"})
+
+    def open(self, models, config):
+        return Session(models)
+'''
+
+SANDBOX_TESTS = '''
+import pytest
+
+from conformance import check
+from fixtures import models as M
+
+SPEC = M.spec(("w", "float32", (2,)))
+
+
+@pytest.mark.rule("SNAP-GPU-ID")
+@pytest.mark.requires("snapshot.single")
+def test_passes(loader):
+    session = loader.open(SPEC)
+    session.update()
+    check.equal(session.status(), "NORMAL", "fake status after update")
+
+
+@pytest.mark.rule("LEVEL-SHARED-LAST")
+@pytest.mark.requires("snapshot.shared_fallback")
+def test_not_applicable(loader):
+    # Would pass if it ran: only the missing capability keeps it from passing.
+    loader.open(SPEC).update()
+    check.that(True, "unreachable")
+
+
+@pytest.mark.rule("SNAP-NAME-SINGLE")
+def test_fails(loader):
+    session = loader.open(SPEC)
+    check.equal(session.status(), "CLEARED", "tensor w in /m/model_state.tp0.0.pdparams")
+
+
+@pytest.mark.rule("SNAP-NAME-PARTS")
+def test_vacuous_no_adapter_call(loader):
+    check.that(True, "asserts something but never drives the implementation")
+
+
+@pytest.mark.rule("SNAP-RANK-OWN-SHARD")
+def test_vacuous_no_check(loader):
+    loader.open(SPEC).update()
+
+
+def test_plain_project_test():
+    assert True
+'''
+
+BAD_MARKER_TESTS = '''
+import pytest
+
+
+@pytest.mark.rule("NOT-A-RULE")
+def test_unknown_rule(loader):
+    pass
+
+
+@pytest.mark.requires("snapshot.single")
+def test_missing_rule(loader):
+    pass
+
+
+@pytest.mark.rule("SNAP-GPU-ID")
+@pytest.mark.requires("telepathy")
+def test_unknown_capability(loader):
+    pass
+'''
+
+PYTEST_INI = '''
+[pytest]
+addopts = -p no:cacheprovider
+markers =
+    rule(rule_id): the SPEC.md rule
+    requires(*capabilities): adapter capabilities
+'''
+
+
+@dataclass
+class Run:
+    code: int
+    output: str
+    report: dict | None
+
+
+def _pytest(args, cwd, paths=(), report=None, timeout=240) -> Run:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), REPO])
+    env.pop("CONFORMANCE_FASTDEPLOY_SOURCE", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    if report:
+        cmd.append(f"--conformance-report={report}")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    data = None
+    if report and os.path.exists(report):
+        with open(report) as f:
+            data = json.load(f)
+    return Run(proc.returncode, proc.stdout + proc.stderr, data)
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sandbox")
+    (root / "pytest.ini").write_text(PYTEST_INI)
+    (root / "conftest.py").write_text('pytest_plugins = ["conformance.plugin"]\n')
+    (root / "fake_adapter.py").write_text(FAKE_ADAPTER)
+    (root / "test_sandbox.py").write_text(SANDBOX_TESTS)
+    bad = root / "bad"
+    bad.mkdir()
+    (bad / "test_bad_markers.py").write_text(BAD_MARKER_TESTS)
+    # An installed distribution, as far as importlib.metadata can tell: a *.dist-info on the path.
+    dist = root / "site" / "sandboxfake-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sandboxfake\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[conformance.impls]\nsandboxfake = fake_adapter:FakeAdapter\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(sandbox, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reports")
+    site = sandbox / "site"
+    # Only a not-applicable rule: resolving and running the adapter without importing Paddle.
+    one = ["--rule", "LEVEL-SHARED-LAST"]
+    jobs = {
+        "file": (["test_sandbox.py", "--impl=fake_adapter.py:FakeAdapter"], sandbox, [sandbox], out / "file.json"),
+        "module": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", *one], sandbox, [sandbox], out / "module.json"),
+        "entry_point": (["test_sandbox.py", "--impl=sandboxfake", *one], sandbox, [sandbox, site], out / "ep.json"),
+        "unknown": (["test_sandbox.py", "--impl=nosuch"], sandbox, [sandbox, site], None),
+        "no_impl": (["test_sandbox.py"], sandbox, [sandbox], None),
+        "bad_markers": (["bad", "--impl=fake_adapter:FakeAdapter"], sandbox, [sandbox], None),
+        "unknown_rule": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "--rule", "NO-SUCH-RULE"], sandbox, [sandbox], None),
+        "bad_opt": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "--impl-opt", "novalue"], sandbox, [sandbox], None),
+        # The real suite: by built-in name from conformance/, and (the docs example) from the root.
+        "conformance_cwd": (["--impl=reference", "--rule", "SNAP-GPU-ID"], os.path.join(REPO, "conformance"), [], out / "cwd.json"),
+        "docs_example": (
+            ["conformance", "--impl=docs/example_adapter.py:MineAdapter", "--rule", "SNAP-NAME-SINGLE", "--rule", "SNAP-GPU-ID"],
+            REPO, [], out / "docs.json",
+        ),
+    }
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(_pytest, args, cwd, paths, report) for name, (args, cwd, paths, report) in jobs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def _rule(report, rule_id):
+    found = [r for r in report["rules"] if r["id"] == rule_id]
+    assert found, f"rule {rule_id} missing from report; rules: {[r['id'] for r in report['rules']]}"
+    return found[0]
+
+
+def _statuses(report):
+    return {r["id"]: r["status"] for r in report["rules"]}
+
+
+# -- --impl forms ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("form,where", [
+    ("file", "fake_adapter.py:FakeAdapter"),
+    ("module", "fake_adapter:FakeAdapter"),
+    ("entry_point", "entry point conformance.impls:sandboxfake = fake_adapter:FakeAdapter"),
+])
+def test_every_impl_form_resolves_and_runs(runs, form, where):
+    run = runs[form]
+    assert run.report is not None, f"{form}: no report (exit {run.code}):\n{run.output[-3000:]}"
+    assert run.report["run_info"]["adapter"] == where, run.report["run_info"]
+    assert run.report["run_info"]["implementation"] == "fake", run.report["run_info"]
+    if form == "file":
+        assert _statuses(run.report)["SNAP-GPU-ID"] == "passed", f"{form}:\n{run.output[-3000:]}"
+    else:
+        assert _statuses(run.report) == {"LEVEL-SHARED-LAST": "not_applicable"}, f"{form}:\n{run.output[-3000:]}"
+
+
+def test_builtin_name_from_conformance_dir_and_file_from_repo_root(runs):
+    """``cd conformance && pytest --impl=reference`` finds --impl (the root conftest registers the plugin)."""
+    run = runs["conformance_cwd"]
+    assert run.code == 0 and run.report is not None, f"exit {run.code}:\n{run.output[-3000:]}"
+    assert run.report["run_info"]["implementation"] == "reference"
+    assert run.report["run_info"]["adapter"] == "reference.adapter:ReferenceAdapter"
+    assert _statuses(run.report) == {"SNAP-GPU-ID": "passed"}, _statuses(run.report)
+    # From the repository root: see test_docs_example_adapter_passes_its_rules.
+
+
+def test_unknown_name_is_usage_error_naming_known_ones(runs):
+    run = runs["unknown"]
+    assert run.code == USAGE_ERROR, f"exit {run.code}:\n{run.output[-2000:]}"
+    assert "unknown implementation 'nosuch'" in run.output, run.output[-2000:]
+    for known in ("reference", "fastdeploy", "sandboxfake"):
+        assert known in run.output, f"known name {known} not listed:\n{run.output[-2000:]}"
+
+
+def test_conformance_tests_without_impl_are_usage_error(runs):
+    run = runs["no_impl"]
+    assert run.code == USAGE_ERROR, f"exit {run.code}:\n{run.output[-2000:]}"
+    assert "conformance tests need --impl" in run.output and "reference" in run.output, run.output[-2000:]
+
+
+def test_impl_opt_without_value_is_usage_error(runs):
+    run = runs["bad_opt"]
+    assert run.code == USAGE_ERROR and "expected KEY=VALUE" in run.output, run.output[-2000:]
+
+
+# -- markers and --rule ---------------------------------------------------------------------------
+def test_unknown_rule_missing_rule_and_unknown_capability_are_usage_errors(runs):
+    run = runs["bad_markers"]
+    assert run.code == USAGE_ERROR, f"exit {run.code}:\n{run.output[-2000:]}"
+    for expected in (
+        "test_unknown_rule: rule 'NOT-A-RULE' is not defined in SPEC.md",
+        "test_missing_rule: needs exactly one @pytest.mark.rule('ID')",
+        "test_unknown_capability: unknown capabilities ['telepathy']",
+    ):
+        assert expected in run.output, f"{expected!r} not reported:\n{run.output[-2000:]}"
+
+
+def test_unknown_rule_selection_is_usage_error(runs):
+    run = runs["unknown_rule"]
+    assert run.code == USAGE_ERROR and "NO-SUCH-RULE" in run.output, run.output[-2000:]
+
+
+def test_rule_selection_runs_only_those_rules(runs):
+    report = runs["docs_example"].report
+    assert {t["rule"] for t in report["tests"]} == {"SNAP-NAME-SINGLE", "SNAP-GPU-ID"}, report["tests"]
+    assert "deselected" in runs["docs_example"].output
+    assert {t["rule"] for t in runs["module"].report["tests"]} == {"LEVEL-SHARED-LAST"}
+
+
+# -- statuses, vacuity, not_applicable ------------------------------------------------------------
+def test_missing_capability_is_not_applicable_never_passed(runs):
+    run = runs["file"]
+    rule = _rule(run.report, "LEVEL-SHARED-LAST")
+    assert rule["status"] == "not_applicable", rule
+    assert "does not claim snapshot.shared_fallback" in rule["tests"][0]["message"], rule
+    # The table counts it under "not applicable" for its area.
+    row = next(line for line in run.output.splitlines() if re.match(r"\W*LEVEL\W", line))
+    counts = [int(c) for c in re.findall(r"\d+", row)]
+    assert counts == [0, 0, 0, 1, 0], f"LEVEL row (passed, failed, error, n/a, skipped): {row!r}"
+
+
+def test_vacuous_tests_fail(runs):
+    status = _statuses(runs["file"].report)
+    assert status["SNAP-NAME-PARTS"] == "failed" and status["SNAP-RANK-OWN-SHARD"] == "failed", status
+    no_call = _rule(runs["file"].report, "SNAP-NAME-PARTS")["tests"][0]["message"]
+    no_check = _rule(runs["file"].report, "SNAP-RANK-OWN-SHARD")["tests"][0]["message"]
+    assert "vacuous conformance test" in no_call and "adapter calls=0" in no_call, no_call
+    assert "vacuous conformance test" in no_check and "checks=0" in no_check, no_check
+
+
+def test_plain_tests_are_not_conformance_tests(runs):
+    report = runs["file"].report
+    assert not [t for t in report["tests"] if "plain" in t["nodeid"]]
+    # test_passes and the plain test pass; the plain test is neither vacuous nor in the report.
+    assert re.search(r"\b2 passed\b", runs["file"].output), runs["file"].output[-1500:]
+
+
+# -- the JSON report ------------------------------------------------------------------------------
+def test_report_fields(runs):
+    report = runs["file"].report
+    info = report["run_info"]
+    assert info["implementation"] == "fake" and info["implementation_version"] == "9.9", info
+    assert info["adapter"] == "fake_adapter.py:FakeAdapter" and info["capabilities"] == ["snapshot.single"], info
+    for key in ("suite_version", "suite_protocol", "python", "platform"):
+        assert info[key], f"run_info.{key} empty: {info}"
+    assert {"paddlepaddle", "safetensors", "numpy"} <= set(info["versions"]), info["versions"]
+    assert info["versions"]["numpy"] == np.__version__
+    for rule in report["rules"]:
+        assert set(rule) == {"id", "title", "status", "tests"}, rule
+        assert rule["title"] == rules()[rule["id"]]
+        for test in rule["tests"]:
+            assert {"nodeid", "rule", "status", "message", "repro"} <= set(test), test
+            assert test["rule"] == rule["id"]
+    failed = _rule(report, "SNAP-NAME-SINGLE")
+    message = failed["tests"][0]["message"]
+    assert failed["status"] == "failed", failed
+    assert "tensor w in /m/model_state.tp0.0.pdparams" in message and "'NORMAL'" in message and "'CLEARED'" in message, message
+    assert _rule(report, "SNAP-GPU-ID")["tests"][0]["message"] == ""
+
+
+def test_repro_is_a_runnable_command(runs, sandbox):
+    test = _rule(runs["file"].report, "SNAP-NAME-SINGLE")["tests"][0]
+    assert test["repro"] == "pytest test_sandbox.py::test_fails --impl=fake_adapter.py:FakeAdapter", test["repro"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(sandbox), REPO]))
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    proc = subprocess.run(test["repro"], shell=True, cwd=sandbox, env=env, capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and re.search(r"\b1 failed\b", output) and "test_fails" in output, output[-2000:]
+
+
+def test_repro_carries_impl_options(tmp_path):
+    """--impl-opt values are part of the command (a mutant or a FastDeploy source needs them)."""
+    from conformance.plugin import repro_command
+
+    class Config:
+        options = {"--impl": "tests.mutants:mutant", "--impl-opt": ["name=x y", "source=a.py"]}
+
+        def getoption(self, name):
+            return self.options[name]
+
+    command = repro_command(Config(), "conformance/test_a.py", "test_b[p-1]")
+    assert command == ("pytest 'conformance/test_a.py::test_b[p-1]' --impl=tests.mutants:mutant "
+                       "'--impl-opt=name=x y' --impl-opt=source=a.py"), command
+
+
+def test_docs_example_adapter_passes_its_rules(runs):
+    run = runs["docs_example"]
+    assert run.code == 0 and run.report is not None, f"exit {run.code}:\n{run.output[-3000:]}"
+    assert _statuses(run.report) == {"SNAP-NAME-SINGLE": "passed", "SNAP-GPU-ID": "passed"}, _statuses(run.report)
+    assert run.report["run_info"]["implementation"] == "mine"
+
+
+# -- check helpers (in process) -------------------------------------------------------------------
+@pytest.mark.parametrize("pattern", ["", "a*", "(x)?", ".*", "|foo"])
+def test_check_raises_refuses_pattern_matching_empty_string(pattern):
+    with pytest.raises(ValueError, match="matches the empty string"):
+        with check.raises(RuntimeError, match=pattern):
+            raise RuntimeError("anything")
+
+
+def test_check_raises_requires_named_things():
+    with pytest.raises(AssertionError, match=r"does not name \['norm.bias'\]"):
+        with check.raises(ValueError, match="Shape mismatch", names=["norm.bias"], where="x"):
+            raise ValueError("Shape mismatch for embed.weight")
+
+
+def test_params_equal_names_tensor_and_both_values():
+    want = {"layers.0.w": np.array([1.0, 2.0, 3.0], dtype=np.float32), "b": np.zeros(2, np.float16)}
+    got = {
+        "layers.0.w": Observed("float32", (3,), np.array([1.0, 2.5, 3.0], dtype=np.float32).tobytes()),
+        "b": Observed("float16", (2,), None),
+    }
+    with pytest.raises(pytest.fail.Exception) as info:
+        check.params_equal(got, want, "worker rank=1 gpu=2")
+    message = str(info.value)
+    assert "worker rank=1 gpu=2: 2 tensor(s) wrong" in message, message
+    assert "layers.0.w: values differ (first at element 1): got [1.0, 2.5, 3.0]" in message, message
+    assert "expected [1.0, 2.0, 3.0]" in message, message
+    assert "b: values differ: got <not loaded>, expected [0.0, 0.0]" in message, message
+
+
+def test_params_equal_reports_dtype_shape_and_absent_tensor():
+    want = {"a": np.zeros((2, 2), np.float32), "gone": np.zeros(1, np.int64)}
+    got = {"a": Observed("bfloat16", (4,), b"\0" * 8)}
+    with pytest.raises(pytest.fail.Exception) as info:
+        check.params_equal(got, want, "here")
+    message = str(info.value)
+    assert "a: got bfloat16[4], expected float32[2, 2]" in message, message
+    assert "gone: not a parameter of the model (expected int64[1])" in message, message
