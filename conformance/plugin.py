@@ -199,7 +199,6 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_collection_finish(session):
-    adapter = _adapter(session.config)
     results = session.config.stash[RESULTS_KEY]
     for item in session.items:
         if not _is_conformance(item):

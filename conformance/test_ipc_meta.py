@@ -24,8 +24,10 @@ LAST = "lm_head.weight"  # last in file order: a loader applying as it reads has
 @pytest.fixture(scope="module", autouse=True)
 def _no_segment_left():
     """Every segment the trainer fixture made in this process is gone after the module."""
+    mine = f"{PREFIX}_{os.getpid()}"
+    before = set(leaked_segments(mine))  # another module's leftovers are not ours to report
     yield
-    left = leaked_segments(f"{PREFIX}_{os.getpid()}")
+    left = sorted(set(leaked_segments(mine)) - before)
     assert not left, f"/dev/shm segments left behind by the ipc tests: {left}"
 
 

@@ -31,8 +31,8 @@ def _labels(indices):
     return [f"snapshot-part{i}" for i in sorted(indices)]
 
 
-# 0..11 created in a scrambled order: lexicographic order would apply part9 last.
-_TWELVE = (7, 11, 0, 10, 3, 1, 9, 2, 8, 5, 4, 6)
+# Created in a scrambled order; by name the order would be 0, 1, 10, 11, 2, 9 (part9 last).
+_SIX = (9, 11, 0, 10, 2, 1)
 
 
 @pytest.mark.rule("PART-ORDER-NUMERIC")
@@ -43,10 +43,10 @@ _TWELVE = (7, 11, 0, 10, 3, 1, 9, 2, 8, 5, 4, 6)
         pytest.param((10, 2), "values", id="2-before-10:created-10-first:values"),
         pytest.param((2, 10), "values", id="2-before-10:created-2-first:values"),
         pytest.param((10, 9), "values", id="9-before-10:values"),
-        pytest.param(_TWELVE, "values", id="0-to-11-scrambled:values"),
+        pytest.param(_SIX, "values", id="0-1-2-9-10-11-scrambled:values"),
         pytest.param((10, 2), "trace", marks=TRACE, id="2-before-10:trace"),
         pytest.param((10, 9), "trace", marks=TRACE, id="9-before-10:trace"),
-        pytest.param(_TWELVE, "trace", marks=TRACE, id="0-to-11-scrambled:trace"),
+        pytest.param(_SIX, "trace", marks=TRACE, id="0-1-2-9-10-11-scrambled:trace"),
     ],
 )
 def test_parts_load_in_numeric_order(loader, write_order, observe):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import mmap
 import re
 import time
 from collections import defaultdict
@@ -99,11 +100,32 @@ def release(attached: Attachments) -> None:
     attached.segments.clear()
 
 
+_HUGE_PAGE = 2 << 20
+_libc = None
+
+
+def _advise_huge_pages(address: int, nbytes: int) -> None:
+    """Ask for 2 MiB pages on a fresh allocation before its first touch, as numpy does for large
+    arrays: the copy then takes one page fault per 2 MiB instead of one per 4 KiB, which on a fresh
+    allocation costs more than the copy itself. Best effort: a no-op where THP is off."""
+    global _libc
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if end - start < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _libc.madvise(start, end - start, mmap.MADV_HUGEPAGE)
+
+
 def _writable_bytes(tensor: paddle.Tensor, nbytes: int) -> np.ndarray:
     """A uint8 numpy view of a CPU tensor's own allocation, so one copy lands the bytes in it."""
     if nbytes == 0:
         return np.empty(0, np.uint8)
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr()), np.uint8)
+    address = tensor.data_ptr()
+    _advise_huge_pages(address, nbytes)
+    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), np.uint8)
 
 
 class Staging:

@@ -5,6 +5,11 @@ process. Here the 64 bytes are the POSIX shared-memory name, NUL-padded, so the 
 its exact shape. Segments live in /dev/shm and are opened with ``os.open`` + ``mmap`` rather than
 ``multiprocessing.shared_memory``: on Python < 3.13 attaching through that module registers the
 segment with the resource tracker, which unlinks it when the *attaching* process exits.
+
+The second half holds the 7-field meta helpers shared by the ``ipc`` loader and the bucket path:
+the phi DataType codes (read from Paddle), ``normalize_meta`` (FastDeploy's stored meta -> the tuple
+``_new_shared_cuda`` takes, checked), ``open_tensor_meta`` (the CPU ``_new_shared_cuda``) and
+``share_array`` (the trainer side).
 """
 from __future__ import annotations
 

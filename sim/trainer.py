@@ -12,6 +12,7 @@ worker copies bucket k. Meta path: :class:`MetaTrainer` writes ``ipc_metas_{gpu}
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pickle
@@ -59,6 +60,7 @@ class TrainerConfig:
     timeout_s: float = 60.0  # how long to wait for the worker
     kill_at: tuple[int, int] | None = None  # (version, bucket): SIGKILL self while packing that bucket
     fast_fill: bool = False  # random bytes instead of fixtures.models values (benchmarks: generation is slow)
+    report_hashes: bool | tuple[int, ...] = True  # send sha256 of every tensor sent (True: every version)
 
 
 def make_state(cfg: TrainerConfig, version: int) -> dict[str, np.ndarray]:
@@ -70,7 +72,7 @@ def make_state(cfg: TrainerConfig, version: int) -> dict[str, np.ndarray]:
         for p in cfg.model.all_params:
             dt = NUMPY_DTYPES[p.dtype]
             raw = np.frombuffer(rng.bytes(p.nbytes), np.uint8)
-            out[p.name] = (raw % 2).astype(np.bool_) if p.dtype == "bool" else raw.view(dt).reshape(p.shape)
+            out[p.name] = ((raw % 2).astype(np.bool_) if p.dtype == "bool" else raw.view(dt)).reshape(p.shape)
         return out
     from fixtures.models import state
 
@@ -231,13 +233,16 @@ def trainer_main(cfg: TrainerConfig) -> None:
             control = zmq.Context.instance().socket(zmq.REP)
             control.setsockopt(zmq.LINGER, 0)
             control.bind(cfg.endpoint)
+        if cfg.path == "meta":
+            from .ipc_handles import phi_dtype_codes
+
+            phi_dtype_codes()  # imports Paddle now rather than inside the first timed update
         for version in cfg.versions:
             state = make_state(cfg, version)
             _status(status, type="ready", rank=cfg.rank, version=version, pid=os.getpid())
             if cfg.path == "bucket":
                 kill = cfg.kill_at[1] if cfg.kill_at and cfg.kill_at[0] == version else None
                 buckets = trainer.publish(state, version, kill_at_bucket=kill)
-                _status(status, type="sent", rank=cfg.rank, version=version, buckets=buckets)
             else:
                 for expected in ("publish", "release"):
                     if not control.poll(int(cfg.timeout_s * 1000)):
@@ -249,7 +254,10 @@ def trainer_main(cfg: TrainerConfig) -> None:
                     else:
                         trainer.release()
                         control.send(protocol.encode({"type": "released"}))
-                _status(status, type="sent", rank=cfg.rank, version=version, buckets=0)
+                buckets = 0
+            hashes = {n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for n, a in state.items()} \
+                if cfg.report_hashes is True or version in (cfg.report_hashes or ()) else {}
+            _status(status, type="sent", rank=cfg.rank, version=version, buckets=buckets, hashes=hashes)
             del state
     except BaseException as e:
         _status(status, type="failed", rank=cfg.rank, error=f"{type(e).__name__}: {e}")

@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,6 +21,9 @@ import pytest
 from conformance import check
 from conformance.adapter import Observed
 from conformance.spec import rules
+
+# Module fixtures run whole pytest subprocesses; their setup counts against the first test's timeout.
+pytestmark = pytest.mark.timeout(600)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USAGE_ERROR = 4

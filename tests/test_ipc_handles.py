@@ -14,8 +14,9 @@ MINE = f"{H.PREFIX}_{os.getpid()}"
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_segment_left():
+    before = set(H.leaked_segments(MINE))  # another module's leftovers are not ours to report
     yield
-    left = H.leaked_segments(MINE)
+    left = sorted(set(H.leaked_segments(MINE)) - before)
     assert not left, f"/dev/shm segments left behind by this module: {left}"
 
 

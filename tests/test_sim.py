@@ -1,0 +1,186 @@
+"""The simulator (sim/): wire-format units, the CLI run as the README shows it, and nothing left behind.
+
+After every test no shared-memory segment of ours is left in /dev/shm and no child process runs.
+"""
+import io
+import os
+import pickle
+import re
+import subprocess
+import sys
+import time
+
+import msgpack
+import psutil
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim import protocol as P
+from sim.ipc_handles import leaked_segments
+from tests.conftest import REPO
+
+
+def _left_by_us(name: str) -> bool:
+    """A segment of this process, or of a process that is gone (a trainer of ours that died).
+    Live segments of other processes (a test run beside this one) are theirs to clean up."""
+    try:
+        pid = int(name.split("_")[1])
+    except (IndexError, ValueError):
+        return True
+    return pid == os.getpid() or not psutil.pid_exists(pid)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    before = set(leaked_segments())
+    yield
+    me = psutil.Process()
+    children = me.children(recursive=True)
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"child processes still running after the test: {[(p.pid, p.name()) for p in alive]}"
+    left = [n for n in leaked_segments() if n not in before and _left_by_us(n)]
+    assert not left, f"shared-memory segments left in /dev/shm after the test: {left}"
+
+
+def _readme_command() -> list[str]:
+    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    section = text.split("## Simulator", 1)[1]
+    line = next(ln.strip() for ln in section.splitlines() if ln.strip().startswith("python -m sim roundtrip"))
+    return line.split()
+
+
+def _run(args, timeout=120):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, *args[1:]], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+SUMMARY_ROW = re.compile(r"│\s+(\d+) │\s+(\d+)/(\d+) │\s+(\d+)/(\d+) │")
+
+
+def _summary(output: str):
+    return [tuple(int(g) for g in m.groups()) for m in SUMMARY_ROW.finditer(output)]
+
+
+def test_readme_roundtrip_command():
+    """``python -m sim roundtrip --ranks 2 --model-mib 64 --bucket-mib 16 --versions 3``, verbatim from README."""
+    cmd = _readme_command()
+    code, out, _ = _run(cmd)
+    assert code == 0, f"{' '.join(cmd)} exited {code}:\n{out[-4000:]}"
+    versions = int(cmd[cmd.index("--versions") + 1])
+    ranks = int(cmd[cmd.index("--ranks") + 1])
+    rows = _summary(out)
+    assert [r[0] for r in rows] == list(range(1, versions + 1)), f"per-version rows {rows} in:\n{out[-3000:]}"
+    for version, ok_ranks, n_ranks, ok, total in rows:
+        assert (ok_ranks, n_ranks) == (ranks, ranks), f"version {version}: ranks ok {ok_ranks}/{n_ranks}"
+        assert ok == total > 0, f"version {version}: tensors OK {ok}/{total}\n{out[-3000:]}"
+    assert "MISMATCH" not in out and "throughput:" in out, out[-3000:]
+    assert "sent sha256" in out and "landed sha256" in out, "per-tensor comparison table missing"
+
+
+def test_killed_trainer_is_a_timeout_naming_bucket_and_version():
+    cmd = ["python", "-m", "sim", "roundtrip", "--ranks", "2", "--model-mib", "4", "--bucket-mib", "1", "--versions", "2",
+           "--kill-trainer-at", "1", "--timeout-s", "1", "--no-progress"]
+    code, out, elapsed = _run(cmd)
+    assert code == 2, f"{' '.join(cmd)} exited {code}, expected 2 (update failed):\n{out[-3000:]}"
+    flat = " ".join(out.split())  # rich wraps long lines
+    assert "rank 0: update failed: TransferTimeout" in flat and "bucket 1 of version 1" in flat, out[-3000:]
+    assert "within 1s" in flat, out[-3000:]
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+
+
+def test_meta_file_path_roundtrip():
+    cmd = ["python", "-m", "sim", "roundtrip", "--ranks", "2", "--model-mib", "4", "--versions", "2", "--path", "meta",
+           "--no-progress"]
+    code, out, _ = _run(cmd)
+    assert code == 0, f"{' '.join(cmd)} exited {code}:\n{out[-3000:]}"
+    rows = _summary(out)
+    assert len(rows) == 2 and all(r[3] == r[4] > 0 for r in rows), f"rows {rows}:\n{out[-3000:]}"
+
+
+def test_benchmark_script_smoke(tmp_path):
+    """benchmarks/bucket_throughput.py on a tiny model, so the script cannot rot."""
+    out_json = tmp_path / "rows.json"
+    cmd = ["python", "-m", "benchmarks.bucket_throughput", "--model-mib", "8", "--buckets", "1,4", "--repeat", "1",
+           "--json", str(out_json), "--png", str(tmp_path / "plot.png")]
+    code, out, _ = _run(cmd, timeout=180)
+    assert code == 0, f"{' '.join(cmd)} exited {code}:\n{out[-3000:]}"
+    for column in ("bucket MiB", "GB/s", "x memcpy", "verified"):
+        assert column in out, f"column {column!r} missing:\n{out[-3000:]}"
+    import json
+
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["bucket_mib"] for r in rows] == [1, 4] and all(not r["mismatches"] and r["verified"] for r in rows), rows
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_render_reports_mismatch_and_exit_status():
+    from rich.console import Console
+
+    from sim.cli import TensorCheck, VersionResult, model_spec, render
+
+    model = model_spec(1)
+    good = TensorCheck(0, 1, "w", "float32", (2,), "a" * 64, "a" * 64)
+    bad = TensorCheck(0, 1, "v", "float32", (2,), "a" * 64, "b" * 64)
+    buf = io.StringIO()
+    status = render([VersionResult(1, 8, 0.1, [good, bad])], Console(file=buf, width=200), model, 1)
+    assert status == 1 and "MISMATCH" in buf.getvalue(), buf.getvalue()
+    buf = io.StringIO()
+    assert render([VersionResult(1, 8, 0.1, [good])], Console(file=buf, width=200), model, 1) == 0, buf.getvalue()
+
+
+# -- wire format units -----------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=12), bucket=st.integers(1, 12).map(lambda k: k * 256))
+def test_plan_layout_invariants(sizes, bucket):
+    names = [f"t{i}" for i in range(len(sizes))]
+    layout = P.plan_layout(list(zip(names, sizes)), bucket)
+    covered = {n: 0 for n in names}
+    for k, entries in enumerate(layout):
+        spans = sorted((p.offset, p.offset + p.nbytes) for p in entries if p.nbytes)
+        assert all(b0 >= a1 for (_, a1), (b0, _) in zip(spans, spans[1:])), f"bucket {k} overlaps: {entries}"
+        for p in entries:
+            assert p.offset % P.ALIGN == 0 and p.offset + p.nbytes <= bucket, f"bucket {k}: {p}"
+            assert p.chunk_offset == covered[p.name], f"{p.name}: chunk at {p.chunk_offset}, expected {covered[p.name]}"
+            covered[p.name] += p.nbytes
+            if p.nbytes != p.total_nbytes:
+                assert p.total_nbytes > bucket, f"{p.name} ({p.total_nbytes} bytes) split although it fits a bucket"
+    assert covered == dict(zip(names, sizes))
+
+
+def test_decode_never_unpickles(tmp_path):
+    marker = tmp_path / "ran"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.makedirs, (str(marker),))
+
+    with pytest.raises(P.ManifestError, match="pickle"):
+        P.decode(pickle.dumps({"type": "bucket", "x": Boom()}), "test")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "frame,match",
+    [(msgpack.packb([1, 2]), "expected a map"), (msgpack.packb({"type": "nope"}), "field type"),
+     (msgpack.packb({"type": "bucket", "x": msgpack.ExtType(5, b"x")}), "extension type"), (b"\xc1", "not a msgpack")],
+    ids=["list", "unknown-type", "ext-type", "garbage"],
+)
+def test_decode_rejects(frame, match):
+    with pytest.raises(P.ManifestError, match=match):
+        P.decode(frame, "test")
+
+
+def test_manifest_roundtrip_and_digest():
+    placements = P.plan_layout([("a", 3), ("b", 8)], 1024)[0]
+    msg = P.bucket_manifest(7, 0, b"h" * 64, placements, {"a": "uint8", "b": "float32"}, {"a": (3,), "b": (2,)})
+    state = P.UpdateState(known={"a", "b"}, version=7)
+    bucket = P.parse_bucket(P.decode(P.encode(msg), "test"), state)
+    P.validate_bucket(bucket, state, 1024)
+    assert [(e.name, e.offset, e.nbytes) for e in bucket.entries] == [("a", 0, 3), ("b", 256, 8)]
+    state.admit(bucket)
+    P.validate_end(P.decode(P.encode(P.end(7, 1, ["a", "b"])), "test"), state)
+    assert P.name_digest(["ab", "c"]) != P.name_digest(["a", "bc"]), "digest must keep name boundaries"
+    with pytest.raises(P.ManifestError, match="digest"):
+        P.validate_end(P.end(7, 1, ["b", "a"]), state)
