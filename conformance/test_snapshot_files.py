@@ -132,3 +132,30 @@ def test_fallback_pickle_never_runs_code(loader, tmp_path, attack):
             session.update()
     finally:
         check.that(not os.path.exists(marker), f"{path}: unpickling ran {attack}: marker {marker} was created")
+
+
+@pytest.mark.rule("FILE-DETACHED")
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param("single", marks=pytest.mark.requires("snapshot.single"), id="single-file"),
+        pytest.param("parts", marks=pytest.mark.requires("snapshot.parts"), id="parts"),
+    ],
+)
+def test_parameters_do_not_alias_the_snapshot_file(loader, tmp_path, layout):
+    """Rewrite the loaded files in place (same inode, same size): the model keeps the loaded values."""
+    v1, v2 = M.state(SPEC, version=1), M.state(SPEC, version=2)
+    if layout == "single":
+        paths = [S.write_safetensors(S.single_path(loader.model_dir, 0, 0), v1)]
+        fresh = [S.write_safetensors(tmp_path / "v2.safetensors", v2)]
+    else:
+        paths = S.write_parts(loader.model_dir, 0, 0, dict(enumerate(S.split(v1, 2))))
+        fresh = [S.write_safetensors(tmp_path / f"v2.part{i}", part) for i, part in enumerate(S.split(v2, 2))]
+    session = loader.open(SPEC)
+    session.update()
+    for path, new in zip(paths, fresh):
+        data = open(new, "rb").read()
+        assert os.path.getsize(path) == len(data), f"{path}: v2 layout differs in size; the fixture cannot rewrite in place"
+        with open(path, "r+b") as f:  # same inode: a mapping of the old file sees these bytes
+            f.write(data)
+    check.params_equal(session.observe(), v1, f"{layout}: after rewriting {', '.join(map(os.path.basename, paths))} in place")

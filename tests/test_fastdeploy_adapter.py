@@ -44,9 +44,6 @@ EXPECTED_FAILING = {
     "FILE-ZERO-BYTES": "SafetensorError, no file name",
     "FILE-TRUNCATED": "SafetensorError, no file name",
     "FILE-CORRUPT-HEADER": "SafetensorError, no file name",
-    # The FileNotFoundError names FastDeploy's hard-coded /shared_ipc_meta/{base}.pdparams, not the
-    # shared directory the suite configured (fd-spec §3.1 priority 4).
-    "LEVEL-NONE-FOUND": "names /shared_ipc_meta, not the configured shared dir",
 }
 
 

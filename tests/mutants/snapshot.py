@@ -561,3 +561,41 @@ class MemoisedFiles(Mutant):
             return cache[path]
 
         return {"reference.snapshot.iter_safetensors": iter_safetensors, "reference.snapshot.load_pickle_state_dict": load_pickle_state_dict}
+
+
+class AdoptsFileViews(Mutant):
+    id = "adopts_file_views"
+    bug = ("parameters adopt safetensors' zero-copy mmap views of the snapshot file (found by the snapshot "
+           "memory benchmark): a rewrite of the file changes the served weights, a truncation is a SIGBUS")
+    kills = frozenset({"FILE-DETACHED"})
+
+    def patches(self):
+        import safetensors
+
+        from reference import snapshot_load
+
+        real_open = snapshot_load._open
+
+        class NoCopy:
+            """The tensor returned by get_tensor() with clone() made a no-op."""
+
+            def __init__(self, handle):
+                self._h = handle
+
+            def __enter__(self):
+                self._h.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                # Leave the mapping open, as a loader holding views into it would.
+                return None
+
+            def get_tensor(self, name):
+                t = self._h.get_tensor(name)
+                t.clone = lambda: t
+                return t
+
+            def __getattr__(self, attr):
+                return getattr(self._h, attr)
+
+        return {"reference.snapshot_load._open": lambda path: NoCopy(real_open(path))}
