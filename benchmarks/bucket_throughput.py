@@ -11,10 +11,10 @@ warm-up (first touch of the shared buffers); the best of ``--repeat`` following 
 (``clear()`` before each, as in RL). The last update of each size is verified: sha256 of every
 parameter as landed equals the trainer's.
 
-Baseline, measured in the same run: ``np.copyto`` of the same number of bytes into an already
-touched buffer (best of 5), i.e. one memcpy with no page faults; the ratio is throughput / memcpy.
-A fresh ``ndarray.copy()`` (allocation + page faults + copy) is shown for context. Target: 0.6 or
-better at the best bucket size.
+Baselines, measured in the same run on the same number of bytes: ``np.copyto`` into an already
+touched buffer (best of 5), one memcpy with no page faults; and ``ndarray.copy()`` (best of 3),
+which allocates fresh pages as a worker must after ``clear()``. Ratios are throughput / baseline.
+Target: 0.6 or better at the best bucket size.
 """
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def measure(model, bucket_bytes: int, repeat: int, timeout_s: float) -> dict:
     with Roundtrip(ranks=1, model=model, bucket_bytes=bucket_bytes, versions=versions, timeout_s=timeout_s,
                    fast_fill=True, verify=(versions[-1],)) as rt:
         runs = [rt.run_version(v) for v in versions]
+        buckets = next((m["buckets"] for m in rt.messages if m.get("type") == "sent"), None)
     failed = {r.version: f"{type(e).__name__}: {e}" for r in runs for e in r.errors.values()}
     if failed:
         raise RuntimeError(f"bucket {bucket_bytes / MIB:g} MiB: updates failed: {failed}")
@@ -66,7 +67,7 @@ def measure(model, bucket_bytes: int, repeat: int, timeout_s: float) -> dict:
     timed = [r.seconds for r in runs[1:]]
     return {
         "bucket_mib": bucket_bytes / MIB,
-        "buckets": -(-model.nbytes // bucket_bytes),
+        "buckets": buckets,
         "warmup_s": runs[0].seconds,
         "seconds": timed,
         "best_s": min(timed),
@@ -76,7 +77,7 @@ def measure(model, bucket_bytes: int, repeat: int, timeout_s: float) -> dict:
     }
 
 
-def plot(rows, memcpy_gbps: float, path: str, title: str) -> None:
+def plot(rows, memcpy_gbps: float, fresh_gbps: float, path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,6 +89,7 @@ def plot(rows, memcpy_gbps: float, path: str, title: str) -> None:
     ax.plot(x, [r["median_gbps"] for r in rows], "x--", alpha=0.6, label="ipc_bucket end to end (median)")
     ax.axhline(memcpy_gbps, color="gray", label=f"memcpy, prefaulted ({memcpy_gbps:.1f} GB/s)")
     ax.axhline(TARGET * memcpy_gbps, color="gray", linestyle=":", label=f"target {TARGET} x memcpy")
+    ax.axhline(fresh_gbps, color="tab:green", linestyle="-.", label=f"np.copy, fresh pages ({fresh_gbps:.1f} GB/s)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [f"{v:g}" for v in x])
     ax.set_xlabel("bucket size (MiB; two buffers per trainer)")
@@ -104,14 +106,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-mib", type=float, default=1024)
     parser.add_argument("--buckets", default="16,64,256,1024", help="bucket sizes in MiB, comma separated")
-    parser.add_argument("--repeat", type=int, default=3, help="timed updates per bucket size (after one warm-up)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed updates per bucket size (after one warm-up)")
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--png", default=None, help="save the throughput plot here")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
 
+    import logging
+
     from rich.console import Console
     from rich.table import Table
+
+    logging.getLogger("reference").setLevel(logging.WARNING)  # one INFO line per bucket otherwise
 
     from sim import protocol
     from sim.cli import model_spec
@@ -126,29 +132,40 @@ def main(argv=None) -> int:
                   f"{model.nbytes / fresh_s / 1e9:.2f} GB/s", highlight=False)
     rows = []
     for size in sizes:
+        if size == sizes[-1] and len(sizes) > 1:
+            # Measure the baselines again late in the run and keep the best: the stricter comparison.
+            again = memcpy_baseline(model.nbytes)
+            memcpy_s, fresh_s = min(memcpy_s, again[0]), min(fresh_s, again[1])
+            memcpy_gbps = model.nbytes / memcpy_s / 1e9
+            for r in rows:
+                r["ratio"], r["ratio_fresh"] = r["gbps"] / memcpy_gbps, fresh_s / r["best_s"]
         row = measure(model, size, args.repeat, args.timeout_s)
         row["gbps"] = model.nbytes / row["best_s"] / 1e9
         row["median_gbps"] = model.nbytes / row["median_s"] / 1e9
         row["ratio"] = row["gbps"] / memcpy_gbps
+        row["ratio_fresh"] = row["best_s"] and fresh_s / row["best_s"]
         rows.append(row)
         console.print(f"  bucket {row['bucket_mib']:g} MiB: best {row['best_s']:.3f}s ({row['gbps']:.2f} GB/s, "
                       f"{row['ratio']:.2f} x memcpy), runs {[round(s, 3) for s in row['seconds']]}", highlight=False)
 
     table = Table(title=f"ipc_bucket end to end, {model.nbytes / MIB:,.0f} MiB model, best of {args.repeat}")
-    for col in ("bucket MiB", "buckets", "best s", "median s", "GB/s", "x memcpy", "verified"):
+    for col in ("bucket MiB", "buckets", "best s", "median s", "GB/s", "x memcpy", "x np.copy", "verified"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(f"{r['bucket_mib']:g}", str(r["buckets"]), f"{r['best_s']:.3f}", f"{r['median_s']:.3f}",
-                      f"{r['gbps']:.2f}", f"{r['ratio']:.2f}",
+                      f"{r['gbps']:.2f}", f"{r['ratio']:.2f}", f"{r['ratio_fresh']:.2f}",
                       f"{r['verified'] - len(r['mismatches'])}/{r['verified']}")
-    table.add_row("memcpy", "", f"{memcpy_s:.3f}", "", f"{memcpy_gbps:.2f}", "1.00", "")
+    table.add_row("memcpy", "", f"{memcpy_s:.3f}", "", f"{memcpy_gbps:.2f}", "1.00", f"{fresh_s / memcpy_s:.2f}", "")
+    table.add_row("np.copy", "", f"{fresh_s:.3f}", "", f"{model.nbytes / fresh_s / 1e9:.2f}", f"{memcpy_s / fresh_s:.2f}",
+                  "1.00", "")
     console.print(table)
     best = max(rows, key=lambda r: r["ratio"])
-    verdict = "meets" if best["ratio"] >= TARGET else "MISSES"
-    console.print(f"best: {best['bucket_mib']:g} MiB buckets at {best['ratio']:.2f} x memcpy ({verdict} the "
-                  f"{TARGET} target)", highlight=False)
+    for name, key in (("memcpy (prefaulted np.copyto)", "ratio"), ("np.copy (allocate + copy)", "ratio_fresh")):
+        verdict = "meets" if best[key] >= TARGET else "MISSES"
+        console.print(f"best: {best['bucket_mib']:g} MiB buckets at {best[key]:.2f} x {name}: {verdict} the {TARGET} "
+                      "target", highlight=False)
     if args.png:
-        plot(rows, memcpy_gbps, args.png, f"{model.nbytes / MIB:,.0f} MiB model, {os.cpu_count()} CPUs, "
+        plot(rows, memcpy_gbps, model.nbytes / fresh_s / 1e9, args.png, f"{model.nbytes / MIB:,.0f} MiB model, {os.cpu_count()} CPUs, "
              f"{platform.machine()}, Python {platform.python_version()}")
         console.print(f"plot written to {args.png}", highlight=False)
     if args.json:

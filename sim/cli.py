@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import math
 import multiprocessing
 import os
 import shutil
@@ -294,7 +293,8 @@ class Roundtrip:
                 proc.join(5)
             if proc.pid is not None:
                 sweep_segments(proc.pid)  # a SIGKILLed trainer could not unlink its own
-            proc.close() if proc.exitcode is not None else None
+            if proc.exitcode is not None:
+                proc.close()
         self.procs = []
         for manager in self.managers:
             getattr(manager, "close", lambda: None)()
@@ -394,6 +394,10 @@ def main(argv=None) -> int:
         results = run_roundtrip(versions=args.versions, progress=bar.update, ranks=args.ranks, model=model,
                                 bucket_bytes=bucket_bytes, path=args.path, timeout_s=args.timeout_s, seed=args.seed,
                                 kill_at=args.kill_trainer_at)
+    except (RuntimeError, TimeoutError) as e:  # a trainer failed outside an update
+        bar.close()
+        console.print(f"[bold red]roundtrip failed:[/] {type(e).__name__}: {e}", highlight=False)
+        return 2
     finally:
         bar.close()
     return render(results, console, model, args.ranks)

@@ -34,11 +34,12 @@ def _left_by_us(name: str) -> bool:
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
     before = set(leaked_segments())
-    yield
     me = psutil.Process()
-    children = me.children(recursive=True)
+    earlier = {p.pid for p in me.children(recursive=True)}  # started by other test modules, not ours to judge
+    yield
+    children = [p for p in me.children(recursive=True) if p.pid not in earlier]
     _, alive = psutil.wait_procs(children, timeout=5)
-    assert not alive, f"child processes still running after the test: {[(p.pid, p.name()) for p in alive]}"
+    assert not alive, f"child processes still running after the test: {[(p.pid, p.cmdline()) for p in alive]}"
     left = [n for n in leaked_segments() if n not in before and _left_by_us(n)]
     assert not left, f"shared-memory segments left in /dev/shm after the test: {left}"
 
