@@ -129,6 +129,14 @@ def child(args) -> dict:
     if (manager.rank, manager.gpu_id) != (0, 0):
         raise SystemExit(f"expected rank 0 / GPU 0, got rank {manager.rank} / GPU {manager.gpu_id}")
     proc = psutil.Process()
+    # Run the ops of the post-update check once now: their first call faults in Paddle's kernel
+    # library pages (shared, file-backed RSS of several MiB) that would read as aliased weights.
+    import paddle
+
+    for dtype in {p.dtype for p in model.all_params}:
+        probe = paddle.ones([4], dtype=dtype)
+        probe.sum()
+        probe.numpy()
     gc.collect()
     before = proc.memory_info()
     maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
