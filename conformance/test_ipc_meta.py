@@ -102,15 +102,25 @@ def test_trainer_device_id_is_replaced(loader, trainer):
     check.params_equal(session.observe(), want, f"{path}: metas from device 5, worker FLAGS_selected_gpus=1")
 
 
+def _open_tampered(loader, export, tamper):
+    """Rewrite ``export``'s meta file after ``tamper(metas)`` (name -> mutable 7-field list) and open a
+    session on it; returns (session, meta file path, the tampered metas)."""
+    metas = {n: list(m) for n, m in export.metas.items()}
+    tamper(metas)
+    path = I.write_metas(I.meta_path(loader.shared_dir, 0), metas)
+    return loader.open(SPEC, strategy="ipc"), path, metas
+
+
 @pytest.mark.rule("IPC-META-LENGTH")
 @pytest.mark.requires("ipc.meta")
 @pytest.mark.parametrize("fields", [8, 6], ids=["8-fields-as-in-fd-unit-test", "6-fields"])
 def test_meta_of_wrong_length_is_a_clear_error(loader, trainer, fields):
     export = trainer(M.state(SPEC))
-    metas = {n: list(m) for n, m in export.metas.items()}
-    metas[LAST] = metas[LAST] + [7] if fields == 8 else metas[LAST][:6]
-    path = I.write_metas(I.meta_path(loader.shared_dir, 0), metas)
-    session = loader.open(SPEC, strategy="ipc")
+
+    def tamper(metas):
+        metas[LAST] = metas[LAST] + [7] if fields == 8 else metas[LAST][:6]
+
+    session, path, _ = _open_tampered(loader, export, tamper)
     with check.raises(ValueError, match=r"7 fields", names=[LAST, f"{fields} fields"], where=f"{path}: {fields}-field meta"):
         session.update()
     check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{path}: {fields}-field meta for {LAST}")
@@ -159,11 +169,12 @@ def _seg_size(export, name):
 @pytest.mark.parametrize("where", ["past-end", "straddling-end"])
 def test_range_outside_segment_is_a_clear_error(loader, trainer, where):
     export = trainer(M.state(SPEC), per_segment=1)
-    metas = {n: list(m) for n, m in export.metas.items()}
-    size, seg = metas[LAST][2], _seg_size(export, LAST)
-    metas[LAST][1] = seg + 256 if where == "past-end" else seg - size // 2
-    path = I.write_metas(I.meta_path(loader.shared_dir, 0), metas)
-    session = loader.open(SPEC, strategy="ipc")
+    seg = _seg_size(export, LAST)
+
+    def tamper(metas):
+        metas[LAST][1] = seg + 256 if where == "past-end" else seg - metas[LAST][2] // 2
+
+    session, path, metas = _open_tampered(loader, export, tamper)
     with check.raises(ValueError, match=r"offset_bytes", names=[LAST], where=f"{path}: offset {metas[LAST][1]} in a {seg}-byte segment"):
         session.update()
 
@@ -173,10 +184,11 @@ def test_range_outside_segment_is_a_clear_error(loader, trainer, where):
 @pytest.mark.parametrize("factor", [2, 0.5], ids=["size-double", "size-half"])
 def test_size_disagreeing_with_dims_is_a_clear_error(loader, trainer, factor):
     export = trainer(M.state(SPEC), per_segment=1)
-    metas = {n: list(m) for n, m in export.metas.items()}
-    metas[LAST][2] = int(metas[LAST][2] * factor)  # still inside the 256-aligned segment
-    path = I.write_metas(I.meta_path(loader.shared_dir, 0), metas)
-    session = loader.open(SPEC, strategy="ipc")
+
+    def tamper(metas):
+        metas[LAST][2] = int(metas[LAST][2] * factor)  # still inside the 256-aligned segment
+
+    session, path, metas = _open_tampered(loader, export, tamper)
     with check.raises(ValueError, match=r"\bsize\b", names=[LAST], where=f"{path}: size {metas[LAST][2]} for dims {metas[LAST][4]}"):
         session.update()
 
@@ -186,10 +198,11 @@ def test_size_disagreeing_with_dims_is_a_clear_error(loader, trainer, factor):
 @pytest.mark.parametrize("type_idx", [99, 0], ids=["99", "0-undefined"])
 def test_unknown_type_idx_is_a_clear_error(loader, trainer, type_idx):
     export = trainer(M.state(SPEC))
-    metas = {n: list(m) for n, m in export.metas.items()}
-    metas[LAST][3] = type_idx
-    path = I.write_metas(I.meta_path(loader.shared_dir, 0), metas)
-    session = loader.open(SPEC, strategy="ipc")
+
+    def tamper(metas):
+        metas[LAST][3] = type_idx
+
+    session, path, _ = _open_tampered(loader, export, tamper)
     with check.raises(ValueError, match=r"type_idx", names=[LAST, str(type_idx)], where=f"{path}: type_idx {type_idx}"):
         session.update()
 
@@ -211,10 +224,7 @@ def _spoil(export, metas, kind):
 @pytest.mark.parametrize("kind", ["range", "size", "type_idx", "freed-segment"])
 def test_bad_last_meta_changes_no_parameter(loader, trainer, kind):
     export = trainer(M.state(SPEC), per_segment=1)
-    metas = {n: list(m) for n, m in export.metas.items()}
-    _spoil(export, metas, kind)
-    path = I.write_metas(I.meta_path(loader.shared_dir, 0), metas)
-    session = loader.open(SPEC, strategy="ipc")
+    session, path, _ = _open_tampered(loader, export, lambda metas: _spoil(export, metas, kind))
     with pytest.raises(ValueError):
         session.update()
     check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{path}: {kind} bad in {LAST}, the last meta")

@@ -100,10 +100,7 @@ def plan_snapshot(
         return SnapshotPlan(base, (Source(legacy_path, "snapshot", "safetensors", 3),), tuple(invalid), checked)
     if base + PDPARAMS in set(fallback_dir_names):
         return SnapshotPlan(base, (Source(fallback, "snapshot", "pickle", 4),), tuple(invalid), checked)
-    raise FileNotFoundError(
-        f"No snapshot found for {base}: checked {model_dir} (new/legacy) and {fallback}; "
-        f"paths checked: {', '.join(checked)}"
-    )
+    raise FileNotFoundError(f"No snapshot found for {base}: checked {', '.join(checked[:-1])} and {checked[-1]}")
 
 
 def list_dir(path: str) -> list[str]:

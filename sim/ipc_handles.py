@@ -231,7 +231,9 @@ def open_tensor_meta(meta: tuple, *, device: int | None = None):
     import numpy as np
 
     if not isinstance(meta, tuple) or len(meta) != len(META_FIELDS):
-        raise HandleError("Invalid Tensor meta info for shared cuda tensor!")
+        got = f"{len(meta)} fields in a {type(meta).__name__}" if isinstance(meta, (tuple, list)) else type(meta).__name__
+        # Paddle's own wording, plus what was wrong with it.
+        raise HandleError(f"Invalid Tensor meta info for shared cuda tensor! (got {got}, expected a {len(META_FIELDS)}-field tuple)")
     handle, offset, size, type_idx, dims, _lod, device_id = meta
     if not isinstance(handle, bytes):
         raise HandleError(f"field handle must be bytes for _new_shared_cuda, got {type(handle).__name__}")
