@@ -6,6 +6,12 @@ an object that satisfies ``LoaderAdapter``. See docs/adapters.md for a worked ex
 The suite sets the worker's identity in the process environment before ``open`` and resets
 Paddle's cached parallel env, so implementations read it as they would in production:
 ``PADDLE_TRAINER_ID`` (global rank), ``CUDA_VISIBLE_DEVICES`` and ``FLAGS_selected_gpus``.
+A session reads its identity at ``open`` and keeps it, whatever the environment says later.
+
+What the rules observe from outside (docs/adapters.md, "What the rules need from a session"):
+``status()`` is called from another thread while ``update()``/``clear()`` run; memory rules call
+``update()`` in a forked child of the test process (no threads or held locks between calls); after a
+call returns, no descriptor, mapping, shared-memory segment or thread of the session is left.
 """
 from __future__ import annotations
 
@@ -56,7 +62,9 @@ class LoaderSession(Protocol):
         """Sources applied by the last update, in order (capability ``trace``)."""
 
     def status(self) -> str:
-        """"NORMAL", "UPDATING", "CLEARING" or "CLEARED" (capability ``status``)."""
+        """"NORMAL", "UPDATING", "CLEARING" or "CLEARED" (capability ``status``). Callable from
+        another thread at any time, also while ``update()`` or ``clear()`` runs: it returns at once
+        the status the loader is in (``UPDATING`` mid-update), never waiting for the update."""
 
     def close(self) -> None: ...
 

@@ -133,3 +133,118 @@ def that(condition: bool, message: str) -> None:
 def equal(got, expected, where: str) -> None:
     _count()
     assert got == expected, f"{where}: got {got!r}, expected {expected!r}"
+
+
+# -- resources and status (aftermath checks) -------------------------------------------------------
+def _targets(paths_or_dir) -> list[tuple[str, bool]]:
+    """(real path, is a directory) for a path or an iterable of paths."""
+    import os
+
+    if isinstance(paths_or_dir, (str, bytes, os.PathLike)):
+        paths_or_dir = [paths_or_dir]
+    out = []
+    for p in paths_or_dir:
+        p = os.fsdecode(os.fspath(p))
+        real = os.path.realpath(p)
+        out.append((real.rstrip(os.sep) or os.sep, os.path.isdir(real)))
+    return out
+
+
+def _matches(path: str, targets) -> bool:
+    import os
+
+    path = path.removesuffix(" (deleted)")
+    for target, is_dir in targets:
+        if path == target or (is_dir and path.startswith(target + os.sep)):
+            return True
+    return False
+
+
+def open_files_under(paths_or_dir, *, collect_garbage: bool = True) -> list[str]:
+    """What this process holds of the given files, or of anything under the given directories:
+    ``fd N -> path`` for each open descriptor (``/proc/self/fd``) and ``mapped START-END path``
+    for each mapping (``/proc/self/maps``); a deleted file still held counts (``path (deleted)``).
+    Not a check by itself (see ``no_open_files``). With ``collect_garbage`` the cyclic garbage
+    collector runs first, so a file object only the test's own tracebacks keep alive is not reported."""
+    import gc
+    import os
+
+    if collect_garbage:
+        gc.collect()
+    targets = _targets(paths_or_dir)
+    held = []
+    for fd in sorted(os.listdir("/proc/self/fd"), key=int):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+        if _matches(link, targets):
+            held.append(f"fd {fd} -> {link}")
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.rstrip("\n").split(maxsplit=5)
+            if len(fields) == 6 and _matches(fields[5], targets):
+                held.append(f"mapped {fields[0]} {fields[5]}")
+    return held
+
+
+def no_open_files(paths_or_dir, where: str, *, collect_garbage: bool = True) -> None:
+    """Nothing under ``paths_or_dir`` (a file, a directory, or an iterable of them) is open in
+    ``/proc/self/fd`` or mapped in ``/proc/self/maps``: the loader released every snapshot file."""
+    _count()
+    held = open_files_under(paths_or_dir, collect_garbage=collect_garbage)
+    assert not held, f"{where}: the process still holds {len(held)} descriptor(s)/mapping(s) of the files: {held}"
+
+
+def live_threads() -> dict[int, str]:
+    """ident -> name of every live Python thread (pass the result to ``no_new_threads``)."""
+    import threading
+
+    return {t.ident: t.name for t in threading.enumerate() if t.is_alive()}
+
+
+def no_new_threads(before, where: str, grace_s: float = 1.0) -> None:
+    """No Python thread is alive that was not alive in ``before`` (``live_threads()`` taken before
+    the session was opened, or any iterable of ``threading.Thread`` objects or idents). Threads that
+    end within ``grace_s`` seconds (a worker finishing its last step after ``close()``) are allowed."""
+    import threading
+    import time
+
+    _count()
+    if isinstance(before, Mapping):
+        known = set(before)
+    else:
+        known = {t.ident if isinstance(t, threading.Thread) else int(t) for t in before}
+    deadline = time.monotonic() + grace_s
+    while True:
+        new = [t for t in threading.enumerate() if t.is_alive() and t.ident not in known]
+        if not new or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    described = [f"{t.name} (daemon={t.daemon})" for t in new]
+    assert not new, f"{where}: {len(new)} thread(s) left running {grace_s}s after the session was done: {described}"
+
+
+def shm_entries(directory: str = "/dev/shm") -> set[str]:
+    """Names in the shared-memory directory (pass the result to ``no_new_shm``)."""
+    import os
+
+    try:
+        return set(os.listdir(directory))
+    except FileNotFoundError:
+        return set()
+
+
+def no_new_shm(before: Iterable[str], where: str, directory: str = "/dev/shm") -> None:
+    """No shared-memory segment exists that did not exist in ``before`` (``shm_entries()``)."""
+    _count()
+    new = sorted(shm_entries(directory) - set(before))
+    assert not new, f"{where}: shared-memory segment(s) left in {directory}: {new}"
+
+
+def is_status(session, allowed, where: str) -> None:
+    """``session.status()`` is one of ``allowed`` (a set of status names, e.g. ``{"CLEARED", "UPDATING"}``)."""
+    _count()
+    allowed = {allowed} if isinstance(allowed, str) else set(allowed)
+    got = session.status()
+    assert got in allowed, f"{where}: status got {got}, expected one of {sorted(allowed)}"

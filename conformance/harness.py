@@ -94,3 +94,159 @@ class Loader:
         from paddle.distributed import parallel
 
         parallel._global_parallel_env = None
+
+
+# -- observing a session from outside: status mid-update, a forked child ---------------------------
+class StatusWatcher:
+    """Polls ``session.status()`` from a background thread while the test drives the session (the
+    adapter protocol requires ``status()`` to be callable from another thread during ``update()``).
+
+        with harness.StatusWatcher(session) as watch:
+            session.update()
+        check.that("UPDATING" in watch.seen, ...)
+
+    ``seen`` lists the distinct statuses in the order observed (consecutive repeats collapsed);
+    ``errors`` holds what ``status()`` raised, if anything; ``polls`` counts the calls."""
+
+    def __init__(self, session, interval_s: float = 0.0002):
+        import threading
+
+        self._session = session
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="conformance-status-watcher", daemon=True)
+        self.seen: list[str] = []
+        self.errors: list[BaseException] = []
+        self.polls = 0
+
+    def _poll(self) -> None:
+        try:
+            status = self._session.status()
+        except BaseException as e:  # noqa: BLE001 (reported to the test, never swallowed)
+            if len(self.errors) < 5:
+                self.errors.append(e)
+            return
+        finally:
+            self.polls += 1
+        if not self.seen or self.seen[-1] != status:
+            self.seen.append(status)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._poll()
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> "StatusWatcher":
+        self._poll()  # the status before the action, from this thread
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._poll()  # the status after the action
+        return None
+
+
+class ChildFailed(AssertionError):
+    """The function run by ``in_child`` raised (its message and traceback are in this error's text)."""
+
+
+def in_child(fn, *args, timeout_s: float = 60.0, **kwargs):
+    """Run ``fn(*args, **kwargs)`` in a forked child of the test process and return its result,
+    which must be JSON-serializable (no pickle crosses the pipe). The child's adapter calls and
+    checks count for the test (vacuity guard). If ``fn`` raises, the test fails with the child's
+    error; a child that dies or runs past ``timeout_s`` fails it too. Fork, never spawn: the child
+    shares the suite's imports and costs milliseconds. Memory rules run the update in a child so
+    that the kernel's high-water mark (``peak_rss_kib``) is the child's own."""
+    import json
+    import select
+    import signal
+    import time
+    import traceback
+
+    from . import check
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 0
+        try:
+            os.close(read_end)
+            reset()
+            check.reset()
+            try:
+                payload = {"ok": True, "value": fn(*args, **kwargs)}
+            except BaseException as e:  # noqa: BLE001 (handed to the parent)
+                payload = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            payload["adapter_calls"] = adapter_calls()
+            payload["checks"] = check.count()
+            try:
+                data = json.dumps(payload).encode()
+            except (TypeError, ValueError) as e:
+                data = json.dumps({"ok": False, "error": f"in_child: result is not JSON-serializable ({e})",
+                                   "traceback": "", "adapter_calls": adapter_calls(), "checks": check.count()}).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(write_end, view):]
+        except BaseException:  # noqa: BLE001
+            code = 70
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    chunks, deadline, timed_out = [], time.monotonic() + timeout_s, False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([read_end], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(read_end, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_end)
+        if timed_out:
+            os.kill(pid, signal.SIGKILL)
+        _, wait_status = os.waitpid(pid, 0)
+    if timed_out:
+        raise ChildFailed(f"in_child({getattr(fn, '__name__', fn)}): the child ran past {timeout_s}s and was killed")
+    if not chunks:
+        raise ChildFailed(f"in_child({getattr(fn, '__name__', fn)}): the child died without a result "
+                          f"(wait status {wait_status}, signal {os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None})")
+    payload = json.loads(b"".join(chunks))
+    _calls["adapter"] += payload.get("adapter_calls", 0)
+    for _ in range(payload.get("checks", 0)):
+        check._count()
+    if not payload["ok"]:
+        raise ChildFailed(f"in the forked child: {payload['error']}\n{payload['traceback']}")
+    return payload["value"]
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set size (``VmHWM`` in ``/proc/self/status``), in KiB."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
+def rss_kib() -> int:
+    """This process's current resident set size (``VmRSS``), in KiB."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/status has no VmRSS line")
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's high-water mark to the current RSS (``echo 5 > /proc/self/clear_refs``),
+    so that a later ``peak_rss_kib()`` measures from here."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")

@@ -21,6 +21,12 @@ from .spec import area, rules
 NOT_APPLICABLE = "not_applicable"
 ADAPTER_KEY = pytest.StashKey[object]()
 RESULTS_KEY = pytest.StashKey[dict]()
+SELF_SKIP_KEY = pytest.StashKey[str]()
+# Exit status of a run that tested nothing: every selected conformance test was not applicable (or
+# skipped), or no conformance test was collected although --impl was given. pytest's own status for
+# "no tests collected"; a run that tested nothing must never read as a pass.
+NOTHING_TESTED_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED
+STATUSES = ("passed", "failed", "error", NOT_APPLICABLE, "skipped")
 CONFORMANCE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -104,6 +110,8 @@ def pytest_collection_modifyitems(session, config, items):
             unknown = [c for c in mark.args if c not in CAPABILITIES]
             if unknown:
                 errors.append(f"{item.nodeid}: unknown capabilities {unknown}")
+        if item.get_closest_marker("xfail") is not None:
+            errors.append(f"{item.nodeid}: a conformance test cannot be marked xfail (it would hide a failure)")
     if errors:
         raise pytest.UsageError("conformance collection errors:\n  " + "\n  ".join(errors))
     wanted = set(config.getoption("--rule"))
@@ -137,7 +145,22 @@ def pytest_runtest_call(item):
         return (yield)
     check.reset()
     harness.reset()
-    result = yield
+    try:
+        result = yield
+    except (pytest.skip.Exception, pytest.xfail.Exception) as e:
+        # A test body may only step aside as not_applicable (the capability mechanism's reason);
+        # any other skip or xfail from inside the body hides what it would have found: an error.
+        reason = str(getattr(e, "msg", None) or e)
+        if isinstance(e, pytest.skip.Exception) and NOT_APPLICABLE in reason:
+            raise
+        kind = "xfail" if isinstance(e, pytest.xfail.Exception) else "skip"
+        item.stash[SELF_SKIP_KEY] = reason
+        pytest.fail(
+            f"conformance test {item.nodeid} called pytest.{kind}() from its body ({reason!r}); "
+            f"a conformance test may only be skipped as {NOT_APPLICABLE} (through @pytest.mark.requires): "
+            "a self-skip hides a failure",
+            pytrace=False,
+        )
     # Reached only when the test body returned normally: it must have driven the implementation
     # and asserted something through conformance.check, or it proves nothing.
     if harness.adapter_calls() == 0 or check.count() == 0:
@@ -146,6 +169,14 @@ def pytest_runtest_call(item):
             f"checks={check.count()}; a test must drive the implementation and check a result"
         )
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.when == "call" and SELF_SKIP_KEY in item.stash:
+        report.conformance_status = "error"  # read by _status_of (the report in the JSON and the table)
+    return report
 
 
 @pytest.fixture
@@ -173,8 +204,12 @@ def _status_of(report) -> str | None:
             return NOT_APPLICABLE if NOT_APPLICABLE in reason else "skipped"
         return "error" if report.failed else None
     if report.when == "call":
+        forced = getattr(report, "conformance_status", None)
+        if forced:
+            return forced
         if report.skipped:
-            return "skipped"
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            return NOT_APPLICABLE if NOT_APPLICABLE in reason else "skipped"
         return "passed" if report.passed else "failed"
     return "error" if report.failed else None
 
@@ -238,12 +273,76 @@ def summarize(results) -> dict:
     return rule_status
 
 
+def run_summary(config, results=None) -> dict:
+    """Counts of tests and rules per status, and the reason the run tested nothing (or None)."""
+    results = config.stash.get(RESULTS_KEY, {}) if results is None else results
+    tests = Counter(r["status"] or "not_run" for r in results.values())
+    rule_counts = Counter(summarize(results).values())
+    return {
+        "tests": {s: tests[s] for s in (*STATUSES, "not_run")},
+        "rules": {s: rule_counts[s] for s in STATUSES},
+        "nothing_tested": nothing_tested(config, results),
+    }
+
+
+def nothing_tested(config, results=None) -> str | None:
+    """Why this run proves nothing about the implementation, or None when it tested something.
+
+    Nothing was tested when --impl was given and either no conformance test was collected (paths,
+    -k, -m or --rule selected none), or none of those selected reached a verdict (passed, failed,
+    error): every one was not applicable to the claimed capabilities, or skipped."""
+    adapter = _adapter(config)
+    if adapter is None or config.getoption("collectonly", False):
+        return None
+    results = config.stash.get(RESULTS_KEY, {}) if results is None else results
+    impl = config.getoption("--impl")
+    if not results:
+        return (f"no conformance test was collected for {adapter.name} (--impl={impl}): the paths, -k/-m "
+                "expressions or --rule selection matched none; nothing was tested")
+    counts = Counter(r["status"] for r in results.values())
+    if any(counts[s] for s in ("passed", "failed", "error")):
+        return None
+    caps = ", ".join(sorted(adapter.capabilities))
+    detail = f"{counts[NOT_APPLICABLE]} not applicable"
+    if counts["skipped"]:
+        detail += f", {counts['skipped']} skipped"
+    if counts[None]:
+        detail += f", {counts[None]} not run"
+    rule_ids = {r["rule"] for r in results.values()}
+    return (f"no conformance rule was applicable to {adapter.name}: it claims capabilities [{caps}]; "
+            f"of {len(results)} selected test(s) of {len(rule_ids)} rule(s), {detail}; nothing was tested")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if nothing_tested(session.config) and session.exitstatus in (pytest.ExitCode.OK, 0):
+        session.exitstatus = NOTHING_TESTED_EXIT
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     results = config.stash.get(RESULTS_KEY, {})
     adapter = _adapter(config)
-    if not results or adapter is None:
+    if adapter is None:
         return
+    if exitstatus == pytest.ExitCode.USAGE_ERROR:
+        return  # the collection errors say it all; no test ran
     rule_status = summarize(results)
+    if results:
+        _print_table(terminalreporter, adapter, rule_status)
+    failing = sorted(r for r, s in rule_status.items() if s in ("failed", "error"))
+    if failing:
+        terminalreporter.write_line("failing rules: " + ", ".join(failing))
+    empty = nothing_tested(config, results)
+    if empty:
+        terminalreporter.write_line("")
+        exit_note = f" (exit status {int(NOTHING_TESTED_EXIT)})" if exitstatus in (pytest.ExitCode.OK, NOTHING_TESTED_EXIT) else ""
+        terminalreporter.write_line(f"NOTHING TESTED: {empty}{exit_note}", red=True, bold=True)
+    path = config.getoption("--conformance-report")
+    if path:
+        write_report(path, config, adapter, results, rule_status)
+        terminalreporter.write_line(f"conformance report written to {path}")
+
+
+def _print_table(terminalreporter, adapter, rule_status) -> None:
     per_area: dict[str, Counter] = defaultdict(Counter)
     for rule_id, status in rule_status.items():
         per_area[area(rule_id)][status] += 1
@@ -257,18 +356,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for name in sorted(per_area):
         c = per_area[name]
         total.update(c)
-        table.add_row(name, *(str(c[s]) for s in ("passed", "failed", "error", NOT_APPLICABLE, "skipped")))
-    table.add_row("all", *(str(total[s]) for s in ("passed", "failed", "error", NOT_APPLICABLE, "skipped")))
+        table.add_row(name, *(str(c[s]) for s in STATUSES))
+    table.add_row("all", *(str(total[s]) for s in STATUSES))
     console = Console(file=terminalreporter._tw, force_terminal=False, width=100, color_system=None)
     terminalreporter.write_line("")
     console.print(table)
-    failing = sorted(r for r, s in rule_status.items() if s in ("failed", "error"))
-    if failing:
-        terminalreporter.write_line("failing rules: " + ", ".join(failing))
-    path = config.getoption("--conformance-report")
-    if path:
-        write_report(path, config, adapter, results, rule_status)
-        terminalreporter.write_line(f"conformance report written to {path}")
 
 
 def write_report(path, config, adapter, results, rule_status) -> None:
@@ -298,6 +390,7 @@ def write_report(path, config, adapter, results, rule_status) -> None:
             for rule_id, status in sorted(rule_status.items())
         ],
         "tests": list(results.values()),
+        "summary": run_summary(config, results),
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

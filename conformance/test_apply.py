@@ -1,14 +1,16 @@
-"""Validation and apply: bit-exact round trip, dtype/shape checks and their order, unknown and
-missing names, MTP models. Spec: SPEC.md § APPLY.
+"""Validation and apply: bit-exact round trip, dtype/shape checks and their order, validation before
+any change, unknown and missing names, MTP models. Spec: SPEC.md § APPLY.
 
-Inputs are written with the safetensors library (and ``paddle.save`` for the shared fallback), never
-by the implementation. Mismatch tests use one model parameter against a file tensor of the same
-name whose dtype and/or shape differ.
+Every rule runs on every snapshot source that carries tensors: the single file, three parts (the
+tensor at issue in the first, middle and last part), the legacy ``tp0{id}`` file and the shared
+``paddle.save`` fallback (where ``paddle.save`` can hold the dtype: not fp8). Inputs are written with
+the safetensors library (and ``paddle.save`` for the fallback), never by the implementation. Tensor
+names sort as they are listed (``embed`` < ``layers`` < ``norm``), so "first", "middle" and "last"
+hold for a loader reading a file in name order; cases at every position cover other orders.
 """
-import itertools
-import os
 import re
 
+import numpy as np
 import pytest
 
 from conformance import check
@@ -17,201 +19,370 @@ from fixtures import snapshot as S
 
 pytestmark = pytest.mark.snapshot
 
-SPEC = M.spec(("embed.weight", "float32", (4, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 2)), ("norm.bias", "float16", (4,)))
+FIRST, MIDDLE, LAST = "embed.weight", "layers.0.mlp.weight", "norm.bias"
+SPEC = M.spec((FIRST, "float32", (4, 4)), (MIDDLE, "bfloat16", (4, 2)), (LAST, "float16", (4,)))
+MTP_NAMES = ("mtp.0.norm.weight", "mtp.0.proj.weight", "mtp.0.scale")
+SPEC_MTP = M.spec(
+    *((p.name, p.dtype, p.shape) for p in SPEC.main),
+    mtp=[[(MTP_NAMES[0], "float32", (4,)), (MTP_NAMES[1], "bfloat16", (4, 4)), (MTP_NAMES[2], "float16", ())]],
+)
 
+CAPS = {
+    "single": ("snapshot.single",),
+    "parts": ("snapshot.parts",),
+    "part0": ("snapshot.parts",),
+    "part1": ("snapshot.parts",),
+    "part2": ("snapshot.parts",),
+    "legacy": ("snapshot.legacy",),
+    "shared": ("snapshot.shared_fallback",),
+}
+
+
+def case(source, *values, extra=(), id=None):
+    """A pytest.param for ``source`` requiring exactly its capability (plus ``extra``)."""
+    return pytest.param(source, *values, marks=pytest.mark.requires(*CAPS[source], *extra), id=id or source)
+
+
+def _write(loader, source, st, focus=(), nparts=3):
+    """Write ``st`` as ``source``. ``partN``: ``nparts`` parts, part N holding exactly the ``focus``
+    names and the others spread over the other parts; ``parts``: round-robin."""
+    st = dict(sorted(st.items()))
+    if source == "single":
+        return [S.write_safetensors(S.single_path(loader.model_dir, 0, 0), st)]
+    if source == "legacy":
+        return [S.write_safetensors(S.legacy_path(loader.model_dir, 0), st)]
+    if source == "shared":
+        return [S.write_pickle_fallback(f"{loader.shared_dir}/{S.base_name(0, 0)}{S.PDPARAMS}", st)]
+    if source == "parts":
+        return S.write_parts(loader.model_dir, 0, 0, dict(enumerate(S.split(st, nparts))))
+    where = int(source.removeprefix("part"))
+    focus = [focus] if isinstance(focus, str) else list(focus)
+    parts = {i: {} for i in range(nparts)}
+    for name in focus:
+        parts[where][name] = st[name]
+    others = [i for i in parts if i != where]
+    for k, name in enumerate(n for n in st if n not in focus):
+        parts[others[k % len(others)]][name] = st[name]
+    return S.write_parts(loader.model_dir, 0, 0, {i: dict(sorted(t.items())) for i, t in parts.items()})
+
+
+def _replace(st, name, dtype, shape, version=2):
+    """``st`` with ``name`` replaced by a tensor of another dtype and/or shape."""
+    return {**st, name: M.weights(M.ParamSpec(name, dtype, tuple(shape)), version=version)}
+
+
+# -- round trip ---------------------------------------------------------------------------------
 ALL_DTYPES = M.spec(
     ("w.bf16", "bfloat16", (3, 4)),
+    ("w.bool", "bool", (2, 5)),
     ("w.fp16", "float16", (5,)),
     ("w.fp32", "float32", (2, 3)),
-    ("w.int64", "int64", (3,)),
-    ("w.uint8", "uint8", (7,)),
-    ("w.bool", "bool", (2, 5)),
+    ("w.fp64", "float64", (3,)),
     ("w.fp8_e4m3fn", "float8_e4m3fn", (4, 2)),
     ("w.fp8_e5m2", "float8_e5m2", (6,)),
+    ("w.int32", "int32", (2, 2)),
+    ("w.int64", "int64", (3,)),
+    ("w.int8", "int8", (5,)),
+    ("w.uint8", "uint8", (7,)),
     ("scalar.bf16", "bfloat16", ()),
+    ("scalar.bool", "bool", ()),
     ("scalar.fp32", "float32", ()),
-    ("scalar.int64", "int64", ()),
     ("scalar.fp8_e4m3fn", "float8_e4m3fn", ()),
+    ("scalar.int64", "int64", ()),
+    ("scalar.uint8", "uint8", ()),
+    ("empty.bf16", "bfloat16", (0, 4)),
+    ("empty.fp32", "float32", (4, 0)),
+    ("empty.int64", "int64", (0,)),
+    ("empty.fp8_e5m2", "float8_e5m2", (0, 4)),
+    # A few hundred KiB each: a loader that switches copy strategy on size runs both branches.
+    ("large.bf16", "bfloat16", (256, 513)),
+    ("large.fp32", "float32", (160, 512)),
+    ("large.uint8", "uint8", (300_007,)),
 )
 # paddle.save (numpy underneath) cannot hold fp8: the pickle fallback round-trips the rest.
 PICKLABLE = M.ModelSpec(tuple(p for p in ALL_DTYPES.main if not p.dtype.startswith("float8")))
 
 
-def _write(loader, layout, st, rank=0, gpu=0):
-    if layout == "single":
-        return [S.write_safetensors(S.single_path(loader.model_dir, rank, gpu), st)]
-    if layout == "parts":
-        return S.write_parts(loader.model_dir, rank, gpu, dict(enumerate(S.split(st, 2))))
-    return [S.write_pickle_fallback(os.path.join(loader.shared_dir, S.base_name(rank, gpu) + S.PDPARAMS), st)]
-
-
-LAYOUTS = [
-    pytest.param("single", marks=pytest.mark.requires("snapshot.single"), id="single-file"),
-    pytest.param("parts", marks=pytest.mark.requires("snapshot.parts"), id="parts"),
-    pytest.param("shared", marks=pytest.mark.requires("snapshot.shared_fallback"), id="shared-fallback"),
-]
-
-
 @pytest.mark.rule("APPLY-ROUNDTRIP-DTYPES")
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_dtype_round_trips_bit_exact(loader, layout):
-    spec = PICKLABLE if layout == "shared" else ALL_DTYPES
+@pytest.mark.parametrize("source", [case("single"), case("parts"), case("legacy"), case("shared")])
+def test_every_dtype_round_trips_bit_exact(loader, source):
+    spec = PICKLABLE if source == "shared" else ALL_DTYPES
     want = M.state(spec, version=3)
-    _write(loader, layout, want)
+    paths = _write(loader, source, want)
     session = loader.open(spec)
     session.update()
-    check.params_equal(session.observe(), want, f"{layout} snapshot in {loader.model_dir}")
+    check.params_equal(session.observe(), want, f"{source} snapshot {paths}")
 
 
-MISMATCH_DTYPES = ("bfloat16", "float16", "float32", "int64", "float8_e4m3fn")
-DTYPE_PAIRS = [
-    *itertools.permutations(MISMATCH_DTYPES, 2),
-    ("float8_e4m3fn", "float8_e5m2"),
-    ("float8_e5m2", "float8_e4m3fn"),
+# -- dtype and shape -----------------------------------------------------------------------------
+SAME_ITEMSIZE = [
+    ("bfloat16", "float16"), ("float16", "bfloat16"),
+    ("uint8", "int8"), ("int8", "bool"), ("bool", "uint8"), ("uint8", "float8_e4m3fn"), ("bool", "float8_e5m2"),
+    ("float8_e4m3fn", "float8_e5m2"), ("float8_e5m2", "float8_e4m3fn"),
+    ("int32", "float32"), ("float32", "int32"),
+    ("int64", "float64"), ("float64", "int64"),
 ]
-
-
-def _mismatch(loader, name, model_dtype, model_shape, file_dtype, file_shape):
-    """Model: SPEC with ``name`` as (model_dtype, model_shape); file: the same state but ``name``
-    as (file_dtype, file_shape)."""
-    others = [(p.name, p.dtype, p.shape) for p in SPEC.main if p.name != name]
-    model = M.spec((name, model_dtype, model_shape), *others)
-    st = M.state(M.spec((name, file_dtype, file_shape), *others), version=2)
-    path = S.write_safetensors(S.single_path(loader.model_dir, 0, 0), st)
-    return loader.open(model), path
+OTHER_ITEMSIZE = [
+    ("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "int64"), ("int64", "float16"),
+    ("float32", "float64"), ("uint8", "float16"),
+]
+# (source, tensor at fault, its file dtype): the tensor first, middle and last in a file and in
+# the first, middle and last of three parts; a same-itemsize pair each time.
+DTYPE_WHERE = [
+    case("single", FIRST, "int32", id="single:first"),
+    case("single", LAST, "bfloat16", id="single:last"),
+    case("part0", FIRST, "int32", id="part0-of-3"),
+    case("part1", MIDDLE, "float16", id="part1-of-3"),
+    case("part2", LAST, "bfloat16", id="part2-of-3"),
+    case("legacy", LAST, "bfloat16", id="legacy:last"),
+    case("shared", FIRST, "int32", id="shared:first"),
+    case("shared", LAST, "bfloat16", id="shared:last"),
+    case("single", MTP_NAMES[2], "bfloat16", extra=("mtp",), id="single:mtp-tensor"),
+    case("part2", MTP_NAMES[1], "float16", extra=("mtp",), id="part2-of-3:mtp-tensor"),
+]
 
 
 @pytest.mark.rule("APPLY-DTYPE-MISMATCH")
-@pytest.mark.requires("snapshot.single")
-@pytest.mark.parametrize("model_dtype,file_dtype", DTYPE_PAIRS, ids=[f"model-{a}:file-{b}" for a, b in DTYPE_PAIRS])
-def test_dtype_mismatch_is_type_error_naming_tensor(loader, model_dtype, file_dtype):
-    name = "layers.0.attn.qkv"
-    session, path = _mismatch(loader, name, model_dtype, (4, 2), file_dtype, (4, 2))
+@pytest.mark.parametrize(
+    "source,name,model_dtype,file_dtype",
+    [case("single", MIDDLE, a, b, id=f"same-itemsize:model-{a}:file-{b}") for a, b in SAME_ITEMSIZE]
+    + [case("single", MIDDLE, a, b, id=f"other-itemsize:model-{a}:file-{b}") for a, b in OTHER_ITEMSIZE]
+    + [pytest.param(*p.values[:2], None, p.values[2], marks=p.marks, id=p.id) for p in DTYPE_WHERE],
+)
+def test_dtype_mismatch_is_type_error_naming_tensor(loader, source, name, model_dtype, file_dtype):
+    spec = SPEC_MTP if name in MTP_NAMES else SPEC
+    if model_dtype is not None:
+        spec = M.spec(*((p.name, model_dtype if p.name == name else p.dtype, p.shape) for p in spec.main))
+    target = spec.param(name)
+    st = _replace(M.state(spec, version=2), name, file_dtype, target.shape)
+    paths = _write(loader, source, st, focus=name)
+    session = loader.open(spec)
     with check.raises(
-        TypeError, match=re.escape(f"Type mismatch for {name}"), where=f"{path}: {name} {file_dtype} into {model_dtype}"
+        TypeError, match=re.escape(f"Type mismatch for {name}"), names=[name],
+        where=f"{source} {paths}: {name} {file_dtype} into a {target.dtype} parameter",
     ):
         session.update()
 
 
-SHAPES = [((4, 4), (16,)), ((4, 4), (4, 5)), ((2, 3), (3, 2)), ((4,), ()), ((), (1,))]
+SHAPES = [
+    ((4, 4), (16,), "same-numel-flat"),
+    ((16,), (4, 4), "same-numel-unflattened"),
+    ((4, 4), (2, 8), "same-numel-regrouped"),
+    ((2, 3), (3, 2), "transposed"),
+    ((), (1,), "0-d-vs-[1]"),
+    ((1,), (), "[1]-vs-0-d"),
+    ((0, 4), (4, 0), "[0,4]-vs-[4,0]"),
+    ((4, 0), (0,), "[4,0]-vs-[0]"),
+    ((4, 4), (4, 4, 1), "extra-trailing-1"),
+    ((4, 4), (1, 4, 4), "extra-leading-1"),
+    ((4, 1), (4,), "dropped-1"),
+    ((4,), (5,), "one-more"),
+    ((4,), (3,), "one-less"),
+    ((4, 4), (4, 5), "one-more-column"),
+]
+SHAPE_WHERE = [
+    case("single", FIRST, (16,), id="single:first"),
+    case("single", LAST, (2, 2), id="single:last"),
+    case("part0", FIRST, (2, 8), id="part0-of-3"),
+    case("part1", MIDDLE, (2, 4), id="part1-of-3"),
+    case("part2", LAST, (4, 1), id="part2-of-3"),
+    case("legacy", LAST, (2, 2), id="legacy:last"),
+    case("shared", FIRST, (16,), id="shared:first"),
+    case("shared", LAST, (1, 4), id="shared:last"),
+    case("part2", MTP_NAMES[1], (16,), extra=("mtp",), id="part2-of-3:mtp-tensor"),
+]
 
 
 @pytest.mark.rule("APPLY-SHAPE-MISMATCH")
-@pytest.mark.requires("snapshot.single")
 @pytest.mark.parametrize(
-    "model_shape,file_shape", SHAPES, ids=[f"model-{list(a)}:file-{list(b)}" for a, b in SHAPES]
+    "source,name,model_shape,file_shape",
+    [case("single", MIDDLE, a, b, id=f"{i}:model-{list(a)}:file-{list(b)}") for a, b, i in SHAPES]
+    + [pytest.param(*p.values[:2], None, p.values[2], marks=p.marks, id=p.id) for p in SHAPE_WHERE],
 )
-def test_shape_mismatch_is_value_error_naming_tensor(loader, model_shape, file_shape):
-    name = "layers.0.attn.qkv"
-    session, path = _mismatch(loader, name, "float32", model_shape, "float32", file_shape)
+def test_shape_mismatch_is_value_error_naming_tensor(loader, source, name, model_shape, file_shape):
+    spec = SPEC_MTP if name in MTP_NAMES else SPEC
+    if model_shape is not None:
+        spec = M.spec(*((p.name, "float32" if p.name == name else p.dtype, model_shape if p.name == name else p.shape) for p in spec.main))
+    target = spec.param(name)
+    st = _replace(M.state(spec, version=2), name, target.dtype, file_shape)
+    paths = _write(loader, source, st, focus=name)
+    session = loader.open(spec)
     with check.raises(
-        ValueError,
-        match=re.escape(f"Shape mismatch for {name}"),
-        where=f"{path}: {name} {list(file_shape)} into {list(model_shape)}",
+        ValueError, match=re.escape(f"Shape mismatch for {name}"), names=[name],
+        where=f"{source} {paths}: {name} {list(file_shape)} into a {list(target.shape)} parameter",
     ):
         session.update()
+
+
+# Wrong in dtype and shape at once (the shape keeping the element count or the byte count).
+BOTH = [
+    case("single", MIDDLE, "float16", (8,), id="single:bf16[4,2]-vs-fp16[8]"),
+    case("single", FIRST, "bfloat16", (32,), id="single:fp32[4,4]-vs-bf16[32]-same-bytes"),
+    case("single", LAST, "float32", (), id="single:fp16[4]-vs-fp32-scalar"),
+    case("part0", FIRST, "int32", (16,), id="part0-of-3"),
+    case("part2", LAST, "bfloat16", (2, 2), id="part2-of-3"),
+    case("legacy", MIDDLE, "float16", (2, 4), id="legacy"),
+    case("shared", FIRST, "int32", (2, 8), id="shared"),
+    case("single", MTP_NAMES[1], "float16", (16,), extra=("mtp",), id="single:mtp-tensor"),
+]
 
 
 @pytest.mark.rule("APPLY-DTYPE-BEFORE-SHAPE")
-@pytest.mark.requires("snapshot.single")
-@pytest.mark.parametrize(
-    "model,file",
-    [(("float32", (4, 4)), ("bfloat16", (16,))), (("bfloat16", (2, 3)), ("float16", (3, 2))), (("int64", (4,)), ("float32", ()))],
-    ids=["fp32[4,4]-vs-bf16[16]", "bf16[2,3]-vs-fp16[3,2]", "int64[4]-vs-fp32-scalar"],
-)
-def test_dtype_is_checked_before_shape(loader, model, file):
-    name = "layers.0.attn.qkv"
-    session, path = _mismatch(loader, name, *model, *file)
+@pytest.mark.parametrize("source,name,file_dtype,file_shape", BOTH)
+def test_dtype_is_checked_before_shape(loader, source, name, file_dtype, file_shape):
+    spec = SPEC_MTP if name in MTP_NAMES else SPEC
+    target = spec.param(name)
+    st = _replace(M.state(spec, version=2), name, file_dtype, file_shape)
+    paths = _write(loader, source, st, focus=name)
+    session = loader.open(spec)
     with check.raises(
-        TypeError, match=re.escape(f"Type mismatch for {name}"), where=f"{path}: {name} {file} into {model}"
+        TypeError, match=re.escape(f"Type mismatch for {name}"), names=[name],
+        where=f"{source} {paths}: {name} {file_dtype}{list(file_shape)} into {target.dtype}{list(target.shape)}",
     ):
         session.update()
+
+
+# (source, tensor at fault, file dtype, file shape): the bad tensor anywhere in any file; every
+# other tensor of the snapshot is fine and would load.
+ATOMIC = [
+    case("single", LAST, "bfloat16", (4,), id="single:last:dtype"),
+    case("single", MIDDLE, "bfloat16", (2, 4), id="single:middle:shape"),
+    case("single", FIRST, "float32", (16,), id="single:first:shape"),
+    case("part2", LAST, "float32", (4,), id="part2-of-3:dtype"),
+    case("part2", LAST, "float16", (2, 2), id="part2-of-3:shape"),
+    case("part1", MIDDLE, "float16", (4, 2), id="part1-of-3:dtype"),
+    case("legacy", LAST, "float16", (5,), id="legacy:last:shape"),
+    case("shared", LAST, "bfloat16", (4,), id="shared:last:dtype"),
+    case("shared", MIDDLE, "bfloat16", (8,), id="shared:middle:shape"),
+    case("part2", MTP_NAMES[2], "float32", (), extra=("mtp",), id="part2-of-3:mtp-tensor"),
+]
+
+
+@pytest.mark.rule("APPLY-VALIDATE-FIRST")
+@pytest.mark.parametrize("source,name,file_dtype,file_shape", ATOMIC)
+def test_rejected_snapshot_changes_no_parameter(loader, source, name, file_dtype, file_shape):
+    spec = SPEC_MTP if name in MTP_NAMES else SPEC
+    target = spec.param(name)
+    st = _replace(M.state(spec, version=2), name, file_dtype, file_shape)
+    paths = _write(loader, source, st, focus=name)
+    session = loader.open(spec)
+    where = f"{source} {paths}: {name} {file_dtype}{list(file_shape)} into {target.dtype}{list(target.shape)}"
+    error = TypeError if file_dtype != target.dtype else ValueError
+    with check.raises(error, match=re.escape(name), names=[name], where=where):
+        session.update()
+    check.not_loaded(session.observe(), [p.name for p in spec.all_params], where)
+
+
+# -- unknown and missing names --------------------------------------------------------------------
+EXTRAS = M.spec(
+    ("model.embed.weight", "float32", (4, 4)),  # the training-side name of a parameter; would fit
+    ("model.norm.bias", "float32", (4,)),  # would not fit norm.bias (float16)
+    ("embed", "int8", (2, 3)),  # a prefix of a parameter's name
+    ("embed.weight_scale", "float8_e4m3fn", (4,)),  # shares a prefix, a dtype the model lacks
+    ("layers.0.mlp.weight.t", "bfloat16", (2, 4)),
+    ("lm_head.weight", "bfloat16", (7, 3)),
+    ("optimizer.step", "int64", ()),
+)
+EXTRAS_PICKLABLE = M.ModelSpec(tuple(p for p in EXTRAS.main if not p.dtype.startswith("float8")))
 
 
 @pytest.mark.rule("APPLY-UNKNOWN-IGNORED")
 @pytest.mark.parametrize(
-    "layout",
+    "source,layout",
     [
-        pytest.param("single", marks=pytest.mark.requires("snapshot.single"), id="extras-in-single-file"),
-        pytest.param("own-part", marks=pytest.mark.requires("snapshot.parts"), id="part-with-only-extras"),
-        pytest.param("shared", marks=pytest.mark.requires("snapshot.shared_fallback"), id="extras-in-shared-fallback"),
+        case("single", "mixed", id="single"),
+        case("legacy", "mixed", id="legacy"),
+        case("shared", "mixed", id="shared-fallback"),
+        case("part0", "own-part", id="first-of-3-parts-only-extras"),
+        case("part2", "own-part", id="last-of-3-parts-only-extras"),
+        case("parts", "mixed", id="extras-spread-over-3-parts"),
     ],
 )
-def test_unknown_names_are_ignored(loader, layout):
+def test_unknown_names_are_ignored(loader, source, layout):
     want = M.state(SPEC, version=1)
-    # Training-side names, and names that would not even fit (other dtype/shape).
-    extras = M.state(
-        M.spec(
-            ("model.embed.weight", "float32", (4, 4)),
-            ("lm_head.weight", "bfloat16", (7, 3)),
-            ("optimizer.step", "int64", ()),
-        ),
-        version=5,
-    )
-    if layout == "single":
-        _write(loader, "single", {**want, **extras})
-    elif layout == "own-part":
-        S.write_parts(loader.model_dir, 0, 0, {0: want, 1: extras})
-    else:
-        _write(loader, "shared", {**want, **extras})
+    extras = M.state(EXTRAS_PICKLABLE if source == "shared" else EXTRAS, version=5)
+    paths = _write(loader, source, {**want, **extras}, focus=list(extras) if layout == "own-part" else ())
     session = loader.open(SPEC)
     session.update()
     observed = session.observe()
-    where = f"{layout} snapshot with extra tensors {sorted(extras)}"
+    where = f"{source} {paths} with extra tensors {sorted(extras)}"
     check.params_equal(observed, want, where)
     check.equal(sorted(observed), sorted(want), f"{where}: parameter names after the update")
 
 
+MISSING = {
+    "main": [MIDDLE],
+    "mtp": [MTP_NAMES[1]],
+    "several": [FIRST, LAST, MTP_NAMES[0]],
+}
+
+
+def _missing_case(source, what, when, status=False, id=None):
+    extra = (("mtp",) if what != "main" else ()) + (("status",) if status else ())
+    return case(source, what, when, status, extra=extra, id=id or f"{source}:{what}:{when}{':status' if status else ''}")
+
+
 @pytest.mark.rule("APPLY-MISSING-FAILS")
-@pytest.mark.requires("snapshot.single")
 @pytest.mark.parametrize(
-    "when,observe",
+    "source,what,when,status",
     [
-        pytest.param("first-load", "error", id="first-load"),
-        pytest.param("after-clear", "error", id="after-clear"),
-        pytest.param("after-clear", "status", marks=pytest.mark.requires("status"), id="after-clear:status"),
+        _missing_case("single", "main", "first-load"),
+        _missing_case("single", "main", "after-clear", status=True),
+        _missing_case("single", "mtp", "after-clear", status=True),
+        _missing_case("single", "several", "first-load"),
+        _missing_case("parts", "several", "after-clear", status=True),
+        _missing_case("parts", "mtp", "first-load"),
+        _missing_case("legacy", "main", "after-clear"),
+        _missing_case("legacy", "several", "first-load", status=True),
+        _missing_case("shared", "several", "after-clear", status=True),
+        _missing_case("shared", "mtp", "first-load"),
     ],
 )
-def test_missing_parameter_fails_by_name(loader, when, observe):
-    path = S.single_path(loader.model_dir, 0, 0)
-    missing = ["layers.0.mlp.weight", "norm.bias"]
-    session = loader.open(SPEC)
+def test_missing_parameter_fails_by_name(loader, source, what, when, status):
+    spec = SPEC if what == "main" else SPEC_MTP
+    missing = MISSING[what]
+    session = loader.open(spec)
     if when == "after-clear":
-        S.write_safetensors(path, M.state(SPEC, version=1))
+        _write(loader, source, M.state(spec, version=1))
         session.update()
         session.clear()
-    v2 = M.state(SPEC, version=2)
-    S.write_safetensors(path, {k: v for k, v in v2.items() if k not in missing})
-    with check.raises(RuntimeError, match="|".join(map(re.escape, missing)), names=missing, where=f"{path} lacks {missing}"):
+    v2 = M.state(spec, version=2)
+    paths = _write(loader, source, {k: v for k, v in v2.items() if k not in missing})
+    where = f"{source} {paths} lacks {missing} ({when})"
+    with check.raises(RuntimeError, match="|".join(map(re.escape, missing)), names=missing, where=where):
         session.update()
-    if observe == "status":
-        check.status_not(session, "NORMAL", f"{path} lacks {missing}")
+    if status:
+        check.status_not(session, "NORMAL", where)
 
 
-MTP_SPEC = M.spec(
-    ("embed.weight", "float32", (4, 4)),
-    ("layers.0.mlp.weight", "bfloat16", (4, 2)),
-    mtp=[[("mtp.0.proj.weight", "bfloat16", (4, 4)), ("mtp.0.norm.weight", "float32", (4,))]],
+# -- MTP ------------------------------------------------------------------------------------------
+SPEC_TWO_MTP = M.spec(
+    *((p.name, p.dtype, p.shape) for p in SPEC.main),
+    mtp=[[("mtp.0.proj.weight", "bfloat16", (4, 4))], [("mtp.1.proj.weight", "float16", (2, 4))]],
 )
 
 
 @pytest.mark.rule("APPLY-MTP-LOADED")
-@pytest.mark.requires("mtp")
 @pytest.mark.parametrize(
-    "layout",
+    "source,layout",
     [
-        pytest.param("single", marks=pytest.mark.requires("snapshot.single"), id="single-file"),
-        pytest.param("mtp-own-part", marks=pytest.mark.requires("snapshot.parts"), id="mtp-in-its-own-part"),
-        pytest.param("shared", marks=pytest.mark.requires("snapshot.shared_fallback"), id="shared-fallback"),
+        case("single", "mixed", extra=("mtp",), id="single"),
+        case("single", "two-mtp-models", extra=("mtp",), id="single:two-mtp-models"),
+        case("part1", "mtp-own-part", extra=("mtp",), id="mtp-in-its-own-part"),
+        case("parts", "spread", extra=("mtp",), id="mtp-spread-over-3-parts"),
+        case("legacy", "mixed", extra=("mtp",), id="legacy"),
+        case("shared", "mixed", extra=("mtp",), id="shared-fallback"),
     ],
 )
-def test_main_and_mtp_models_both_loaded(loader, layout):
-    want = M.state(MTP_SPEC, version=1)
-    if layout == "mtp-own-part":
-        main = {p.name: want[p.name] for p in MTP_SPEC.main}
-        S.write_parts(loader.model_dir, 0, 0, {0: main, 1: {k: v for k, v in want.items() if k not in main}})
-    else:
-        _write(loader, layout, want)
-    session = loader.open(MTP_SPEC)
-    session.update()
-    check.params_equal(session.observe(), want, f"{layout} snapshot with main + MTP tensors")
+def test_main_and_mtp_models_both_loaded(loader, source, layout):
+    """First load, then the trainer writes v2, clear(), update(): main and MTP both hold v2."""
+    spec = SPEC_TWO_MTP if layout == "two-mtp-models" else SPEC_MTP
+    mtp = [p.name for model in spec.mtp for p in model]
+    session = loader.open(spec)
+    for version in (1, 2):
+        want = M.state(spec, version=version)
+        paths = _write(loader, source, want, focus=mtp if layout == "mtp-own-part" else (), nparts=2 if layout == "mtp-own-part" else 3)
+        if version == 2:
+            session.clear()
+        session.update()
+        check.params_equal(session.observe(), want, f"{source} {paths} (version {version}) with main + MTP tensors {mtp}")

@@ -1,7 +1,9 @@
 """ipc_bucket: flat uint8 buckets announced by msgpack manifests over ZMQ. Spec: SPEC.md § BKT.
 
 The trainer is fixtures.buckets.Publisher, serving from a thread on a private ipc:// endpoint; tests
-tamper with its manifests (plain dicts) before serving them. Buckets are tiny (512-1024 bytes).
+tamper with its manifests (plain dicts) before serving them. Buckets are tiny (256-2048 bytes) except in
+the large cases (>= 8 MiB, so that a loader switching to a threaded or chunked copy for large buffers
+runs that copy too). Fault tests use timeout_s 0.2 s.
 """
 import os
 import threading
@@ -24,8 +26,8 @@ VERSION = 3
 def publisher():
     made = []
 
-    def make(bucket_bytes: int = 1024) -> B.Publisher:
-        made.append(B.Publisher(bucket_bytes))
+    def make(bucket_bytes: int = 1024, wait_s: float = 10.0) -> B.Publisher:
+        made.append(B.Publisher(bucket_bytes, wait_s=wait_s))
         return made[-1]
 
     yield make
@@ -33,12 +35,19 @@ def publisher():
         p.close()
 
 
-def _serve(loader, publisher, model, states, *, bucket_bytes=1024, version=VERSION, tamper=None, timeout_s=2.0, **serve):
-    """Serve ``states`` (one update each) and open a worker expecting ``version``."""
-    pub = publisher(bucket_bytes)
-    updates = [B.pack(st, v, bucket_bytes) for v, st in states]
+def _serve(loader, publisher, model, states, *, bucket_bytes=1024, version=VERSION, tamper=None, timeout_s=2.0,
+           pack_bytes=None, fault=None, wait_s=10.0, **serve):
+    """Serve ``states`` (one update each) and open a worker expecting ``version``. ``pack_bytes``:
+    lay out for buckets of that size but serve buffers of ``bucket_bytes`` (writes clipped), so an
+    entry can run past the buffer; ``fault``: what the trainer does wrong in the first update."""
+    pub = publisher(bucket_bytes, wait_s)
+    updates = [B.pack(st, v, pack_bytes or bucket_bytes) for v, st in states]
+    if pack_bytes:
+        for update in updates:
+            update.writes = [[(o, d[: max(0, bucket_bytes - o)]) for o, d in w] for w in update.writes]
     if tamper:
         tamper(updates[0])
+    updates[0].fault = fault
     pub.serve(*updates, **serve)
     session = loader.open(model, strategy="ipc_bucket", options=pub.options(version, timeout_s))
     return pub, session, updates
@@ -52,9 +61,11 @@ def _roundtrip(loader, publisher, model, where, *, bucket_bytes=1024, **serve):
     return updates[0]
 
 
-def _rejected(loader, publisher, tamper, *, match, names=(), where, exc=ValueError, model=SPEC, bucket_bytes=1024):
+def _rejected(loader, publisher, tamper, *, match, names=(), where, exc=ValueError, model=SPEC, bucket_bytes=1024,
+              pack_bytes=None, expected=VERSION):
     state = M.state(model, version=VERSION)
-    pub, session, _ = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=bucket_bytes, tamper=tamper)
+    pub, session, _ = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=bucket_bytes, tamper=tamper,
+                             pack_bytes=pack_bytes, version=expected)
     where = f"{pub.endpoint}: {where}"
     with check.raises(exc, match=match, names=names, where=where):
         session.update()
@@ -84,23 +95,95 @@ def test_every_dtype_roundtrips_bitwise(loader, publisher):
     check.that(len(update.buckets) > 1, f"fixture precondition: expected several buckets, got {len(update.buckets)}")
 
 
+# -- positions: 9 tensors of 128 bytes, three per 768-byte bucket at offsets 0, 256, 512 (gaps of 128) --
+POS_SPEC = M.spec(*((f"p.{i}", "float32", (32,)) for i in range(9)))
+POS_BUCKET = 768
+POSITIONS = {"first-of-first": (0, 0), "middle-of-middle": (1, 1), "last-of-last": (2, 2)}
+
+
+def _pos_name(position: str) -> str:
+    b, j = POSITIONS[position]
+    return f"p.{3 * b + j}"
+
+
+def _pos_rejected(loader, publisher, position, edit, *, match, names=(), where, exc=ValueError):
+    """Reject POS_SPEC's update whose entry at ``position`` (bucket, slot) was changed by ``edit``."""
+    name = _pos_name(position)
+
+    def tamper(update):
+        e = update.entry(name)
+        check.equal(e["offset"], 256 * POSITIONS[position][1], f"fixture precondition: offset of {name}")
+        edit(e)
+
+    return _rejected(loader, publisher, tamper, model=POS_SPEC, bucket_bytes=POS_BUCKET, match=match,
+                     names=[name, *names], where=f"{where}, bad entry {name} ({position})", exc=exc)
+
+
 @pytest.mark.rule("BKT-EMPTY-SCALAR")
 @pytest.mark.requires("ipc.buckets")
-def test_empty_and_scalar_tensors(loader, publisher):
-    model = M.spec(("a.w_empty", "float32", (0, 4)), ("a.w_scalar", "bfloat16", ()), ("a.w_vec", "float32", (3,)),
-                   ("a.w_scalar_i", "int64", ()))
-    _roundtrip(loader, publisher, model, "a (0, 4) tensor and 0-d tensors")
+@pytest.mark.parametrize("position", ["first", "middle", "last", "at-boundary"])
+def test_empty_and_scalar_tensors(loader, publisher, position):
+    empty, scalar, scalar_i = ("a.w_empty", "float32", (0, 4)), ("a.w_scalar", "bfloat16", ()), ("a.w_scalar_i", "int64", ())
+    vec, full = ("a.w_vec", "float32", (3,)), ("a.w_full", "float32", (64,))  # full: 256 bytes, one whole bucket
+    order = {"first": [empty, scalar, vec, scalar_i, full], "middle": [vec, empty, scalar, full, scalar_i],
+             "last": [vec, full, scalar_i, scalar, empty], "at-boundary": [full, empty, scalar, vec, scalar_i]}[position]
+    model = M.spec(*order)
+    update = _roundtrip(loader, publisher, model, f"(0, 4) and 0-d tensors {position} in 256-byte buckets",
+                        bucket_bytes=256)
+    if position == "at-boundary":
+        e = update.entry("a.w_empty")
+        check.equal((e["offset"], e["nbytes"]), (256, 0), "fixture precondition: empty entry at offset == buffer size")
 
 
 @pytest.mark.rule("BKT-BOUNDARY")
 @pytest.mark.requires("ipc.buckets")
-def test_tensor_ending_on_bucket_boundary(loader, publisher):
-    # 256 + 256 bytes fill a 512-byte bucket exactly; then 512 bytes fill the next one alone.
-    model = M.spec(("b.first", "float32", (64,)), ("b.edge", "float16", (128,)), ("b.whole", "float32", (128,)),
-                   ("b.after", "bfloat16", (4,)))
-    update = _roundtrip(loader, publisher, model, "tensors ending at byte 512 of a 512-byte bucket", bucket_bytes=512)
-    edges = [e["name"] for b in update.buckets for e in b["entries"] if e["offset"] + e["nbytes"] == 512]
-    check.equal(edges, ["b.edge", "b.whole"], "fixture precondition: tensors ending on the boundary")
+@pytest.mark.parametrize("case", ["two-buckets-full", "after-odd-tensor"])
+def test_tensor_ending_on_bucket_boundary(loader, publisher, case):
+    if case == "two-buckets-full":
+        # 256 + 256 bytes fill a 512-byte bucket exactly; then 512 bytes fill the next one alone.
+        model = M.spec(("b.first", "float32", (64,)), ("b.edge", "float16", (128,)), ("b.whole", "float32", (128,)),
+                       ("b.after", "bfloat16", (4,)))
+        bucket, edges = 512, ["b.edge", "b.whole"]
+    elif case == "after-odd-tensor":
+        # 257 bytes at 0, then a 512-byte uint8 tensor at 512 ending at byte 1024 of 1024.
+        model = M.spec(("b.odd", "uint8", (257,)), ("b.last", "uint8", (512,)), ("b.next", "float32", (3,)))
+        bucket, edges = 1024, ["b.last"]
+    else:
+        raise AssertionError(case)
+    update = _roundtrip(loader, publisher, model, f"tensors ending at the last byte of a {bucket}-byte bucket ({case})",
+                        bucket_bytes=bucket)
+    got = [e["name"] for b in update.buckets for e in b["entries"] if e["offset"] + e["nbytes"] == bucket]
+    check.equal(got, edges, "fixture precondition: tensors ending on the boundary")
+
+
+MiB = 1 << 20
+LARGE = {
+    # many tensors of odd sizes in one 12 MiB bucket, 9+ MiB in all
+    "many-in-one": (12 * MiB, [(f"l.t{i}", ("uint8", "bfloat16", "float32")[i % 3], (((i * 7919) % 50000) + 130001,))
+                               for i in range(24)]),
+    # a tensor of one bucket + 12345 bytes (the first 8 MiB bucket exactly full), then two small ones
+    "split-across-large": (8 * MiB, [("l.big", "uint8", (8 * MiB + 12345,)), ("l.before", "float16", (7,)),
+                                     ("l.after", "int64", (3,))]),
+    # copied bytes one short of 8 MiB, exactly 8 MiB (split between two equal tensors), one past
+    "just-under-8MiB": (9 * MiB, [("l.a", "uint8", (4 * MiB,)), ("l.b", "uint8", (4 * MiB - 1,))]),
+    "exactly-8MiB": (8 * MiB, [("l.a", "float32", (MiB,)), ("l.b", "float32", (MiB,))]),  # bucket exactly full
+    "just-over-8MiB": (9 * MiB, [("l.a", "uint8", (5 * MiB + 1,)), ("l.b", "float32", (3 * MiB // 4,))]),
+    # odd sizes: halves fall inside a tensor; three, five or more copy threads split elsewhere
+    "odd-sizes": (10 * MiB, [("l.a", "uint8", (MiB + 3,)), ("l.b", "bfloat16", (3 * MiB + 1,)), ("l.c", "uint8", (333,)),
+                             ("l.d", "float32", (MiB // 2 + 7,))]),
+}
+
+
+@pytest.mark.rule("BKT-LARGE")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("case", list(LARGE))
+def test_large_buckets_bit_exact(loader, publisher, case):
+    bucket, params = LARGE[case]
+    model = M.spec(*params)
+    update = _roundtrip(loader, publisher, model, f"{case}: {model.nbytes} bytes through {bucket}-byte buckets",
+                        bucket_bytes=bucket)
+    biggest = max(sum(e["nbytes"] for e in b["entries"]) for b in update.buckets)
+    check.that(biggest >= 8 * MiB - 1, f"fixture precondition: {case}: largest bucket carries {biggest} bytes")
 
 
 @pytest.mark.rule("BKT-SPLIT")
@@ -124,54 +207,84 @@ def test_odd_sized_tensor_then_wider_dtypes(loader, publisher):
 
 @pytest.mark.rule("BKT-ACK-AFTER-COPY")
 @pytest.mark.requires("ipc.buckets")
-def test_buffer_overwritten_on_ack(loader, publisher):
-    model = M.spec(*((f"k.{i}", "float32", (32, 4)) for i in range(4)))  # 512 bytes each: one per bucket
-    update = _roundtrip(loader, publisher, model, "trainer fills each buffer with 0xA5 when it is acked",
-                        bucket_bytes=512, overwrite_on_ack=True)
-    check.that(len(update.buckets) == 4, f"fixture precondition: 4 buckets, got {len(update.buckets)}")
-
-
-@pytest.mark.rule("BKT-DUPLICATE")
-@pytest.mark.requires("ipc.buckets")
-@pytest.mark.parametrize("where_", ["later-bucket", "same-bucket"])
-def test_duplicate_name_rejected(loader, publisher, where_):
-    # 512-byte buckets: bucket 0 = embed.weight, layers.0.mlp.weight; bucket 1 = norm.bias.
-    name = "layers.0.mlp.weight" if where_ == "later-bucket" else "norm.bias"
-
-    def tamper(update):
-        first = update.entry(name)
-        _append(update, 1, {k: first[k] for k in ("name", "dtype", "shape")}, b"\x01" * first["nbytes"])
-
-    _rejected(loader, publisher, tamper, bucket_bytes=512, match="duplicate", names=[name],
-              where=f"{name} announced twice ({where_})")
+@pytest.mark.parametrize("case", ["small", "large-threaded"])
+def test_buffer_overwritten_on_ack(loader, publisher, case):
+    if case == "small":
+        model, bucket = M.spec(*((f"k.{i}", "float32", (32, 4)) for i in range(4))), 512  # one 512-byte tensor per bucket
+    else:  # an 8 MiB bucket exactly full (the copy a loader parallelizes for large buffers), then a small one
+        model, bucket = M.spec(("k.big", "uint8", (8 * MiB,)), ("k.small", "float32", (3,))), 8 * MiB
+    state = M.state(model, version=VERSION)
+    pub, session, updates = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=bucket, wait_s=3.0,
+                                   overwrite_on_ack=True)
+    where = f"{pub.endpoint}: trainer fills each {bucket}-byte buffer with 0xA5 when it is acked ({case})"
+    session.update()
+    check.params_equal(session.observe(), state, where)
+    pub.wait(5.0)
+    acks = [(m.get("version"), m.get("bucket")) for m in pub.replies("ack")]
+    want = [(VERSION, k) for k in range(len(updates[0].buckets))]
+    check.equal(acks, want, f"{where}: (version, bucket) of every ack, in order")
 
 
 @pytest.mark.rule("BKT-MANIFEST-MISMATCH")
 @pytest.mark.requires("ipc.buckets")
 @pytest.mark.parametrize(
     "field,exc,match",
-    [("nbytes", ValueError, "nbytes"), ("dtype", TypeError, "Type mismatch for layers.0.mlp.weight"),
-     ("shape", ValueError, "Shape mismatch for layers.0.mlp.weight")],
+    [pytest.param("nbytes-half", ValueError, "nbytes", id="nbytes-half"),
+     pytest.param("nbytes-one-item-short", ValueError, "nbytes", id="nbytes-one-item-short"),
+     pytest.param("nbytes-one-item-long", ValueError, "nbytes", id="nbytes-one-item-long"),
+     pytest.param("nbytes-double", ValueError, "nbytes", id="nbytes-double"),
+     pytest.param("total_nbytes-one-short", ValueError, "total_nbytes", id="total_nbytes-one-short"),
+     pytest.param("total_nbytes-one-long", ValueError, "total_nbytes", id="total_nbytes-one-long"),
+     pytest.param("dtype", TypeError, "Type mismatch for layers.0.mlp.weight", id="dtype"),
+     pytest.param("shape", ValueError, "Shape mismatch for layers.0.mlp.weight", id="shape")],
 )
 def test_manifest_disagreeing_with_data_or_model(loader, publisher, field, exc, match):
+    name = "c.big" if field.startswith("total") else "layers.0.mlp.weight"
+    model = M.spec(("c.big", "float32", (300,))) if name == "c.big" else SPEC
+
     def tamper(update):
-        e = update.entry("layers.0.mlp.weight")  # float32 (4, 8): 128 bytes
-        if field == "nbytes":
+        e = update.entry(name)  # layers.0.mlp.weight: float32 (4, 8), 128 bytes at 256; c.big: 1200 bytes, chunk 0
+        if field == "nbytes-half":
             e["nbytes"] = 64  # short, so that a worker trusting it writes inside the tensor
+        elif field == "nbytes-one-item-short":
+            e["nbytes"] -= 4
+        elif field == "nbytes-one-item-long":
+            e["nbytes"] += 4
+        elif field == "nbytes-double":
+            e["nbytes"] *= 2
+        elif field == "total_nbytes-one-short":
+            for k in range(3):
+                update.entry(name, k)["total_nbytes"] -= 1
+        elif field == "total_nbytes-one-long":
+            for k in range(3):
+                update.entry(name, k)["total_nbytes"] += 1
         elif field == "dtype":
             e["dtype"], e["shape"], e["nbytes"] = "float16", [4, 16], 128
         else:
             e["shape"] = [8, 4]
 
-    _rejected(loader, publisher, tamper, exc=exc, match=match, names=["layers.0.mlp.weight"],
-              where=f"manifest {field} disagrees")
+    names = [name, f"version {VERSION}"] if field in ("dtype", "shape") else [name]
+    _rejected(loader, publisher, tamper, exc=exc, match=match, names=names, model=model,
+              bucket_bytes=512 if name == "c.big" else 1024, where=f"manifest {field} disagrees")
 
 
 @pytest.mark.rule("BKT-OFFSET-RANGE")
 @pytest.mark.requires("ipc.buckets")
-@pytest.mark.parametrize("offset,case", [(1280, "past-end"), (768, "straddling")])
-def test_offset_out_of_range(loader, publisher, offset, case):
+@pytest.mark.parametrize("case", ["past-end", "straddling", "one-byte-past", "starts-at-end", *POSITIONS])
+def test_offset_out_of_range(loader, publisher, case):
+    if case in POSITIONS:  # a 128-byte entry starting at the 768-byte buffer's end
+        def edit(e):
+            e["offset"] = POS_BUCKET
+
+        _pos_rejected(loader, publisher, case, edit, match="out of range", where="entry at offset 768 of a 768-byte buffer")
+        return
+    if case == "one-byte-past":  # 257 bytes at 768 of a 1024-byte buffer: ends at 1025
+        model = M.spec(("r.a", "float32", (64,)), ("r.b", "uint8", (511,)), ("r.c", "uint8", (257,)))
+        _rejected(loader, publisher, None, model=model, bucket_bytes=1024, pack_bytes=1280, match="out of range",
+                  names=["r.c"], where="r.c: offset 768 + nbytes 257 = 1025 of a 1024-byte buffer")
+        return
     model = M.spec(("r.a", "float32", (64,)), ("r.b", "float32", (128,)))  # 256 + 512 bytes, one 1024-byte bucket
+    offset = {"past-end": 1280, "straddling": 768, "starts-at-end": 1024}[case]
 
     def tamper(update):
         update.entry("r.b")["offset"] = offset  # 512 bytes at 1280 (past the end) or at 768 (ending at 1280)
@@ -180,26 +293,57 @@ def test_offset_out_of_range(loader, publisher, offset, case):
               where=f"r.b at offset {offset} of a 1024-byte buffer ({case})")
 
 
+# o.a [0, 257), o.b [512, 640), o.c [768, 1280), o.d [1280, 1408) in a 2048-byte bucket; o.e is empty.
+OVERLAP_SPEC = M.spec(("o.a", "uint8", (257,)), ("o.b", "float32", (32,)), ("o.c", "float32", (128,)),
+                      ("o.d", "float32", (32,)), ("o.e", "float32", (0, 4)))
+OVERLAPS = {  # case -> (tensor moved, new offset, the tensor it collides with)
+    "one-byte": ("o.b", 256, "o.a"),  # [256, 384) shares byte 256 with o.a
+    "same-offset-same-size": ("o.d", 512, "o.b"),
+    "same-offset-longer": ("o.b", 768, "o.c"),
+    "contained": ("o.b", 1024, "o.c"),
+    "containing-end": ("o.d", 1024, "o.c"),
+}
+
+
 @pytest.mark.rule("BKT-OVERLAP")
 @pytest.mark.requires("ipc.buckets")
-def test_overlapping_entries_rejected(loader, publisher):
-    def tamper(update):
-        a, b = update.entry("embed.weight"), update.entry("layers.0.mlp.weight")
-        b["offset"] = a["offset"]  # both at 0, same bucket
+@pytest.mark.parametrize("case", [*OVERLAPS, "adjacent-loads", "empty-at-same-offset-loads"])
+def test_overlapping_entries_rejected(loader, publisher, case):
+    if case == "adjacent-loads":  # 256-byte tensors back to back: [0, 256), [256, 512), [512, 768)
+        model = M.spec(*((f"o.{i}", "bfloat16", (128,)) for i in range(3)))
+        update = _roundtrip(loader, publisher, model, "adjacent entries (one ends where the next starts)")
+        check.equal([e["offset"] for e in update.buckets[0]["entries"]], [0, 256, 512], "fixture precondition: offsets")
+        return
+    if case == "empty-at-same-offset-loads":
+        def tamper(update):
+            update.entry("o.e")["offset"] = update.entry("o.b")["offset"]  # 0 bytes at 512: shares nothing
 
-    _rejected(loader, publisher, tamper, match="overlap", names=["embed.weight", "layers.0.mlp.weight"],
-              where="two entries at offset 0")
+        state = M.state(OVERLAP_SPEC, version=VERSION)
+        pub, session, _ = _serve(loader, publisher, OVERLAP_SPEC, [(VERSION, state)], bucket_bytes=2048, tamper=tamper)
+        session.update()
+        check.params_equal(session.observe(), state, f"{pub.endpoint}: an empty entry at the offset of o.b")
+        return
+    moved, offset, other = OVERLAPS[case]
+
+    def tamper(update):
+        update.entry(moved)["offset"] = offset
+
+    _rejected(loader, publisher, tamper, model=OVERLAP_SPEC, bucket_bytes=2048, match="overlap", names=[moved, other],
+              where=f"{moved} moved to offset {offset} over {other} ({case})")
 
 
 @pytest.mark.rule("BKT-MISALIGNED")
 @pytest.mark.requires("ipc.buckets")
-def test_misaligned_offset_rejected(loader, publisher):
-    def tamper(update):
-        e = update.entry("layers.0.mlp.weight")  # at 256
-        e["offset"] += 8
+@pytest.mark.parametrize("by", [1, 128])
+@pytest.mark.parametrize("position", list(POSITIONS))
+def test_misaligned_offset_rejected(loader, publisher, position, by):
+    want = 256 * POSITIONS[position][1] + by
 
-    _rejected(loader, publisher, tamper, match="not aligned", names=["layers.0.mlp.weight", "264"],
-              where="entry at offset 264")
+    def edit(e):
+        e["offset"] += by  # the 128-byte entry still fits its 256-byte slot
+
+    _pos_rejected(loader, publisher, position, edit, match="not aligned", names=[str(want)],
+                  where=f"entry misaligned by {by} (offset {want})")
 
 
 @pytest.mark.rule("BKT-DTYPE-UNKNOWN")
@@ -224,63 +368,98 @@ def test_unknown_name_rejected(loader, publisher):
               where="entry for lm_head.weight, which the model lacks")
 
 
+@pytest.mark.rule("BKT-DUPLICATE")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("where_", ["later-bucket", "same-bucket"])
+def test_duplicate_name_rejected(loader, publisher, where_):
+    # 512-byte buckets: bucket 0 = embed.weight, layers.0.mlp.weight; bucket 1 = norm.bias.
+    name = "layers.0.mlp.weight" if where_ == "later-bucket" else "norm.bias"
+
+    def tamper(update):
+        first = update.entry(name)
+        _append(update, 1, {k: first[k] for k in ("name", "dtype", "shape")}, b"\x01" * first["nbytes"])
+
+    _rejected(loader, publisher, tamper, bucket_bytes=512, match="duplicate", names=[name],
+              where=f"{name} announced twice ({where_})")
+
+
 @pytest.mark.rule("BKT-CHUNKS")
 @pytest.mark.requires("ipc.buckets")
-@pytest.mark.parametrize("case", ["gap", "out-of-order"])
+@pytest.mark.parametrize("case", ["gap-of-one", "back-by-one", "out-of-order", "last-chunk-missing"])
 def test_split_chunks_contiguous_in_order(loader, publisher, case):
     model = M.spec(("c.big", "float32", (300,)))  # 1200 bytes in 512-byte buckets: chunks 512, 512, 176
 
     def tamper(update):
         c0, c1, c2 = (update.entry("c.big", i) for i in range(3))
-        if case == "gap":
-            c1["chunk_offset"] += 8
+        if case == "gap-of-one":
+            c1["chunk_offset"] += 1
+        elif case == "back-by-one":
+            c2["chunk_offset"] -= 1
+        elif case == "last-chunk-missing":  # the end counts the two buckets sent
+            del update.buckets[2], update.writes[2]
+            update.end["buckets"] = 2
         else:  # swap what buckets 1 and 2 carry: chunk 2 arrives before chunk 1
             update.buckets[1], update.buckets[2] = update.buckets[2], update.buckets[1]
             update.writes[1], update.writes[2] = update.writes[2], update.writes[1]
             update.buckets[1]["bucket"], update.buckets[2]["bucket"] = 1, 2
 
-    _rejected(loader, publisher, tamper, model=model, bucket_bytes=512, match="chunk_offset", names=["c.big"],
+    match = "incomplete" if case == "last-chunk-missing" else "chunk_offset"
+    _rejected(loader, publisher, tamper, model=model, bucket_bytes=512, match=match, names=["c.big"],
               where=f"chunks of c.big: {case}")
 
 
-@pytest.mark.rule("BKT-VERSION")
-@pytest.mark.requires("ipc.buckets")
-@pytest.mark.parametrize("case", ["changes-mid-update", "not-the-expected"])
-def test_version_must_not_change(loader, publisher, case):
+def _end_tamper(field: str, case: str):
     def tamper(update):
-        for k, manifest in enumerate(update.buckets):
-            if case == "not-the-expected" or k >= 1:
-                manifest["version"] = VERSION + 1
-        update.end["version"] = VERSION + 1 if case == "not-the-expected" else VERSION
+        end = update.end
+        if case == "missing":
+            del end[field]
+        elif field == "version":
+            end["version"] = {"other": VERSION + 1, "str": str(VERSION)}[case]
+        elif field in ("buckets", "count"):
+            end[field] += {"one-fewer": -1, "one-more": 1}[case]
+        elif field == "digest":
+            names = {"other-order": list(reversed(update.names)), "one-name-missing": update.names[:-1],
+                     "uppercase": None}[case]
+            end["digest"] = end["digest"].upper() if names is None else B.digest(names)
+        elif field == "proto":
+            end["proto"] = 2
 
-    _rejected(loader, publisher, tamper, bucket_bytes=512, match=f"version is {VERSION + 1}.*{VERSION}", names=[str(VERSION + 1)],
-              where=f"version {VERSION} then {VERSION + 1} ({case})")
+    return tamper
+
+
+END_CASES = [("version", "other"), ("version", "missing"), ("version", "str"), ("buckets", "one-fewer"),
+             ("buckets", "one-more"), ("buckets", "missing"), ("count", "one-fewer"), ("count", "one-more"),
+             ("count", "missing"), ("digest", "other-order"),
+             ("digest", "one-name-missing"), ("digest", "uppercase"), ("digest", "missing"), ("proto", "2"),
+             ("proto", "missing"), ("type", "missing")]
 
 
 @pytest.mark.rule("BKT-END-CHECK")
 @pytest.mark.requires("ipc.buckets")
-@pytest.mark.parametrize("field", ["count", "digest"])
-def test_end_message_must_match(loader, publisher, field):
-    def tamper(update):
-        if field == "count":
-            update.end["count"] += 1
-        else:
-            update.end["digest"] = B.digest(list(reversed(update.names)))
-
-    _rejected(loader, publisher, tamper, match=field, names=[field], where=f"end message with a wrong {field}")
+@pytest.mark.parametrize("field,case", END_CASES, ids=[f"{f}-{c}" for f, c in END_CASES])
+def test_end_message_must_match(loader, publisher, field, case):
+    names = [field, f"version {VERSION}"]
+    if (field, case) == ("version", "other"):
+        names.append(str(VERSION + 1))
+    _rejected(loader, publisher, _end_tamper(field, case), bucket_bytes=512, match=field, names=names,
+              where=f"end message with field {field} {case}")
 
 
 @pytest.mark.rule("BKT-REPEAT")
 @pytest.mark.requires("ipc.buckets")
-def test_three_updates_in_a_row(loader, publisher):
-    states = [(v, M.state(SPEC, version=v)) for v in (1, 2, 3)]
+@pytest.mark.parametrize("expected", ["none", "configured"])
+def test_three_updates_in_a_row(loader, publisher, expected):
+    if expected == "none":  # versions 1, 2, 3
+        states = [(v, M.state(SPEC, version=v)) for v in (1, 2, 3)]
+    else:  # the worker expects version 3 every time: three updates of version 3 with other values
+        states = [(VERSION, M.state(SPEC, seed=s, version=VERSION)) for s in (1, 2, 3)]
     pub, _, _ = _serve(loader, publisher, SPEC, states, bucket_bytes=512)
-    session = loader.open(SPEC, strategy="ipc_bucket", options=pub.options(None))
-    for v, want in states:
-        if v > 1:
+    session = loader.open(SPEC, strategy="ipc_bucket", options=pub.options(None if expected == "none" else VERSION))
+    for i, (v, want) in enumerate(states):
+        if i:
             session.clear()
         session.update()
-        check.params_equal(session.observe(), want, f"{pub.endpoint}: update {v} of 3 (version {v})")
+        check.params_equal(session.observe(), want, f"{pub.endpoint}: update {i + 1} of 3 (version {v}, expected {expected})")
 
 
 def _bounded(fn, seconds: float):
@@ -300,26 +479,203 @@ def _bounded(fn, seconds: float):
     return not t.is_alive(), out.get("error"), time.monotonic() - start
 
 
+# SPEC in 256-byte buckets: one tensor per bucket, buckets 0, 1, 2, then the end (step 3).
+FAULT_TIMEOUT = 0.2
+FAULT_PHASES = {  # case -> (fault, bucket awaited)
+    "dies-before-first-reply": (("die", 0), 0),
+    "silent-after-bucket-0": (("silent", 1), 1),
+    "dies-after-middle-bucket": (("die", 2), 2),
+    "silent-before-end": (("silent", 3), 3),
+}
+
+
+def _status_param(case):
+    return pytest.param(case, marks=pytest.mark.requires("ipc.buckets", "status"), id=case)
+
+
 @pytest.mark.rule("BKT-TIMEOUT")
-@pytest.mark.requires("ipc.buckets")
-def test_dead_trainer_is_a_timeout(loader, publisher):
+@pytest.mark.parametrize("case", [*(_status_param(c) for c in FAULT_PHASES),
+                                  pytest.param("dies-after-end-succeeds", marks=pytest.mark.requires("ipc.buckets", "status")),
+                                  pytest.param("slow-but-healthy-succeeds", marks=pytest.mark.requires("ipc.buckets", "status"))])
+def test_dead_trainer_is_a_timeout(loader, publisher, case):
     state = M.state(SPEC, version=VERSION)
-    pub, session, updates = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=512, timeout_s=0.5,
-                                   die_before=1)
-    where = f"{pub.endpoint}: trainer gone after bucket 0 of {len(updates[0].buckets)}, timeout_s 0.5"
+    fault, awaited = FAULT_PHASES.get(case, (None, None))
+    serve = {}
+    if case == "dies-after-end-succeeds":
+        fault = ("die", "after-end")
+    elif case == "slow-but-healthy-succeeds":  # 4 replies, each after 0.06 s: 0.24 s in all > timeout_s 0.2
+        serve["pause_s"] = 0.06
+    pub, session, updates = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=256, timeout_s=FAULT_TIMEOUT,
+                                   fault=fault, **serve)
+    where = f"{pub.endpoint}: {case} ({len(updates[0].buckets)} buckets, timeout_s {FAULT_TIMEOUT})"
     finished, error, elapsed = _bounded(session.update, 4.0)
-    check.that(finished, f"{where}: update() still blocked after {elapsed:.1f}s (expected TimeoutError within 2s)")
+    check.that(finished, f"{where}: update() still blocked after {elapsed:.1f}s")
+    if awaited is None:
+        check.that(error is None, f"{where}: the update must succeed, got {type(error).__name__}: {error}")
+        check.params_equal(session.observe(), state, where)
+        check.status_is(session, "NORMAL", where)
+        return
     check.that(isinstance(error, TimeoutError),
                f"{where}: expected TimeoutError, got {type(error).__name__ if error else 'no error'}: {error}")
-    check.that(elapsed <= 2.0, f"{where}: raised after {elapsed:.2f}s, expected within 2s")
-    missing = [s for s in ("bucket 1", f"version {VERSION}") if s not in str(error)]
+    check.that(elapsed <= 1.5, f"{where}: raised after {elapsed:.2f}s, expected within 1.5s")
+    missing = [s for s in (f"bucket {awaited}", f"version {VERSION}") if s not in str(error)]
     check.that(not missing, f"{where}: error {str(error)!r} does not name {missing}")
     check.not_loaded(session.observe(), NAMES, where)
+    check.status_not(session, "NORMAL", where)
+
+
+@pytest.mark.rule("BKT-ABORT")
+@pytest.mark.parametrize("step", [_status_param(k) for k in ("0", "1", "3")])
+def test_trainer_abort(loader, publisher, step):
+    k = int(step)
+    state = M.state(SPEC, version=VERSION)
+    pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=256, timeout_s=2.0,
+                             fault=("abort", k))
+    where = f"{pub.endpoint}: trainer sends abort instead of {'the end' if k == 3 else f'bucket {k}'}"
+    finished, error, elapsed = _bounded(session.update, 4.0)
+    check.that(finished and elapsed < 1.5, f"{where}: update() took {elapsed:.2f}s (finished {finished}); an abort "
+               "must end the update at once, not after timeout_s")
+    check.that(error is not None, f"{where}: update() returned although the trainer aborted")
+    missing = [s for s in (f"trainer gave up before step {k}", f"bucket {k}", f"version {VERSION}") if s not in str(error)]
+    check.that(not missing, f"{where}: error {type(error).__name__}: {str(error)!r} does not name {missing}")
+    check.not_loaded(session.observe(), NAMES, where)
+    check.status_not(session, "NORMAL", where)
+
+
+@pytest.mark.rule("BKT-VERSION")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("case", ["changes-mid-update", "not-the-expected", "changes-mid-update-none-expected"])
+def test_version_must_not_change(loader, publisher, case):
+    def tamper(update):
+        for k, manifest in enumerate(update.buckets):
+            if case == "not-the-expected" or k >= 1:
+                manifest["version"] = VERSION + 1
+        update.end["version"] = VERSION + 1 if case == "not-the-expected" else VERSION
+
+    expected = None if case.endswith("none-expected") else VERSION  # then bucket 0's version is the update's
+    _rejected(loader, publisher, tamper, bucket_bytes=512, match=f"version is {VERSION + 1}.*{VERSION}", names=[str(VERSION + 1)],
+              where=f"version {VERSION} then {VERSION + 1} ({case})", expected=expected)
+
+
+@pytest.mark.rule("BKT-DONE-AFTER-COMMIT")
+@pytest.mark.parametrize("case", [pytest.param("applied", marks=pytest.mark.requires("ipc.buckets")),
+                                  pytest.param("missing-parameter", marks=pytest.mark.requires("ipc.buckets", "status")),
+                                  pytest.param("end-rejected", marks=pytest.mark.requires("ipc.buckets", "status"))])
+def test_done_only_after_commit(loader, publisher, case):
+    state = M.state(SPEC, version=VERSION)
+    sent = {n: a for n, a in state.items() if n != "layers.0.mlp.weight"} if case == "missing-parameter" else state
+    tamper = _end_tamper("digest", "other-order") if case == "end-rejected" else None
+    pub, session, updates = _serve(loader, publisher, SPEC, [(VERSION, sent)], bucket_bytes=256, tamper=tamper, wait_s=3.0)
+    where = f"{pub.endpoint}: what the trainer is told after an update {case}"
+    if case == "applied":
+        session.update()
+        check.params_equal(session.observe(), state, where)
+    else:
+        with check.raises((ValueError, RuntimeError), match="digest|layers.0.mlp.weight", where=where):
+            session.update()
+        check.status_not(session, "NORMAL", where)
+    try:
+        pub.wait(5.0)
+    except TimeoutError:
+        pass  # the trainer waited for a done or an error that never came: judged below
+    done = [(m.get("version"), m.get("count")) for m in pub.replies("done")]
+    if case == "applied":
+        check.equal(done, [(VERSION, len(NAMES))], f"{where}: (version, count) of the done messages")
+        kinds = [m.get("type") for m in pub.received]
+        check.equal(kinds, ["hello"] + ["ack"] * len(updates[0].buckets) + ["done"], f"{where}: messages in order")
+        hello = pub.received[0]
+        check.equal((hello.get("version"), hello.get("rank"), hello.get("proto")), (VERSION, 0, 1),
+                    f"{where}: (version, rank, proto) of the hello of worker rank 0 expecting version {VERSION}")
+    else:
+        check.equal(done, [], f"{where}: done messages after a failed update")
+
+
+@pytest.mark.rule("BKT-ERROR-REPORTED")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("step", ["0", "1", "2", "end", "commit"])
+def test_error_reported_to_trainer(loader, publisher, step):
+    """SPEC in 256-byte buckets: buckets 0, 1, 2 carry one tensor each; the end is step 3."""
+    state = M.state(SPEC, version=VERSION)
+    sent = state
+    if step == "commit":
+        sent = {n: a for n, a in state.items() if n != "norm.bias"}
+    bucket = {"0": 0, "1": 1, "2": 2, "end": 3, "commit": 2}[step]
+
+    def tamper(update):
+        if step == "end":
+            update.end["count"] += 1
+        elif step != "commit":
+            update.buckets[bucket]["entries"][0]["dtype"] = "float4_e2m1fn"
+
+    pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, sent)], bucket_bytes=256, tamper=tamper, wait_s=3.0)
+    where = f"{pub.endpoint}: rejected at {step}"
+    with check.raises((ValueError, RuntimeError), match="float4_e2m1fn|count|norm.bias", where=where):
+        session.update()
+    try:
+        pub.wait(5.0)
+    except TimeoutError:
+        pass  # the trainer waited for an error that never came: judged below
+    kinds = [m.get("type") for m in pub.received]
+    check.that(kinds and kinds[-1] == "error", f"{where}: the worker's last message must be an error, got {kinds}")
+    check.that("done" not in kinds, f"{where}: the worker sent done for a failed update: {kinds}")
+    check.equal(kinds.count("ack"), bucket, f"{where}: buckets acknowledged before the rejection ({kinds})")
+    err = pub.replies("error")[-1]
+    check.equal((err.get("version"), err.get("bucket")), (VERSION, bucket), f"{where}: (version, bucket) of the error")
+    text = str(err.get("message"))
+    fault = {"end": "count", "commit": "norm.bias"}.get(step, "float4_e2m1fn")
+    check.that(fault in text, f"{where}: the error sent to the trainer, {text!r}, does not name {fault!r}")
+
+
+@pytest.mark.rule("BKT-STATUS-UPDATING")
+@pytest.mark.requires("ipc.buckets", "status")
+def test_status_updating_while_buckets_arrive(loader, publisher):
+    state = M.state(SPEC, version=VERSION)
+    pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=256, hold_before=1)
+    where = f"{pub.endpoint}: status() from another thread while the trainer holds bucket 1"
+    runner = threading.Thread(target=lambda: out.update(done=_bounded(session.update, 5.0)), daemon=True)
+    out = {}
+    runner.start()
+    try:
+        check.that(pub.holding.wait(5.0), f"{where}: the worker never acknowledged bucket 0")
+        check.status_is(session, "UPDATING", where)
+        check.not_loaded(session.observe(), NAMES, f"{where}: before the end message")
+    finally:
+        pub.release.set()
+    runner.join(6.0)
+    finished, error, _ = out.get("done", (False, None, 0))
+    check.that(finished and error is None, f"{where}: after the release the update must succeed, got {error!r}")
+    check.status_is(session, "NORMAL", f"{where}: after the update")
+
+
+@pytest.mark.rule("BKT-RECOVERY")
+@pytest.mark.parametrize("failure,expected", [
+    pytest.param(f, e, marks=pytest.mark.requires("ipc.buckets", "status"), id=f"{f}-expected-{e}")
+    for f, e in (("rejected", "configured"), ("timed-out", "configured"), ("aborted", "none"))])
+def test_recovery_after_failed_update(loader, publisher, failure, expected):
+    bad, good = M.state(SPEC, seed=1, version=VERSION), M.state(SPEC, seed=2, version=VERSION)
+    fault = {"rejected": None, "timed-out": ("silent", 1), "aborted": ("abort", 1)}[failure]
+
+    def tamper(update):
+        if failure == "rejected":
+            update.buckets[1]["entries"][0]["offset"] = 8
+
+    pub, _, _ = _serve(loader, publisher, SPEC, [(VERSION, bad), (VERSION, good)], bucket_bytes=256, tamper=tamper,
+                       fault=fault)
+    session = loader.open(SPEC, strategy="ipc_bucket",
+                          options=pub.options(VERSION if expected == "configured" else None, FAULT_TIMEOUT))
+    where = f"{pub.endpoint}: update {failure} at bucket 1, then clear() and an update from a healthy trainer"
+    with check.raises(Exception, match="bucket 1", where=where):
+        session.update()
+    check.status_not(session, "NORMAL", where)
+    session.clear()
+    session.update()
+    check.params_equal(session.observe(), good, where)
+    check.status_is(session, "NORMAL", where)
 
 
 @pytest.mark.rule("BKT-ATOMIC")
 @pytest.mark.requires("ipc.buckets", "status")
-@pytest.mark.parametrize("case", ["second-bucket", "end-message", "missing-parameter"])
+@pytest.mark.parametrize("case", ["second-bucket", "end-message", "missing-parameter", "last-bucket"])
 def test_rejected_update_changes_nothing(loader, publisher, case):
     state = M.state(SPEC, version=VERSION)
     if case == "missing-parameter":
@@ -329,13 +685,17 @@ def test_rejected_update_changes_nothing(loader, publisher, case):
         def tamper(update):
             if case == "second-bucket":
                 update.buckets[1]["entries"][0]["offset"] += 8
+            elif case == "last-bucket":  # 256-byte buckets: the third and last carries norm.bias
+                update.buckets[-1]["entries"][0]["dtype"] = "bfloat16"
             else:
                 update.end["count"] -= 1
 
-        pub, session, updates = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=512, tamper=tamper)
+        pub, session, updates = _serve(loader, publisher, SPEC, [(VERSION, state)],
+                                       bucket_bytes=256 if case == "last-bucket" else 512, tamper=tamper)
     where = f"{pub.endpoint}: update rejected ({case})"
     before = session.observe()
-    exc, match = (RuntimeError, "norm.bias") if case == "missing-parameter" else (ValueError, "bucket|count")
+    exc, match = {"missing-parameter": (RuntimeError, "norm.bias"), "last-bucket": (TypeError, "norm.bias")}.get(
+        case, (ValueError, "bucket|count"))
     with check.raises(exc, match=match, where=where):
         session.update()
     after = session.observe()
@@ -352,7 +712,8 @@ def test_pickled_manifest_never_unpickled(loader, publisher, tmp_path):
     def tamper(update):
         update.buckets[0] = B.exec_pickle(marker)
 
-    _rejected(loader, publisher, tamper, match="msgpack", where="trainer replies to hello with a pickle")
+    _rejected(loader, publisher, tamper, match="msgpack", names=["bucket 0", f"version {VERSION}"],
+              where="trainer replies to hello with a pickle")
     check.that(not marker.exists(), f"{marker}: created, so the worker unpickled the trainer's message")
 
 
@@ -366,27 +727,249 @@ def _ours() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
 
 
+def _sockets() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+def _settled(probe, want, seconds: float = 2.0):
+    """``probe()`` once it equals ``want``, or its last value after ``seconds`` (sockets close asynchronously)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        got = probe()
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
 @pytest.mark.rule("BKT-NO-LEAK")
-@pytest.mark.requires("ipc.buckets")
-@pytest.mark.parametrize("outcome", ["applied", "rejected"])
+@pytest.mark.parametrize("outcome", [pytest.param("applied", marks=pytest.mark.requires("ipc.buckets")),
+                                     pytest.param("applied-large", marks=pytest.mark.requires("ipc.buckets")),
+                                     pytest.param("rejected", marks=pytest.mark.requires("ipc.buckets")),
+                                     pytest.param("timed-out", marks=pytest.mark.requires("ipc.buckets"))])
 def test_no_mapping_or_segment_left(loader, publisher, outcome):
-    existing = _ours()
-    state = M.state(SPEC, version=VERSION)
+    existing, threads = _ours(), set(threading.enumerate())
+    large = outcome.endswith("-large")
+    model = M.spec(("n.big", "uint8", (8 * MiB,)), ("n.small", "float32", (3,))) if large else SPEC
+    state = M.state(model, version=VERSION)
 
     def tamper(update):
-        if outcome == "rejected":
+        if outcome.startswith("rejected"):
             update.end["digest"] = "0" * 64
 
-    pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=512, tamper=tamper)
+    pub, session, _ = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=8 * MiB if large else 512,
+                             tamper=tamper, timeout_s=FAULT_TIMEOUT, fault=("silent", 1) if outcome == "timed-out" else None)
     where = f"{pub.endpoint}: after an update that was {outcome}"
-    if outcome == "applied":
+    sockets = _sockets()  # the trainer's listening socket is open; the worker has not connected yet
+    if outcome.startswith("applied"):
         session.update()
     else:
-        with check.raises(ValueError, match="digest", where=where):
+        exc, match = (TimeoutError, "bucket 1") if outcome == "timed-out" else (ValueError, "digest")
+        with check.raises(exc, match=match, where=where):
             session.update()
+    # While the trainer is still up, a socket the worker kept open keeps its connection (and the
+    # trainer's end of it) alive; once the worker closed it, both descriptors go.
+    got = _settled(_sockets, sockets)
+    check.that(got <= sockets, f"{where}: {got} socket descriptors open, {sockets} before the update (one left open)")
     names = pub.segment_names
     pub.close()  # the trainer unmaps and unlinks its buffers: any mapping left is the worker's
     left = _mapped(names)
     check.that(not left, f"{where}: the worker still maps the trainer's buffers: {left}")
     leaked = sorted(_ours() - existing)
     check.that(not leaked, f"{where}: /dev/shm still holds {leaked} after the trainer closed")
+    extra = _settled(lambda: sorted(t.name for t in set(threading.enumerate()) - threads if t.is_alive()), [])
+    check.that(not extra, f"{where}: threads still running after the update: {extra}")
+
+
+# -- the APPLY rules on the bucket path ---------------------------------------------------------------
+APPLY_SPEC = M.spec(("x.bf16", "bfloat16", (4, 8)), ("x.f16", "float16", (4, 8)), ("x.u8", "uint8", (16,)),
+                    ("x.f8", "float8_e5m2", (16,)), ("x.f32", "float32", (4, 8)), ("x.scalar", "float32", ()))
+# 256-byte buckets: x.bf16 (64 B) and x.f16 (64 B) in bucket 0, ... : first, middle and last positions.
+
+
+def _apply_rejected(loader, publisher, name, dtype=None, shape=None, *, exc, match):
+    def tamper(update):
+        e = update.entry(name)
+        if dtype is not None:
+            e["dtype"] = dtype
+        if shape is not None:
+            e["shape"] = list(shape)
+
+    _rejected(loader, publisher, tamper, model=APPLY_SPEC, bucket_bytes=256, exc=exc, match=match, names=[name],
+              where=f"bucket entry {name} announced as {dtype or 'its dtype'} {list(shape) if shape is not None else ''}")
+
+
+@pytest.mark.rule("APPLY-DTYPE-MISMATCH")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("name,dtype", [("x.bf16", "float16"), ("x.f16", "bfloat16"), ("x.u8", "float8_e4m3fn"),
+                                        ("x.f8", "float8_e4m3fn"), ("x.scalar", "int32")])
+def test_bucket_dtype_mismatch(loader, publisher, name, dtype):
+    """Same itemsize, so nbytes still agrees: only the comparison with the parameter's dtype can catch it."""
+    _apply_rejected(loader, publisher, name, dtype, exc=TypeError, match=f"Type mismatch for {name}")
+
+
+@pytest.mark.rule("APPLY-SHAPE-MISMATCH")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("name,shape", [("x.bf16", (8, 4)), ("x.f16", (32,)), ("x.u8", (16, 1)), ("x.scalar", (1,))])
+def test_bucket_shape_mismatch(loader, publisher, name, shape):
+    """Same element count, so nbytes still agrees: only the comparison with the parameter's shape can catch it."""
+    _apply_rejected(loader, publisher, name, shape=shape, exc=ValueError, match=f"Shape mismatch for {name}")
+
+
+@pytest.mark.rule("APPLY-DTYPE-BEFORE-SHAPE")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("name,dtype,shape", [("x.f32", "float16", (4, 16)), ("x.bf16", "float16", (8, 4))])
+def test_bucket_dtype_before_shape(loader, publisher, name, dtype, shape):
+    _apply_rejected(loader, publisher, name, dtype, shape, exc=TypeError, match=f"Type mismatch for {name}")
+
+
+@pytest.mark.rule("APPLY-MISSING-FAILS")
+@pytest.mark.requires("ipc.buckets", "status")
+@pytest.mark.parametrize("missing", [("x.bf16",), ("x.scalar",), ("x.bf16", "x.f8")],
+                         ids=["first", "last", "first-and-middle"])
+def test_bucket_missing_parameter(loader, publisher, missing):
+    state = M.state(APPLY_SPEC, version=VERSION)
+    sent = {n: a for n, a in state.items() if n not in missing}
+    pub, session, _ = _serve(loader, publisher, APPLY_SPEC, [(VERSION, sent)], bucket_bytes=256)
+    where = f"{pub.endpoint}: update without {list(missing)}"
+    with check.raises(RuntimeError, match=missing[0], names=list(missing), where=where):
+        session.update()
+    check.not_loaded(session.observe(), list(sent), where)
+    check.status_not(session, "NORMAL", where)
+
+
+MTP_SPEC = M.spec(("embed.weight", "bfloat16", (8, 4)), ("norm.bias", "float16", (4,)),
+                  mtp=[(("mtp.0.proj.weight", "bfloat16", (4, 4)), ("mtp.0.norm.weight", "float32", (4,)))])
+
+
+@pytest.mark.rule("APPLY-MTP-LOADED")
+@pytest.mark.requires("ipc.buckets", "mtp")
+def test_bucket_main_and_mtp_two_versions(loader, publisher):
+    states = [(v, M.state(MTP_SPEC, version=v)) for v in (1, 2)]
+    pub, _, _ = _serve(loader, publisher, MTP_SPEC, states, bucket_bytes=256)
+    session = loader.open(MTP_SPEC, strategy="ipc_bucket", options=pub.options(None))
+    for i, (v, want) in enumerate(states):
+        if i:
+            session.clear()
+        session.update()
+        check.params_equal(session.observe(), want, f"{pub.endpoint}: main + MTP, update of version {v}")
+
+
+@pytest.mark.rule("APPLY-ROUNDTRIP-DTYPES")
+@pytest.mark.requires("ipc.buckets")
+def test_bucket_every_dtype_and_scalars(loader, publisher):
+    dtypes = ["bfloat16", "float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool", "float8_e4m3fn",
+              "float8_e5m2"]
+    model = M.spec(*((f"d.w_{d}", d, (5, 3)) for d in dtypes), *((f"d.s_{d}", d, ()) for d in dtypes))
+    update = _roundtrip(loader, publisher, model, "every wire dtype, as (5, 3) and 0-d tensors, in 512-byte buckets",
+                        bucket_bytes=512)
+    check.that(len(update.buckets) > 2, f"fixture precondition: expected several buckets, got {len(update.buckets)}")
+
+
+BAD_OPTIONS = {  # case -> (options changed, option named in the error)
+    "endpoint-remote-tcp": ({"endpoint": "tcp://10.1.2.3:5555"}, "endpoint"),
+    "endpoint-http": ({"endpoint": "http://127.0.0.1:5555"}, "endpoint"),
+    "endpoint-missing": ({"endpoint": None}, "endpoint"),
+    "version-str": ({"version": "3"}, "version"),
+    "version-bool": ({"version": True}, "version"),
+    "timeout-zero": ({"timeout_s": 0}, "timeout_s"),
+    "timeout-negative": ({"timeout_s": -1.0}, "timeout_s"),
+    "timeout-nan": ({"timeout_s": float("nan")}, "timeout_s"),
+    "timeout-bool": ({"timeout_s": True}, "timeout_s"),
+    "timeout-str": ({"timeout_s": "5"}, "timeout_s"),
+}
+
+
+@pytest.mark.rule("BKT-OPTIONS")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("case", [*BAD_OPTIONS, "defaults-load", "localhost-tcp-loads"])
+def test_bucket_options(loader, publisher, case):
+    state = M.state(SPEC, version=VERSION)
+    if case == "localhost-tcp-loads":  # the trainer binds a local TCP port; no version, no timeout_s
+        pub = publisher(512)
+        pub.sock.unbind(pub.endpoint)
+        port = pub.sock.bind_to_random_port("tcp://127.0.0.1")
+        pub.endpoint = f"tcp://127.0.0.1:{port}"
+        pub.serve(B.pack(state, VERSION, 512))
+        options = {"endpoint": pub.endpoint}
+    else:
+        pub, _, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=512)
+        options = {"endpoint": pub.endpoint}  # defaults: no expected version, timeout_s 5
+    if case in BAD_OPTIONS:
+        changes, named = BAD_OPTIONS[case]
+        options.update(changes)
+        options = {k: v for k, v in options.items() if v is not None}
+        where = f"ipc_bucket options {options!r} ({case})"
+        with check.raises(ValueError, match=named, where=where):
+            session = loader.open(SPEC, strategy="ipc_bucket", options=options)
+            session.update()
+        return
+    session = loader.open(SPEC, strategy="ipc_bucket", options=options)
+    session.update()
+    check.params_equal(session.observe(), state, f"{pub.endpoint}: options {options} ({case})")
+
+
+FIELD_CASES = {  # case -> (where: "manifest" or "entry", field, new value; DELETE removes it)
+    "manifest-proto-2": ("manifest", "proto", 2),
+    "manifest-proto-missing": ("manifest", "proto", "DELETE"),
+    "manifest-version-str": ("manifest", "version", "3"),
+    "manifest-bucket-missing": ("manifest", "bucket", "DELETE"),
+    "manifest-bucket-skips-one": ("manifest", "bucket", 1),
+    "manifest-bucket-str": ("manifest", "bucket", "0"),
+    "manifest-handle-63-bytes": ("manifest", "handle", b"\0" * 63),
+    "manifest-handle-str": ("manifest", "handle", "0" * 64),
+    "manifest-entries-map": ("manifest", "entries", {}),
+    "manifest-entries-missing": ("manifest", "entries", "DELETE"),
+    "entry-not-a-map": ("entry", None, ["embed.weight"]),
+    "entry-name-missing": ("entry", "name", "DELETE"),
+    "entry-name-empty": ("entry", "name", ""),
+    "entry-name-int": ("entry", "name", 7),
+    "entry-dtype-int": ("entry", "dtype", 16),
+    "entry-shape-str": ("entry", "shape", "8,16"),
+    "entry-shape-negative": ("entry", "shape", [-8, -16]),
+    "entry-shape-bool": ("entry", "shape", [True, 16]),
+    "entry-offset-negative": ("entry", "offset", -256),
+    "entry-offset-missing": ("entry", "offset", "DELETE"),
+    "entry-nbytes-str": ("entry", "nbytes", "256"),
+    "entry-nbytes-negative": ("entry", "nbytes", -256),
+    "entry-chunk_offset-negative": ("entry", "chunk_offset", -1),
+    "entry-total_nbytes-str": ("entry", "total_nbytes", "256"),
+}
+FIELD_DEFAULTS = {  # optional fields given alone, at their default value: must load
+    "entry-chunk_offset-0-alone-loads": ("entry", "chunk_offset", 0),
+    "entry-total_nbytes-alone-loads": ("entry", "total_nbytes", 256),
+}
+
+
+@pytest.mark.rule("BKT-FIELDS")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("case", [*FIELD_CASES, *FIELD_DEFAULTS])
+def test_manifest_fields_present_and_typed(loader, publisher, case):
+    """Bucket 0 of SPEC in 512-byte buckets: embed.weight (bf16 (8, 16), 256 bytes at 0) and layers.0.mlp.weight."""
+    kind, field, value = FIELD_CASES.get(case) or FIELD_DEFAULTS[case]
+    named = {"entry-not-a-map": "entry"}.get(case, field)
+
+    def tamper(update):
+        manifest = update.buckets[0]
+        if kind == "entry" and field is None:
+            manifest["entries"][0] = value
+            return
+        target = manifest if kind == "manifest" else manifest["entries"][0]
+        if value == "DELETE":
+            del target[field]
+        else:
+            target[field] = value
+
+    if case in FIELD_DEFAULTS:
+        state = M.state(SPEC, version=VERSION)
+        pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=512, tamper=tamper)
+        session.update()
+        check.params_equal(session.observe(), state, f"{pub.endpoint}: bucket 0 with {case}")
+        return
+    _rejected(loader, publisher, tamper, bucket_bytes=512, match=named, names=[f"version {VERSION}"],
+              where=f"bucket 0 with {case}")

@@ -1,7 +1,9 @@
 """ipc: a metadata file of shared handles, ``{shared_dir}/ipc_metas_{id}``. Spec: SPEC.md § IPC."""
 import os
 import pickle
+import re
 
+import numpy as np
 import pytest
 
 from conformance import check
@@ -50,18 +52,55 @@ def _publish(loader, trainer, tensors, gpu_id=0, **kw):
     return export, I.write_metas(I.meta_path(loader.shared_dir, gpu_id), export.metas)
 
 
+FIRST, MIDDLE = "embed.weight", "norm.bias"
+POSITIONS = {"first": FIRST, "middle": MIDDLE, "last": LAST}
+NAMES = [p.name for p in SPEC.all_params]
+PHYSICAL = Worker(0, "5,3,7", "1")  # CUDA ordinal 1 is physical GPU 3: never 1, never 5
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _meta_file(loader, gpu_id=0):
+    return I.meta_path(loader.shared_dir, gpu_id)
+
+
 @pytest.mark.rule("IPC-FILE-NAME")
-@pytest.mark.requires("ipc.meta", "trace")
-def test_meta_file_is_named_by_physical_gpu(loader, trainer):
-    want, decoy = M.state(SPEC, version=1), M.state(SPEC, version=2)
+@pytest.mark.parametrize(
+    "rank",
+    [pytest.param(0, marks=pytest.mark.requires("ipc.meta", "trace"), id="rank0"),
+     pytest.param(1, marks=pytest.mark.requires("ipc.meta", "trace"), id="rank1")],
+)
+def test_meta_file_is_named_by_physical_gpu(loader, trainer, rank):
+    want = M.state(SPEC, version=1)
     _publish(loader, trainer, want, gpu_id=3, device_id=1)
-    _publish(loader, trainer, decoy, gpu_id=1, device_id=1)
-    session = loader.open(SPEC, strategy="ipc", worker=Worker(0, "2,3,4", "1"))
+    # decoys: the ordinal (1), the first visible GPU (5), a name sharing the prefix (31), rank/GPU 0, the last (7)
+    for version, decoy in enumerate((1, 5, 31, 0, 7), start=2):
+        _publish(loader, trainer, M.state(SPEC, version=version), gpu_id=decoy, device_id=1)
+    session = loader.open(SPEC, strategy="ipc", worker=Worker(rank, "5,3,7", "1"))
     session.update()
-    where = "CUDA_VISIBLE_DEVICES=2,3,4 FLAGS_selected_gpus=1"
+    where = f"rank {rank}, CUDA_VISIBLE_DEVICES=5,3,7 FLAGS_selected_gpus=1 (decoys ipc_metas_1/5/31/0/7)"
     check.params_equal(session.observe(), want, where)
     check.labels(session.trace(), ["raw"], where)
     check.sources(session.trace(), ["ipc_metas_3"], where)
+
+
+@pytest.mark.rule("IPC-IDENTITY-AT-OPEN")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("order", ["opened-order", "reverse-order"])
+def test_overlapping_sessions_keep_their_own_file(loader, trainer, order):
+    """Two workers opened with different physical GPUs (3 and 6, both at CUDA ordinal 1, as each would
+    be in its own process) and then updated: each reads the file of the identity it was opened with,
+    although the environment now holds the second worker's."""
+    workers = {3: Worker(0, "5,3,7", "1"), 6: Worker(1, "2,6", "1")}
+    want = {gpu: M.state(SPEC, version=v) for v, gpu in enumerate(workers, start=1)}
+    for gpu in workers:
+        _publish(loader, trainer, want[gpu], gpu_id=gpu, device_id=1)
+    sessions = {gpu: loader.open(SPEC, strategy="ipc", worker=w) for gpu, w in workers.items()}
+    for gpu in (list(workers) if order == "opened-order" else list(workers)[::-1]):
+        sessions[gpu].update()
+    for gpu, w in workers.items():
+        check.params_equal(sessions[gpu].observe(), want[gpu],
+                           f"worker CUDA_VISIBLE_DEVICES={w.visible} FLAGS_selected_gpus={w.selected} (ipc_metas_{gpu}), "
+                           f"updated {order} after both were opened")
 
 
 DTYPES = M.spec(
@@ -88,42 +127,80 @@ def test_every_dtype_roundtrips_bit_exact(loader, trainer):
     _publish(loader, trainer, want, per_segment=4)
     session = loader.open(DTYPES, strategy="ipc")
     session.update()
-    check.params_equal(session.observe(), want, f"{I.meta_path(loader.shared_dir, 0)}, 4 tensors per segment")
+    check.params_equal(session.observe(), want, f"{_meta_file(loader)}, 4 tensors per segment")
 
 
 @pytest.mark.rule("IPC-DEVICE-ID-REPLACED")
 @pytest.mark.requires("ipc.meta")
-def test_trainer_device_id_is_replaced(loader, trainer):
+@pytest.mark.parametrize(
+    "visible,selected,trainer_device",
+    [("5,3,7", "1", 5), ("5,3,7", "1", 0), ("5,3,7", "1", 3), ("5,3,7", "1", 1), ("5,3,7", "0", 5), ("5,3,7", "2", 2)],
+    ids=["ordinal1-physical3-from-dev5", "from-dev0", "from-dev-equal-physical", "from-dev-equal-ordinal",
+         "ordinal0-physical5", "ordinal2-physical7"],
+)
+def test_trainer_device_id_is_replaced(loader, trainer, visible, selected, trainer_device):
+    worker = Worker(0, visible, selected)
     want = M.state(SPEC)
-    export, path = _publish(loader, trainer, want, gpu_id=3, device_id=5)
-    check.that(all(m[6] == 5 for m in export.metas.values()), f"{path}: fixture should store device_id 5")
-    session = loader.open(SPEC, strategy="ipc", worker=Worker(0, "2,3", "1"))
+    export, path = _publish(loader, trainer, want, gpu_id=worker.gpu_id, device_id=trainer_device)
+    check.that(all(m[6] == trainer_device for m in export.metas.values()), f"{path}: fixture should store device_id {trainer_device}")
+    session = loader.open(SPEC, strategy="ipc", worker=worker)
     session.update()
-    check.params_equal(session.observe(), want, f"{path}: metas from device 5, worker FLAGS_selected_gpus=1")
+    check.params_equal(session.observe(), want, f"{path}: metas from device {trainer_device}, worker "
+                       f"CUDA_VISIBLE_DEVICES={visible} FLAGS_selected_gpus={selected} (handles open on ordinal {selected})")
 
 
-def _open_tampered(loader, export, tamper):
+def _open_tampered(loader, export, tamper, spec=SPEC, pickle_writer=False):
     """Rewrite ``export``'s meta file after ``tamper(metas)`` (name -> mutable 7-field list) and open a
     session on it; returns (session, meta file path, the tampered metas)."""
     metas = {n: list(m) for n, m in export.metas.items()}
     tamper(metas)
-    path = I.write_metas(I.meta_path(loader.shared_dir, 0), metas)
-    return loader.open(SPEC, strategy="ipc"), path, metas
+    write = I.write_metas_pickle if pickle_writer else I.write_metas
+    path = write(_meta_file(loader), metas)
+    return loader.open(spec, strategy="ipc"), path, metas
+
+
+def _names_field(info, path, field, where):
+    """The error names ``field`` outside the file's path (pytest's tmp_path holds the test's name)."""
+    message = str(info.value).replace(os.path.dirname(path), "<shared_dir>")
+    check.that(field in message, f"{where}: error message {message!r} does not name the field {field!r}")
+
+
+def _rejected(session, path, name, field, what, exc=ValueError):
+    """The update raises ``exc`` naming the tensor (and ``field``), and no parameter is loaded."""
+    where = f"{path}: {what} in the meta of {name}"
+    with check.raises(exc, match=re.escape(name), names=[name, os.path.basename(path)], where=where) as info:
+        session.update()
+    if field:
+        _names_field(info, path, field, where)
+    check.not_loaded(session.observe(), NAMES, where)
 
 
 @pytest.mark.rule("IPC-META-LENGTH")
 @pytest.mark.requires("ipc.meta")
-@pytest.mark.parametrize("fields", [8, 6], ids=["8-fields-as-in-fd-unit-test", "6-fields"])
-def test_meta_of_wrong_length_is_a_clear_error(loader, trainer, fields):
+@pytest.mark.parametrize(
+    "bad",
+    ["8-fields-as-in-fd-unit-test", "6-fields", "0-fields", "dict", "str-of-7-chars", "none"],
+)
+def test_meta_of_wrong_length_is_a_clear_error(loader, trainer, bad):
     export = trainer(M.state(SPEC))
+    fields = {"8-fields-as-in-fd-unit-test": 8, "6-fields": 6, "0-fields": 0}.get(bad)
 
     def tamper(metas):
-        metas[LAST] = metas[LAST] + [7] if fields == 8 else metas[LAST][:6]
+        m = metas[LAST]
+        if fields is not None:
+            metas[LAST] = (m + [7])[:fields] if fields <= 8 else m
+        elif bad == "dict":
+            metas[LAST] = dict(zip(("handle", "offset_bytes", "size", "type_idx", "dims", "lod", "device_id"), m))
+        elif bad == "str-of-7-chars":
+            metas[LAST] = "abcdefg"
+        else:
+            metas[LAST] = None
 
-    session, path, _ = _open_tampered(loader, export, tamper)
-    with check.raises(ValueError, match=r"7 fields", names=[LAST, f"{fields} fields"], where=f"{path}: {fields}-field meta"):
+    session, path, _ = _open_tampered(loader, export, tamper, pickle_writer=True)
+    names = [f"{fields} field"] if fields is not None else []
+    with check.raises(ValueError, match=r"7 fields", names=[LAST, *names], where=f"{path}: meta of {LAST} is {bad}"):
         session.update()
-    check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{path}: {fields}-field meta for {LAST}")
+    check.not_loaded(session.observe(), NAMES, f"{path}: meta of {LAST} is {bad}")
 
 
 @pytest.mark.rule("IPC-META-TUPLE")
@@ -131,20 +208,36 @@ def test_meta_of_wrong_length_is_a_clear_error(loader, trainer, fields):
 def test_meta_stored_as_tuple_is_accepted(loader, trainer):
     want = M.state(SPEC)
     export = trainer(want)
-    path = I.write_metas(I.meta_path(loader.shared_dir, 0), {n: tuple(m) for n, m in export.metas.items()})
+    path = I.write_metas(_meta_file(loader), {n: tuple(m) for n, m in export.metas.items()})
     session = loader.open(SPEC, strategy="ipc")
     session.update()
     check.params_equal(session.observe(), want, f"{path}: every meta a tuple")
 
 
+BAD_HANDLES = {
+    "63-bytes": lambda h: h[:63],
+    "65-bytes": lambda h: h + "\0",
+    "65-bytes-as-bytes": lambda h: (h + "\0").encode("latin-1"),
+    "not-latin1": lambda h: "\u20ac" * 64,
+    "int": lambda h: 12345,
+    "empty": lambda h: "",
+}
+
+
 @pytest.mark.rule("IPC-HANDLE-BYTES")
 @pytest.mark.requires("ipc.meta")
-@pytest.mark.parametrize("container", [list, tuple], ids=["list", "tuple-as-share-cuda-returns"])
-def test_handle_stored_as_bytes_is_accepted(loader, trainer, container):
+@pytest.mark.parametrize("case", ["bytes-in-list", "bytes-in-tuple-as-share-cuda-returns", *BAD_HANDLES])
+def test_handle_stored_as_bytes_is_accepted(loader, trainer, case):
     want = M.state(SPEC)
     export = trainer(want)
+    if case in BAD_HANDLES:
+        session, path, metas = _open_tampered(
+            loader, export, lambda metas: metas[LAST].__setitem__(0, BAD_HANDLES[case](metas[LAST][0])), pickle_writer=True)
+        _rejected(session, path, LAST, "handle", f"handle {case}")
+        return
+    container = tuple if "tuple" in case else list
     metas = {n: container([m[0].encode("latin-1"), *m[1:]]) for n, m in export.metas.items()}
-    path = I.write_metas_pickle(I.meta_path(loader.shared_dir, 0), metas)
+    path = I.write_metas_pickle(_meta_file(loader), metas)
     session = loader.open(SPEC, strategy="ipc")
     session.update()
     check.params_equal(session.observe(), want, f"{path}: handles as 64 bytes in a {container.__name__}")
@@ -154,9 +247,10 @@ def test_handle_stored_as_bytes_is_accepted(loader, trainer, container):
 @pytest.mark.requires("ipc.meta")
 def test_missing_meta_file_names_the_path(loader, trainer):
     trainer(M.state(SPEC))  # segments exist, the file was never written
-    path = I.meta_path(loader.shared_dir, 0)
-    session = loader.open(SPEC, strategy="ipc")
-    with check.raises(FileNotFoundError, match=r"ipc_metas_0", names=[path], where="no meta file"):
+    _publish(loader, trainer, M.state(SPEC), gpu_id=1)  # only the ordinal's file exists
+    path = _meta_file(loader, 3)
+    session = loader.open(SPEC, strategy="ipc", worker=PHYSICAL)
+    with check.raises(FileNotFoundError, match=r"ipc_metas_3", names=[path], where="no ipc_metas_3 (ipc_metas_1 present)"):
         session.update()
 
 
@@ -164,98 +258,252 @@ def _seg_size(export, name):
     return export.place[name][0].size
 
 
+RANGE_SPEC = M.spec(*((p.name, p.dtype, p.shape) for p in SPEC.main), ("z.empty", "float32", (0, 4)))
+RANGE_CASES = {
+    # case -> (tensor, offset(segment size, tensor bytes), loads?)
+    "ends-at-last-byte": (LAST, lambda seg, n: seg - n, True),
+    "one-byte-past": (LAST, lambda seg, n: seg - n + 1, False),
+    "straddling-end": (LAST, lambda seg, n: seg - n // 2, False),
+    "starts-at-end": (LAST, lambda seg, n: seg, False),
+    "starts-past-end": (LAST, lambda seg, n: seg + 256, False),
+    "near-2**63": (LAST, lambda seg, n: 2**63 - n // 2, False),
+    "wraps-2**64": (LAST, lambda seg, n: 2**64 - n, False),
+    "negative": (LAST, lambda seg, n: -1, False),
+    "negative-ending-inside": (LAST, lambda seg, n: -n, False),
+    "empty-at-segment-end": ("z.empty", lambda seg, n: seg, True),
+    "empty-one-past-end": ("z.empty", lambda seg, n: seg + 1, False),
+    "first-tensor-one-byte-past": (FIRST, lambda seg, n: seg - n + 1, False),
+}
+
+
 @pytest.mark.rule("IPC-RANGE-CHECKED")
 @pytest.mark.requires("ipc.meta")
-@pytest.mark.parametrize("where", ["past-end", "straddling-end"])
-def test_range_outside_segment_is_a_clear_error(loader, trainer, where):
-    export = trainer(M.state(SPEC), per_segment=1)
-    seg = _seg_size(export, LAST)
-
-    def tamper(metas):
-        metas[LAST][1] = seg + 256 if where == "past-end" else seg - metas[LAST][2] // 2
-
-    session, path, metas = _open_tampered(loader, export, tamper)
-    with check.raises(ValueError, match=r"offset_bytes", names=[LAST], where=f"{path}: offset {metas[LAST][1]} in a {seg}-byte segment"):
+@pytest.mark.parametrize("case", list(RANGE_CASES))
+def test_range_outside_segment_is_a_clear_error(loader, trainer, case):
+    name, offset_of, loads = RANGE_CASES[case]
+    want = M.state(RANGE_SPEC)
+    export = trainer(want, per_segment=1)
+    seg, nbytes = _seg_size(export, name), want[name].nbytes
+    offset = offset_of(seg, nbytes)
+    if loads:
+        export.move(name, offset)
+    session, path, _ = _open_tampered(loader, export, lambda metas: metas[name].__setitem__(1, offset), spec=RANGE_SPEC)
+    where = f"{path}: {name} ({nbytes} bytes) at offset_bytes {offset} of a {seg}-byte segment"
+    if loads:
         session.update()
+        check.params_equal(session.observe(), want, where)
+        return
+    with check.raises(ValueError, match=re.escape(name), names=[name, os.path.basename(path)], where=where) as info:
+        session.update()
+    _names_field(info, path, "offset_bytes", where)
+    check.not_loaded(session.observe(), [p.name for p in RANGE_SPEC.all_params], where)
+
+
+SIZE_CASES = {  # LAST is float32 (4, 8): 32 items, 128 bytes
+    "one-item-short": lambda n: n - 4,
+    "one-item-long": lambda n: n + 4,
+    "one-byte-long": lambda n: n + 1,
+    "half": lambda n: n // 2,
+    "double": lambda n: n * 2,
+    "zero": lambda n: 0,
+    "numel-not-bytes": lambda n: n // 4,
+    "negative": lambda n: -n,
+    "bool": lambda n: True,
+    "float": lambda n: float(n),
+}
 
 
 @pytest.mark.rule("IPC-SIZE-CHECKED")
 @pytest.mark.requires("ipc.meta")
-@pytest.mark.parametrize("factor", [2, 0.5], ids=["size-double", "size-half"])
-def test_size_disagreeing_with_dims_is_a_clear_error(loader, trainer, factor):
+@pytest.mark.parametrize("case", list(SIZE_CASES))
+def test_size_disagreeing_with_dims_is_a_clear_error(loader, trainer, case):
     export = trainer(M.state(SPEC), per_segment=1)
+    size = SIZE_CASES[case](export.metas[LAST][2])
+    # every bad size still lies inside the 256-byte segment: only the size check can catch it
+    session, path, _ = _open_tampered(loader, export, lambda metas: metas[LAST].__setitem__(2, size), pickle_writer=True)
+    _rejected(session, path, LAST, "size", f"size {size!r} for dims [4, 8] float32 (128 bytes)")
 
-    def tamper(metas):
-        metas[LAST][2] = int(metas[LAST][2] * factor)  # still inside the 256-aligned segment
 
-    session, path, metas = _open_tampered(loader, export, tamper)
-    with check.raises(ValueError, match=r"\bsize\b", names=[LAST], where=f"{path}: size {metas[LAST][2]} for dims {metas[LAST][4]}"):
-        session.update()
+DIMS_CASES = {
+    "negative-pair": [-4, -8],  # prod 32: the size still agrees
+    "negative-one": [4, -8],
+    "float": [4, 8.0],
+    "bool": [4, True, 8],
+    "str": "4x8",
+    "none": None,
+}
+
+
+@pytest.mark.rule("IPC-DIMS-CHECKED")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("case", list(DIMS_CASES))
+def test_dims_that_are_not_non_negative_ints_are_a_clear_error(loader, trainer, case):
+    export = trainer(M.state(SPEC), per_segment=1)
+    session, path, _ = _open_tampered(loader, export, lambda metas: metas[LAST].__setitem__(4, DIMS_CASES[case]), pickle_writer=True)
+    _rejected(session, path, LAST, "dims", f"dims {DIMS_CASES[case]!r}")
+
+
+TYPE_CASES = {"99": 99, "0-undefined": 0, "-1": -1, "4-uint16": 4, "bool-True": True, "str-10": "10", "float-10.0": 10.0}
 
 
 @pytest.mark.rule("IPC-TYPE-UNKNOWN")
 @pytest.mark.requires("ipc.meta")
-@pytest.mark.parametrize("type_idx", [99, 0], ids=["99", "0-undefined"])
-def test_unknown_type_idx_is_a_clear_error(loader, trainer, type_idx):
+@pytest.mark.parametrize("case", list(TYPE_CASES))
+def test_unknown_type_idx_is_a_clear_error(loader, trainer, case):
     export = trainer(M.state(SPEC))
-
-    def tamper(metas):
-        metas[LAST][3] = type_idx
-
-    session, path, _ = _open_tampered(loader, export, tamper)
-    with check.raises(ValueError, match=r"type_idx", names=[LAST, str(type_idx)], where=f"{path}: type_idx {type_idx}"):
-        session.update()
+    session, path, _ = _open_tampered(loader, export, lambda metas: metas[LAST].__setitem__(3, TYPE_CASES[case]), pickle_writer=True)
+    _rejected(session, path, LAST, "type_idx", f"type_idx {TYPE_CASES[case]!r}")
 
 
-def _spoil(export, metas, kind):
-    bad = metas[LAST]
+def _other_dtype(name):
+    return {"float32": "int32", "bfloat16": "float16", "float16": "bfloat16"}[SPEC.param(name).dtype]
+
+
+def _spoil(export, metas, kind, name):
+    bad = metas[name]
     if kind == "range":
-        bad[1] = _seg_size(export, LAST) + 256
+        bad[1] = _seg_size(export, name) - bad[2] + 1
     elif kind == "size":
-        bad[2] *= 2
+        bad[2] += ITEMSIZE[SPEC.param(name).dtype]
     elif kind == "type_idx":
         bad[3] = 99
+    elif kind == "length":
+        bad.append(7)
+    elif kind == "handle":
+        bad[0] = bad[0][:63]
+    elif kind == "dims":
+        bad[4] = [-d for d in bad[4][:1]] + [-d for d in bad[4][1:2]] if len(bad[4]) == 2 else [-1]
+    elif kind == "dtype":
+        bad[3] = I.type_code(_other_dtype(name))
+    elif kind == "shape":
+        bad[4] = bad[4][::-1] if len(bad[4]) == 2 else [1, *bad[4]]
     else:
-        export.free(LAST)
+        export.free(name)
+
+
+SPOIL_KINDS = ["range", "size", "type_idx", "length", "handle", "dims", "dtype", "shape", "freed-segment"]
+# every kind in the middle of the file (a loader applying as it reads has applied the first); those
+# whose check needs the segment or the model also first and last (the others' own rules put them last)
+SPOIL_CASES = [(k, p) for k in SPOIL_KINDS for p in POSITIONS if p == "middle" or k in ("range", "size", "dtype", "freed-segment")]
 
 
 @pytest.mark.rule("IPC-VALIDATE-FIRST")
 @pytest.mark.requires("ipc.meta")
-@pytest.mark.parametrize("kind", ["range", "size", "type_idx", "freed-segment"])
-def test_bad_last_meta_changes_no_parameter(loader, trainer, kind):
+@pytest.mark.parametrize("kind,position", SPOIL_CASES, ids=[f"{k}-{p}" for k, p in SPOIL_CASES])
+def test_bad_meta_changes_no_parameter(loader, trainer, kind, position):
+    name = POSITIONS[position]
     export = trainer(M.state(SPEC), per_segment=1)
-    session, path, _ = _open_tampered(loader, export, lambda metas: _spoil(export, metas, kind))
-    with pytest.raises(ValueError):
+    session, path, _ = _open_tampered(loader, export, lambda metas: _spoil(export, metas, kind, name), pickle_writer=True)
+    where = f"{path}: {kind} bad in {name}, the {position} meta of the file"
+    with check.raises((ValueError, TypeError), match=re.escape(name), names=[name], where=where):
         session.update()
-    check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{path}: {kind} bad in {LAST}, the last meta")
+    check.not_loaded(session.observe(), NAMES, where)
+
+
+@pytest.mark.rule("IPC-UNKNOWN-VALIDATED")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("kind", ["length", "size", "type_idx", "handle", "dims"])
+def test_malformed_meta_of_unknown_name_is_rejected(loader, trainer, kind):
+    extra = "extra.unknown.weight"
+    st = dict(M.state(SPEC))
+    st[extra] = M.state(M.spec((extra, "float32", (2, 2))))[extra]
+    export = trainer(st, per_segment=1)
+
+    def tamper(metas):
+        bad = metas[extra]
+        if kind == "length":
+            bad.append(7)
+        elif kind == "size":
+            bad[2] += 4
+        elif kind == "type_idx":
+            bad[3] = 99
+        elif kind == "handle":
+            bad[0] = bad[0][:63]
+        else:
+            bad[4] = [-2, -2]
+
+    session, path, _ = _open_tampered(loader, export, tamper, pickle_writer=True)
+    _rejected(session, path, extra, None, f"{kind} bad (a name the model does not have)")
 
 
 @pytest.mark.rule("IPC-META-NO-PICKLE-EXEC")
 @pytest.mark.requires("ipc.meta")
-def test_meta_file_pickle_never_runs_code(loader, trainer, tmp_path):
+@pytest.mark.parametrize("case", ["reduce-calls-makedirs", "numpy-int-in-lod", "numpy-array-lod"])
+def test_meta_file_pickle_never_runs_code(loader, trainer, tmp_path, case):
     export = trainer(M.state(SPEC))
     marker = tmp_path / "pwned"
-    path = I.write_exec_pickle(I.meta_path(loader.shared_dir, 0), marker, export.metas)
+    path = _meta_file(loader)
+    if case == "reduce-calls-makedirs":
+        I.write_exec_pickle(path, marker, export.metas)
+    else:  # array reconstruction is a global too, refused even in the ignored lod field: no meta needs one
+        metas = {n: list(m) for n, m in export.metas.items()}
+        metas[LAST][5] = [np.int64(0)] if case == "numpy-int-in-lod" else np.zeros(0, np.int64)
+        I.write_metas_pickle(path, metas)
     session = loader.open(SPEC, strategy="ipc")
-    with check.raises((ValueError, pickle.UnpicklingError), match=r"ipc_metas_0", names=[path], where=f"{path}: pickle calling os.makedirs"):
+    with check.raises((ValueError, pickle.UnpicklingError), match=r"ipc_metas_0", names=[path], where=f"{path}: pickle naming a global ({case})"):
         session.update()
     check.that(not marker.exists(), f"{path}: unpickling ran os.makedirs({str(marker)!r}): the marker exists")
+    check.not_loaded(session.observe(), NAMES, f"{path}: pickle naming a global ({case})")
+
+
+FILE_CASES = {
+    "list": lambda metas: list(metas.values()),
+    "none": lambda metas: None,
+    "int-key": lambda metas: {**metas, 7: metas[LAST]},
+    "empty-dict": lambda metas: {},
+    "zero-bytes": None,
+    "truncated": None,
+}
+
+
+@pytest.mark.rule("IPC-FILE-CONTENT")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("case", list(FILE_CASES))
+def test_meta_file_that_is_not_a_dict_of_metas_is_a_clear_error(loader, trainer, case):
+    export = trainer(M.state(SPEC))
+    path = _meta_file(loader)
+    if case == "zero-bytes":
+        open(path, "wb").close()
+    elif case == "truncated":
+        I.write_metas(path, export.metas)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    else:
+        with open(path, "wb") as f:
+            pickle.dump(FILE_CASES[case](export.metas), f, protocol=4)
+    session = loader.open(SPEC, strategy="ipc")
+    where = f"{path}: the file holds {case}"
+    with check.raises(ValueError, match=re.escape(path), names=[path], where=where):
+        session.update()
+    check.not_loaded(session.observe(), NAMES, where)
 
 
 @pytest.mark.rule("IPC-SEGMENT-GONE")
 @pytest.mark.requires("ipc.meta")
-def test_vanished_trainer_segment_names_the_tensor(loader, trainer):
+@pytest.mark.parametrize("position", list(POSITIONS))
+def test_vanished_trainer_segment_names_the_tensor(loader, trainer, position):
+    name = POSITIONS[position]
     export, path = _publish(loader, trainer, M.state(SPEC), per_segment=1)
-    export.free(LAST)
+    export.free(name)
     session = loader.open(SPEC, strategy="ipc")
-    with check.raises(ValueError, match=r"(?i)segment|handle", names=[LAST], where=f"{path}: segment of {LAST} freed"):
+    with check.raises(ValueError, match=re.escape(name), names=[name, os.path.basename(path)], where=f"{path}: segment of {name} ({position}) freed"):
         session.update()
+    check.not_loaded(session.observe(), NAMES, f"{path}: segment of {name} ({position}) freed")
 
 
-def _mapped(names) -> list[str]:
+def _held(names) -> list[str]:
+    """Trainer segments this process still maps (/proc/self/maps) or holds a descriptor of (/proc/self/fd)."""
+    held = []
     with open("/proc/self/maps") as f:
         maps = f.read()
-    return [n for n in names if n in maps]
+    held += [f"mapping of {n}" for n in names if n in maps]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        held += [f"descriptor {fd} -> {target}" for n in names if n in target]
+    return held
 
 
 @pytest.mark.rule("IPC-WORKER-OWNS-COPY")
@@ -269,6 +517,231 @@ def test_worker_keeps_its_copy_after_trainer_moves_on(loader, trainer):
     check.params_equal(session.observe(), v1, f"{path}: after the trainer overwrote its segments with version 2")
     export.vanish()  # the trainer unmaps and frees: any mapping left in this process is the worker's
     check.params_equal(session.observe(), v1, f"{path}: after the trainer freed its segments")
-    if os.path.exists("/proc/self/maps"):
-        mapped = _mapped(export.segment_names())
-        check.that(not mapped, f"{path}: worker still maps trainer segments {mapped} after the update")
+
+
+NO_LEAK_CASES = ["success", "success-large", "range-last", "size-last", "dtype-last", "freed-last", "freed-first", "type_idx-middle"]
+
+
+@pytest.mark.rule("IPC-NO-LEAK")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("case", NO_LEAK_CASES)
+def test_no_mapping_or_descriptor_of_trainer_segments_is_kept(loader, trainer, case):
+    spec = M.spec(*((p.name, p.dtype, p.shape) for p in SPEC.main), ("big.weight", "float32", (1024, 2048))) \
+        if case == "success-large" else SPEC
+    want = M.state(M.spec(*((p.name, p.dtype, p.shape) for p in SPEC.main)))
+    if case == "success-large":
+        want["big.weight"] = I.patterned((1024, 2048), "float32", seed=5)  # 8 MiB
+    export = trainer(want, per_segment=1)
+    if case.startswith("success"):
+        session, path, _ = _open_tampered(loader, export, lambda metas: None, spec=spec)
+        session.update()
+        check.params_equal(session.observe(), want, f"{path}: {case}")
+    else:
+        kind, position = case.rsplit("-", 1)
+        name = POSITIONS[position]
+        session, path, _ = _open_tampered(loader, export, lambda metas: _spoil(export, metas, kind.replace("freed", "freed-segment"), name))
+        with pytest.raises((ValueError, TypeError)):
+            session.update()
+    segments = export.segment_names()
+    export.vanish()  # the trainer's own mappings go: whatever is left is the worker's
+    held = _held(segments)
+    check.that(not held, f"{path}: after the update ({case}) and the trainer exiting, the worker still holds {held}")
+
+
+# --- the APPLY and LIFE rules on the ipc source ---------------------------------------------------
+
+def _export_as(want, dtypes=None, shapes=None):
+    """The trainer's tensors, with some exported under another dtype (same bytes when the itemsize
+    agrees) or another shape."""
+    out = dict(want)
+    for name, dt in (dtypes or {}).items():
+        arr = want[name]
+        target = M.NUMPY_DTYPES[dt]
+        out[name] = arr.view(target) if arr.dtype.itemsize == target.itemsize else arr.astype(np.float32).astype(target)
+    for name, shape in (shapes or {}).items():
+        out[name] = np.zeros(shape, out[name].dtype) if np.prod(shape) != out[name].size else out[name].reshape(shape)
+    return out
+
+
+DTYPE_PAIRS = [  # (model dtype, exported dtype, position)
+    ("bfloat16", "float16", "last"), ("float16", "bfloat16", "last"), ("float32", "int32", "last"),
+    ("uint8", "int8", "last"), ("bool", "uint8", "last"), ("float8_e4m3fn", "float8_e5m2", "last"), ("float64", "int64", "last"),
+    ("float32", "bfloat16", "last"), ("bfloat16", "float16", "first"), ("bfloat16", "float16", "middle"),
+]
+
+
+def _three(name_dtype_shape, position):
+    """A 3-parameter spec with the given parameter at ``position``."""
+    others = [("w.a", "float32", (2, 3)), ("w.b", "float16", (4,))]
+    at = {"first": 0, "middle": 1, "last": 2}[position]
+    others.insert(at, name_dtype_shape)
+    return M.spec(*others)
+
+
+@pytest.mark.rule("APPLY-DTYPE-MISMATCH")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("model_dtype,meta_dtype,position", DTYPE_PAIRS, ids=[f"{a}-vs-{b}-{p}" for a, b, p in DTYPE_PAIRS])
+def test_ipc_dtype_mismatch_is_type_error(loader, trainer, model_dtype, meta_dtype, position):
+    name = "x.weight"
+    spec = _three((name, model_dtype, (4, 2)), position)
+    _, path = _publish(loader, trainer, _export_as(M.state(spec), dtypes={name: meta_dtype}), per_segment=1)
+    session = loader.open(spec, strategy="ipc")
+    where = f"{path}: {name} is {model_dtype} in the model, type_idx {I.type_code(meta_dtype)} ({meta_dtype}) in the meta ({position})"
+    with check.raises(TypeError, match=r"Type mismatch for " + re.escape(name), names=[name], where=where):
+        session.update()
+    check.not_loaded(session.observe(), [p.name for p in spec.all_params], where)
+
+
+SHAPE_PAIRS = [  # (model shape, exported shape, position)
+    ((8, 4), (4, 8), "last"), ((8, 4), (32,), "last"), ((8, 4), (8, 3), "last"),
+    ((), (1,), "last"), ((1,), (), "last"), ((0, 4), (4, 0), "last"),
+    ((8, 4), (4, 8), "first"), ((8, 4), (4, 8), "middle"),
+]
+
+
+@pytest.mark.rule("APPLY-SHAPE-MISMATCH")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("model_shape,meta_shape,position", SHAPE_PAIRS, ids=[f"{a}-vs-{b}-{p}" for a, b, p in SHAPE_PAIRS])
+def test_ipc_shape_mismatch_is_value_error(loader, trainer, model_shape, meta_shape, position):
+    name = "x.weight"
+    spec = _three((name, "bfloat16", model_shape), position)
+    _, path = _publish(loader, trainer, _export_as(M.state(spec), shapes={name: meta_shape}), per_segment=1)
+    session = loader.open(spec, strategy="ipc")
+    where = f"{path}: {name} is {list(model_shape)} in the model, dims {list(meta_shape)} in the meta ({position})"
+    with check.raises(ValueError, match=r"Shape mismatch for " + re.escape(name), names=[name], where=where):
+        session.update()
+    check.not_loaded(session.observe(), [p.name for p in spec.all_params], where)
+
+
+@pytest.mark.rule("APPLY-DTYPE-BEFORE-SHAPE")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("meta_dtype,meta_shape", [("float16", (4, 8)), ("float32", (8, 3)), ("int64", ())])
+def test_ipc_dtype_checked_before_shape(loader, trainer, meta_dtype, meta_shape):
+    name = "x.weight"
+    spec = _three((name, "bfloat16", (8, 4)), "middle")
+    st = M.state(spec)
+    st[name] = np.zeros(meta_shape, M.NUMPY_DTYPES[meta_dtype])
+    _, path = _publish(loader, trainer, st, per_segment=1)
+    session = loader.open(spec, strategy="ipc")
+    where = f"{path}: {name} bfloat16[8, 4] in the model, {meta_dtype}{list(meta_shape)} in the meta"
+    with check.raises(TypeError, match=r"Type mismatch for " + re.escape(name), names=[name], where=where):
+        session.update()
+
+
+@pytest.mark.rule("APPLY-UNKNOWN-IGNORED")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("position", list(POSITIONS))
+def test_ipc_unknown_names_are_ignored(loader, trainer, position):
+    want = M.state(SPEC)
+    extra = {"embed": np.ones((3,), np.float32), f"{FIRST}.extra": np.ones((2, 2), np.float16)}
+    names = list(want)
+    at = {"first": 0, "middle": 2, "last": len(names)}[position]
+    st = {n: want[n] for n in names[:at]} | extra | {n: want[n] for n in names[at:]}
+    _, path = _publish(loader, trainer, st, per_segment=2)
+    session = loader.open(SPEC, strategy="ipc")
+    session.update()
+    check.params_equal(session.observe(), want, f"{path}: unknown names {list(extra)} placed {position} in the file")
+    check.equal(sorted(session.observe()), sorted(want), f"{path}: the model's parameters after ignoring {list(extra)}")
+
+
+SPEC_MTP = M.spec(*((p.name, p.dtype, p.shape) for p in SPEC.main),
+                  mtp=[(("mtp.0.proj.weight", "bfloat16", (4, 4)), ("mtp.0.norm.weight", "float32", (4,)))])
+
+MISSING_CASES = [
+    pytest.param([FIRST], SPEC, marks=pytest.mark.requires("ipc.meta"), id="first"),
+    pytest.param([MIDDLE], SPEC, marks=pytest.mark.requires("ipc.meta"), id="middle"),
+    pytest.param([LAST], SPEC, marks=pytest.mark.requires("ipc.meta"), id="last"),
+    pytest.param([FIRST, LAST], SPEC, marks=pytest.mark.requires("ipc.meta"), id="two"),
+    pytest.param(["mtp.0.norm.weight"], SPEC_MTP, marks=pytest.mark.requires("ipc.meta", "mtp"), id="mtp"),
+]
+
+
+@pytest.mark.rule("APPLY-MISSING-FAILS")
+@pytest.mark.parametrize("missing,spec", MISSING_CASES)
+def test_ipc_missing_parameter_fails_by_name(loader, trainer, missing, spec):
+    st = {n: a for n, a in M.state(spec).items() if n not in missing}
+    _, path = _publish(loader, trainer, st)
+    session = loader.open(spec, strategy="ipc")
+    with check.raises(RuntimeError, match="|".join(map(re.escape, missing)), names=missing, where=f"{path} lacks {missing}"):
+        session.update()
+
+
+@pytest.mark.rule("APPLY-MTP-LOADED")
+@pytest.mark.requires("ipc.meta", "mtp")
+def test_ipc_main_and_mtp_both_loaded(loader, trainer):
+    want = M.state(SPEC_MTP, version=4)
+    names = list(want)
+    interleaved = {n: want[n] for n in names[::2] + names[1::2]}  # MTP tensors among the main ones
+    _, path = _publish(loader, trainer, interleaved, per_segment=2)
+    session = loader.open(SPEC_MTP, strategy="ipc")
+    session.update()
+    check.params_equal(session.observe(), want, f"{path}: main + MTP tensors in one meta file")
+
+
+EDGE = M.spec(
+    ("s.fp32", "float32", ()), ("s.bf16", "bfloat16", ()), ("s.int64", "int64", ()), ("s.bool", "bool", ()),
+    ("s.fp8", "float8_e4m3fn", ()), ("e.bf16", "bfloat16", (0, 4)), ("e.fp32", "float32", (4, 0)),
+    ("e.int8", "int8", (0,)), ("after.fp16", "float16", (3,)),
+)
+LARGE = M.spec(("small.fp16", "float16", (3,)), ("large.bf16", "bfloat16", (2048, 2048)), ("tail.fp32", "float32", (5,)))
+
+
+@pytest.mark.rule("APPLY-ROUNDTRIP-DTYPES")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("spec", [pytest.param(EDGE, id="0-d-and-zero-element"), pytest.param(LARGE, id="8MiB-among-small")])
+def test_ipc_edge_tensors_roundtrip(loader, trainer, spec):
+    want = {p.name: I.patterned(p.shape, p.dtype, seed=7) if p.name.startswith("large") else M.weights(p, version=2)
+            for p in spec.all_params}
+    _, path = _publish(loader, trainer, want, per_segment=3)
+    session = loader.open(spec, strategy="ipc")
+    session.update()
+    check.params_equal(session.observe(), want, f"{path}: {', '.join(f'{p.name}{list(p.shape)}' for p in spec.all_params)}")
+
+
+FAILURES = ["range", "size", "handle", "dtype", "shape", "freed-segment", "missing", "no-file"]
+
+
+@pytest.mark.rule("LIFE-FAILED-NOT-NORMAL")
+@pytest.mark.requires("ipc.meta", "status")
+@pytest.mark.parametrize("kind", FAILURES)
+def test_ipc_failed_update_is_not_normal_and_recovers(loader, trainer, kind):
+    bad_v, good_v = M.state(SPEC, version=1), M.state(SPEC, version=2)
+    export = trainer(bad_v, per_segment=1)
+    path = _meta_file(loader)
+    if kind == "missing":
+        I.write_metas(path, {n: m for n, m in export.metas.items() if n != MIDDLE})
+    elif kind != "no-file":
+        metas = {n: list(m) for n, m in export.metas.items()}
+        _spoil(export, metas, kind, MIDDLE)
+        I.write_metas(path, metas)
+    session = loader.open(SPEC, strategy="ipc")
+    check.status_is(session, "CLEARED", f"{path}: a fresh session")
+    with pytest.raises((ValueError, TypeError, RuntimeError, FileNotFoundError)):
+        session.update()
+    check.status_not(session, "NORMAL", f"{path}: after an update rejected for {kind} in {MIDDLE}")
+    # recovery: the trainer publishes a fixed file; clear, update
+    _publish(loader, trainer, good_v, per_segment=1)
+    session.clear()
+    check.status_is(session, "CLEARED", f"{path}: clear() after the rejected update ({kind})")
+    session.update()
+    check.params_equal(session.observe(), good_v, f"{path}: fixed file after an update rejected for {kind}")
+    check.status_is(session, "NORMAL", f"{path}: after the recovering update")
+
+
+@pytest.mark.rule("LIFE-RELOAD-LATEST")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("spec", [pytest.param(SPEC, id="main"), pytest.param(SPEC_MTP, marks=pytest.mark.requires("mtp"), id="main+mtp")])
+def test_ipc_updates_each_leave_the_latest_version(loader, trainer, spec):
+    session = loader.open(spec, strategy="ipc")
+    previous = None
+    for version in (1, 2, 3):
+        want = M.state(spec, version=version)
+        export, path = _publish(loader, trainer, want, per_segment=2)  # a fresh meta file and fresh segments
+        if version > 1:
+            session.clear()
+            check.not_loaded(session.observe(), [p.name for p in spec.all_params], f"{path}: clear() before v{version}")
+        session.update()
+        if previous is not None:
+            previous.close()  # the last version's trainer buffers go away
+        check.params_equal(session.observe(), want, f"{path}: update {version} of v1 -> clear -> v2 -> clear -> v3")
+        previous = export

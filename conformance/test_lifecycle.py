@@ -1,8 +1,10 @@
-"""Lifecycle: clear releases every parameter, clear + update leaves exactly the new version, and a
-failed update never reads as success. Spec: SPEC.md § LIFE.
+"""Lifecycle: clear releases every parameter, clear + update leaves exactly the new version over
+many cycles, the status tells the truth after every outcome, and a failed update can be recovered
+from. Spec: SPEC.md § LIFE.
 
-Flow of every test: ``update()`` (first load, v1) -> the trainer writes v2 -> ``clear()`` ->
-``update()``. The models include an MTP draft model where the implementation claims ``mtp``.
+Every rule runs on every snapshot source (single file, parts, legacy ``tp0{id}`` file, shared
+``paddle.save`` fallback), each case requiring only its source's capability (plus ``mtp`` where an
+MTP draft model is part of the case, ``status`` where the status is read).
 """
 import os
 
@@ -15,97 +17,256 @@ from fixtures import snapshot as S
 pytestmark = pytest.mark.snapshot
 
 MAIN = (("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
-MTP = (("mtp.0.proj.weight", "bfloat16", (4, 4)), ("mtp.0.norm.weight", "float32", (4,)))
+MTP = (("mtp.0.norm.weight", "float32", (4,)), ("mtp.0.proj.weight", "bfloat16", (4, 4)))
 SPEC = M.spec(*MAIN)
 SPEC_MTP = M.spec(*MAIN, mtp=[MTP])
 
-MODELS = [
-    pytest.param(SPEC, id="main"),
-    pytest.param(SPEC_MTP, marks=pytest.mark.requires("mtp"), id="main+mtp"),
-]
+CAPS = {
+    "single": ("snapshot.single",),
+    "parts": ("snapshot.parts",),
+    "legacy": ("snapshot.legacy",),
+    "shared": ("snapshot.shared_fallback",),
+}
 
 
-def _write(loader, layout, st):
-    if layout == "single":
-        S.write_safetensors(S.single_path(loader.model_dir, 0, 0), st)
-    elif layout == "parts":
-        S.write_parts(loader.model_dir, 0, 0, dict(enumerate(S.split(st, 2))))
-    else:
-        S.write_pickle_fallback(os.path.join(loader.shared_dir, S.base_name(0, 0) + S.PDPARAMS), st)
+def case(source, *values, mtp=False, status=False, extra=(), id=None):
+    marks = pytest.mark.requires(*CAPS[source.split(":")[0]], *(("mtp",) if mtp else ()), *(("status",) if status else ()), *extra)
+    return pytest.param(source, *values, marks=marks, id=id)
 
 
-def _first_load(loader, spec, layout="single"):
+def _clean(loader):
+    """The trainer removes the previous version's files before writing the next."""
+    for d in (loader.model_dir, loader.shared_dir):
+        for name in os.listdir(d):
+            os.remove(os.path.join(d, name))
+
+
+def _write(loader, source, st):
+    """``source``: ``single``, ``legacy``, ``shared``, ``parts`` (2 parts) or ``parts:K``.
+    Returns the paths written."""
+    kind, _, k = source.partition(":")
+    st = dict(sorted(st.items()))
+    if kind == "single":
+        return [S.write_safetensors(S.single_path(loader.model_dir, 0, 0), st)]
+    if kind == "legacy":
+        return [S.write_safetensors(S.legacy_path(loader.model_dir, 0), st)]
+    if kind == "shared":
+        return [S.write_pickle_fallback(os.path.join(loader.shared_dir, S.base_name(0, 0) + S.PDPARAMS), st)]
+    return S.write_parts(loader.model_dir, 0, 0, dict(enumerate(S.split(st, min(int(k or 2), len(st))))))
+
+
+def _first_load(loader, spec, source="single"):
     v1 = M.state(spec, version=1)
-    _write(loader, layout, v1)
+    paths = _write(loader, source, v1)
     session = loader.open(spec)
     session.update()
-    check.params_equal(session.observe(), v1, f"first load from {loader.model_dir}")
+    check.params_equal(session.observe(), v1, f"first load from {paths}")
     return session
 
 
+# Broken versions of a snapshot: each writes the whole of ``version`` but for one fault.
+def _bad_dtype(loader, source, spec, version):
+    st = M.state(spec, version=version)
+    st["norm.bias"] = st["norm.bias"].astype("float32")
+    return _write(loader, source, st)
+
+
+def _bad_shape(loader, source, spec, version):
+    st = M.state(spec, version=version)
+    st["embed.weight"] = st["embed.weight"].reshape(4, 8)
+    return _write(loader, source, st)
+
+
+def _missing(loader, source, spec, version):
+    st = M.state(spec, version=version)
+    del st["layers.0.mlp.weight"]
+    if spec.mtp:
+        del st["mtp.0.proj.weight"]
+    return _write(loader, source, st)
+
+
+def _corrupt(loader, source, spec, version):
+    paths = _write(loader, source, M.state(spec, version=version))
+    if source.startswith("shared"):
+        with open(paths[-1], "r+b") as f:
+            f.write(b"\x80\x02not a pickle at all")
+    else:
+        S.corrupt_header(paths[-1])  # the last part where there are several
+    return paths
+
+
+BREAKAGES = {"bad-dtype": _bad_dtype, "bad-shape": _bad_shape, "missing": _missing, "corrupt": _corrupt}
+
+
 @pytest.mark.rule("LIFE-CLEAR-RELEASES")
-@pytest.mark.requires("snapshot.single")
-@pytest.mark.parametrize("spec", MODELS)
-def test_clear_releases_every_parameter(loader, spec):
-    session = _first_load(loader, spec)
+@pytest.mark.parametrize(
+    "source,spec,when",
+    [
+        case("single", SPEC, "after-load", id="single:main"),
+        case("single", SPEC_MTP, "after-load", mtp=True, id="single:main+mtp"),
+        case("parts:3", SPEC_MTP, "after-load", mtp=True, id="3-parts:main+mtp"),
+        case("legacy", SPEC_MTP, "after-load", mtp=True, id="legacy:main+mtp"),
+        case("shared", SPEC_MTP, "after-load", mtp=True, id="shared:main+mtp"),
+        case("single", SPEC_MTP, "twice", mtp=True, id="single:cleared-twice"),
+        case("single", SPEC_MTP, "before-first-load", mtp=True, id="single:before-first-load"),
+        case("single", SPEC_MTP, "after-failed-update", mtp=True, id="single:after-failed-update"),
+        case("parts:3", SPEC, "after-failed-update", id="3-parts:after-failed-update"),
+    ],
+)
+def test_clear_releases_every_parameter(loader, source, spec, when):
+    if when == "before-first-load":
+        _write(loader, source, M.state(spec, version=1))
+        session = loader.open(spec)
+    else:
+        session = _first_load(loader, spec, source)
+    if when == "after-failed-update":
+        # v2 lacks parameters: the others may have been applied before the verification failed.
+        _missing(loader, source, spec, 2)
+        session.clear()
+        try:
+            session.update()
+        except Exception:
+            pass
     session.clear()
+    if when == "twice":
+        session.clear()
     observed = session.observe()
     names = [p.name for p in spec.all_params]
     absent = [n for n in names if n not in observed]
-    check.that(not absent, f"after clear(): parameters {absent} are not observed at all (expected present, unloaded)")
+    check.that(not absent, f"{source} after clear() ({when}): parameters {absent} are not observed at all (expected present, unloaded)")
     still = {n: f"{observed[n].dtype}{list(observed[n].shape)}" for n in names if n in observed and observed[n].data is not None}
-    check.that(not still, f"after clear(): parameters still hold data: {still}; expected none loaded")
-
-
-LAYOUTS = [
-    pytest.param("single", marks=pytest.mark.requires("snapshot.single"), id="single-file"),
-    pytest.param("parts", marks=pytest.mark.requires("snapshot.parts"), id="parts"),
-    pytest.param("shared", marks=pytest.mark.requires("snapshot.shared_fallback"), id="shared-fallback"),
-]
+    check.that(not still, f"{source} after clear() ({when}): parameters still hold data: {still}; expected none loaded")
 
 
 @pytest.mark.rule("LIFE-RELOAD-LATEST")
-@pytest.mark.parametrize("spec", MODELS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_clear_then_update_leaves_new_version(loader, layout, spec):
-    session = _first_load(loader, spec, layout)
-    v2 = M.state(spec, version=2)
-    _write(loader, layout, v2)  # the trainer overwrites the same files in place
+@pytest.mark.parametrize(
+    "source,versions,spec,in_place",
+    [
+        case("single", ["single", "single"], SPEC, True, id="single:main"),
+        case("single", ["single", "single", "single"], SPEC_MTP, True, mtp=True, id="single:main+mtp:3-cycles"),
+        case("parts", ["parts", "parts"], SPEC, True, id="parts:main"),
+        case("parts", ["parts", "parts"], SPEC_MTP, True, mtp=True, id="parts:main+mtp"),
+        case("legacy", ["legacy", "legacy", "legacy"], SPEC_MTP, True, mtp=True, id="legacy:main+mtp:3-cycles"),
+        case("shared", ["shared", "shared", "shared"], SPEC_MTP, True, mtp=True, id="shared:main+mtp:3-cycles"),
+        # The trainer removes the old parts and writes a different number of them each time.
+        case("parts", ["parts:3", "parts:2", "parts:4"], SPEC_MTP, False, mtp=True, id="parts:3-then-2-then-4"),
+        case("parts", ["parts:3", "single", "parts:2"], SPEC, False, extra=CAPS["single"], id="parts-then-single-then-parts"),
+    ],
+)
+def test_clear_then_update_leaves_new_version(loader, source, versions, spec, in_place):
+    session = _first_load(loader, spec, versions[0])
+    for version, layout in enumerate(versions[1:], 2):
+        want = M.state(spec, version=version)
+        if not in_place:
+            _clean(loader)
+        paths = _write(loader, layout, want)  # in place: the trainer overwrites the same files
+        session.clear()
+        session.update()
+        observed = session.observe()
+        where = f"version {version} from {paths} (after {versions[:version - 1]}), clear() then update()"
+        check.params_equal(observed, want, where)
+        check.equal(sorted(observed), sorted(want), f"{where}: parameter names after reload")
+
+
+@pytest.mark.rule("LIFE-STATUS")
+@pytest.mark.parametrize(
+    "source,spec",
+    [
+        case("single", SPEC_MTP, mtp=True, status=True, id="single"),
+        case("parts:3", SPEC, status=True, id="3-parts"),
+        case("legacy", SPEC, status=True, id="legacy"),
+        case("shared", SPEC_MTP, mtp=True, status=True, id="shared"),
+    ],
+)
+def test_status_after_clear_and_success(loader, source, spec):
+    session = _first_load(loader, spec, source)
+    check.status_is(session, "NORMAL", f"{source}: after the first load")
     session.clear()
+    check.status_is(session, "CLEARED", f"{source}: after clear()")
+    session.clear()
+    check.status_is(session, "CLEARED", f"{source}: after a second clear() in a row")
+    paths = _write(loader, source, M.state(spec, version=2))
     session.update()
-    observed = session.observe()
-    check.params_equal(observed, v2, f"{layout}: clear() then update() after v2 was written")
-    check.equal(sorted(observed), sorted(v2), f"{layout}: parameter names after reload")
-
-
-def _bad_dtype(loader, spec):
-    v2 = M.state(spec, version=2)
-    v2["norm.bias"] = v2["norm.bias"].astype("float32")
-    S.write_safetensors(S.single_path(loader.model_dir, 0, 0), v2)
-
-
-def _missing(loader, spec):
-    v2 = M.state(spec, version=2)
-    del v2["embed.weight"]
-    S.write_safetensors(S.single_path(loader.model_dir, 0, 0), v2)
-
-
-def _corrupt(loader, spec):
-    path = S.write_safetensors(S.single_path(loader.model_dir, 0, 0), M.state(spec, version=2))
-    S.corrupt_header(path)
+    check.status_is(session, "NORMAL", f"{source}: after clear() and a successful update from {paths}")
+    _missing(loader, source, spec, 3)
+    session.clear()
+    try:
+        session.update()
+    except Exception:
+        pass
+    session.clear()
+    check.status_is(session, "CLEARED", f"{source}: after clear() following a failed update")
 
 
 @pytest.mark.rule("LIFE-FAILED-NOT-NORMAL")
-@pytest.mark.requires("snapshot.single", "status")
-@pytest.mark.parametrize("spec", MODELS)
-@pytest.mark.parametrize("breakage", [_bad_dtype, _missing, _corrupt], ids=["bad-dtype", "missing-tensor", "corrupt-file"])
-def test_failed_update_is_never_normal(loader, breakage, spec):
-    session = _first_load(loader, spec)
-    check.status_is(session, "NORMAL", "after the first successful load")
-    breakage(loader, spec)
-    session.clear()
+@pytest.mark.parametrize(
+    "source,breakage,spec,when",
+    [
+        case("single", "bad-dtype", SPEC, "after-clear", status=True, id="single:bad-dtype"),
+        case("single", "bad-shape", SPEC_MTP, "after-clear", mtp=True, status=True, id="single:bad-shape:main+mtp"),
+        case("single", "missing", SPEC_MTP, "after-clear", mtp=True, status=True, id="single:missing:main+mtp"),
+        case("single", "corrupt", SPEC, "after-clear", status=True, id="single:corrupt"),
+        case("single", "missing", SPEC, "first-load", status=True, id="single:missing:first-load"),
+        case("parts:3", "bad-dtype", SPEC, "after-clear", status=True, id="3-parts:bad-dtype"),
+        case("parts:3", "missing", SPEC_MTP, "after-clear", mtp=True, status=True, id="3-parts:missing:main+mtp"),
+        case("parts:3", "corrupt", SPEC, "first-load", status=True, id="3-parts:corrupt-last-part:first-load"),
+        case("legacy", "bad-shape", SPEC, "after-clear", status=True, id="legacy:bad-shape"),
+        case("legacy", "missing", SPEC, "first-load", status=True, id="legacy:missing:first-load"),
+        case("shared", "bad-dtype", SPEC, "after-clear", status=True, id="shared:bad-dtype"),
+        case("shared", "missing", SPEC_MTP, "after-clear", mtp=True, status=True, id="shared:missing:main+mtp"),
+        case("shared", "corrupt", SPEC, "first-load", status=True, id="shared:corrupt"),
+    ],
+)
+def test_failed_update_is_never_normal(loader, source, breakage, spec, when):
+    if when == "first-load":
+        paths = BREAKAGES[breakage](loader, source, spec, 1)
+        session = loader.open(spec)
+    else:
+        session = _first_load(loader, spec, source)
+        check.status_is(session, "NORMAL", f"{source}: after the first successful load")
+        paths = BREAKAGES[breakage](loader, source, spec, 2)
+        session.clear()
     # The exception's type and message are other rules' business (APPLY-*, FILE-*); here it only
     # has to be raised, and the status must not claim success afterwards.
-    with check.raises(Exception, match=r"\S", where=f"{breakage.__name__} snapshot in {loader.model_dir}"):
+    with check.raises(Exception, match=r"\S", where=f"{breakage} snapshot {paths} ({when})"):
         session.update()
-    check.status_not(session, "NORMAL", f"after an update that raised ({breakage.__name__})")
+    check.status_not(session, "NORMAL", f"{source}: after an update that raised ({breakage}, {when})")
+
+
+@pytest.mark.rule("LIFE-RECOVERY")
+@pytest.mark.parametrize(
+    "source,breakage,spec,retry,with_status",
+    [
+        case("single", "bad-dtype", SPEC_MTP, "clear", True, mtp=True, status=True, id="single:bad-dtype"),
+        case("single", "missing", SPEC, "clear", False, id="single:missing:no-status"),
+        case("parts:3", "bad-shape", SPEC, "clear", True, status=True, id="3-parts:bad-shape"),
+        case("parts:3", "missing", SPEC_MTP, "clear", True, mtp=True, status=True, id="3-parts:missing:main+mtp"),
+        case("legacy", "corrupt", SPEC, "clear", True, status=True, id="legacy:corrupt"),
+        case("shared", "missing", SPEC_MTP, "clear", True, mtp=True, status=True, id="shared:missing:main+mtp"),
+        case("single", "missing", SPEC, "no-clear", True, status=True, id="single:missing:update-without-clear"),
+        case("parts:3", "bad-dtype", SPEC, "no-clear", True, status=True, id="3-parts:bad-dtype:update-without-clear"),
+    ],
+)
+def test_recovery_after_failed_update(loader, source, breakage, spec, retry, with_status):
+    session = _first_load(loader, spec, source)
+    bad = BREAKAGES[breakage](loader, source, spec, 2)
+    session.clear()
+    with check.raises(Exception, match=r"\S", where=f"{breakage} snapshot {bad}"):
+        session.update()
+    fixed = M.state(spec, version=3)
+    _clean(loader)
+    paths = _write(loader, source, fixed)
+    where = f"{source}: after a failed update ({breakage}), the fixed version 3 in {paths}"
+    if retry == "clear":
+        session.clear()
+        session.update()
+    else:
+        try:
+            session.update()
+        except Exception:
+            # Refusing is allowed (the reference requires clear() first); claiming success is not.
+            check.status_not(session, "NORMAL", f"{where}: update() without clear() raised")
+            return
+    check.params_equal(session.observe(), fixed, f"{where}, {'clear() then ' if retry == 'clear' else ''}update()")
+    if with_status:
+        check.status_is(session, "NORMAL", f"{where}: after the successful retry")

@@ -1,161 +1,656 @@
-"""Unreadable snapshot files: empty, 0-byte, truncated, corrupt, and a pickle that tries to run code.
-Spec: SPEC.md § FILE.
+"""Snapshot files that are there but wrong: empty, 0-byte, truncated, corrupt, unreadable, changed
+while loading, and a pickle that tries to run code. Spec: SPEC.md § FILE.
 
-Each bad file is tried where a trainer could leave it: as the single file, as one part among good
-ones, and (where the format allows) as the shared-directory pickle. The error must be a ValueError
-whose message names the bad file, so an operator knows which file to rewrite.
+Each bad file is tried everywhere a trainer could leave it: the single file, a part (the bad one
+first, middle and last of three), the legacy ``tp0{id}`` file, and (where the format allows) the
+shared-directory pickle. After every rejection: the error names the file, the status is not
+NORMAL, and fixing the file, ``clear()`` and ``update()`` load exactly the fixed values.
 """
+import hashlib
+import json
 import os
 import re
-import shlex
+import signal
+import time
 
+import numpy as np
 import pytest
 
 from conformance import check
+from fixtures import files as F
 from fixtures import models as M
 from fixtures import snapshot as S
 
 pytestmark = pytest.mark.snapshot
 
-SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
+# A zero-element and a 0-d tensor ride along: a loader's header checks must accept a 0-byte range
+# (begin == end, possibly at the very end of the data) and a shape of [].
+SPEC = M.spec(
+    ("embed.weight", "float32", (8, 4)),
+    ("layers.0.mlp.weight", "bfloat16", (4, 4)),
+    ("norm.bias", "float16", (4,)),
+    ("layers.0.empty", "float32", (0, 4)),
+    ("norm.scale", "float32", ()),
+)
 
-WHERE = [
-    pytest.param("single", marks=pytest.mark.requires("snapshot.single"), id="single-file"),
-    pytest.param("part", marks=pytest.mark.requires("snapshot.parts"), id="one-bad-part"),
-    pytest.param("shared", marks=pytest.mark.requires("snapshot.shared_fallback"), id="shared-fallback"),
-]
-SAFETENSORS_WHERE = WHERE[:2]
+
+def _p(where, caps, id):
+    return pytest.param(where, marks=pytest.mark.requires(*caps), id=id)
 
 
-def _bad_file(loader, where, make):
-    """Write the good files for ``where``, then let ``make(path)`` produce the bad one."""
-    good = M.state(SPEC, version=1)
-    if where == "single":
-        path = S.single_path(loader.model_dir, 0, 0)
-    elif where == "part":
-        # parts 0 and 2 are fine; part1 is the bad one.
-        first, second = S.split(good, 2)
-        S.write_parts(loader.model_dir, 0, 0, {0: first, 2: second})
-        path = S.part_path(loader.model_dir, 0, 0, 1)
+SINGLE = _p(("single", None), ["snapshot.single"], "single")
+PART_FIRST = _p(("part", 0), ["snapshot.parts"], "part-first")
+PART_MIDDLE = _p(("part", 1), ["snapshot.parts"], "part-middle")
+PART_LAST = _p(("part", 2), ["snapshot.parts"], "part-last")
+LEGACY = _p(("legacy", None), ["snapshot.legacy"], "legacy")
+SHARED = _p(("shared", None), ["snapshot.shared_fallback"], "shared")
+SAFETENSORS_WHERE = [SINGLE, PART_FIRST, PART_MIDDLE, PART_LAST, LEGACY]
+WHERE = SAFETENSORS_WHERE + [SHARED]
+
+
+_STATES: dict = {}
+_BYTES: dict = {}
+
+
+def _state(spec, version):
+    """M.state, computed once per (spec, version): the writers never modify it."""
+    key = (spec, version)
+    if key not in _STATES:
+        _STATES[key] = M.state(spec, version=version)
+    return _STATES[key]
+
+
+def _good(path, tensors, pickled):
+    """A well-formed file, written by the fixture writers once per content and copied after."""
+    key = (pickled, tuple((n, id(a)) for n, a in tensors.items()))
+    if key not in _BYTES:
+        (S.write_pickle_fallback if pickled else S.write_safetensors)(path, tensors)
+        _BYTES[key] = (open(path, "rb").read(), dict(tensors))  # (keeps the arrays, so ids stay unique)
+        return
+    F.write_bytes(path, _BYTES[key][0])
+
+
+def _write(loader, where, state, bad=None, parts=3):
+    """Write ``state`` at ``where``; the file under test is written by ``bad(path, tensors, pickled)``
+    (default: well-formed). Returns (path of the file under test, its tensors, every path)."""
+    kind, index = where
+    if kind == "part":
+        paths = []
+        for i, group in enumerate(S.split(state, parts)):
+            p = S.part_path(loader.model_dir, 0, 0, i)
+            paths.append(p)
+            if i == index:
+                target = (p, group)
+            else:
+                _good(p, group, False)
     else:
-        path = os.path.join(loader.shared_dir, S.base_name(0, 0) + S.PDPARAMS)
-    make(path, good, where == "shared")
-    return path
+        p = {
+            "single": lambda: S.single_path(loader.model_dir, 0, 0),
+            "legacy": lambda: S.legacy_path(loader.model_dir, 0),
+            "shared": lambda: os.path.join(loader.shared_dir, S.base_name(0, 0) + S.PDPARAMS),
+        }[kind]()
+        paths, target = [p], (p, state)
+    path, tensors = target
+    (bad or _good)(path, tensors, kind == "shared")
+    return path, tensors, paths
 
 
-def _expect_value_error(loader, path, match, what):
+def _has(loader, cap):
+    return cap in loader.adapter.capabilities
+
+
+def _rejects_then_recovers(loader, where, bad, *, exc=ValueError, match=None, names=(), what=""):
+    """The update raises ``exc`` naming the bad file; status not NORMAL; then a fixed snapshot loads."""
+    path, _, _ = _write(loader, where, _state(SPEC, 1), bad)
+    what = f"{what} at {path}"
     session = loader.open(SPEC)
-    with check.raises(ValueError, match=match, names=[path], where=f"{what}: {path}"):
+    with check.raises(exc, match=match or re.escape(path), names=[path, *names], where=what):
         session.update()
+    if _has(loader, "status"):
+        check.status_not(session, "NORMAL", f"after the update rejected {what}")
+    _recover(loader, session, where, what)
 
 
+def _recover(loader, session, where, what):
+    fixed = _state(SPEC, 2)
+    _write(loader, where, fixed)
+    session.clear()
+    session.update()
+    check.params_equal(session.observe(), fixed, f"after {what}: fixed file, clear() and update()")
+    if _has(loader, "status"):
+        check.status_is(session, "NORMAL", f"after recovering from {what}")
+
+
+# -- FILE-NO-TENSORS / FILE-ZERO-BYTES -------------------------------------------------------
 @pytest.mark.rule("FILE-NO-TENSORS")
 @pytest.mark.parametrize("where", WHERE)
 def test_file_without_tensors_is_value_error(loader, where):
-    def make(path, _good, pickled):
+    def bad(path, _tensors, pickled):
         (S.write_pickle_fallback if pickled else S.write_safetensors)(path, {})
 
-    path = _bad_file(loader, where, make)
-    _expect_value_error(loader, path, re.escape(path), "file with no tensors")
+    _rejects_then_recovers(loader, where, bad, what="a file with no tensors")
 
 
 @pytest.mark.rule("FILE-ZERO-BYTES")
 @pytest.mark.parametrize("where", WHERE)
 def test_zero_byte_file_is_value_error(loader, where):
-    path = _bad_file(loader, where, lambda path, _good, _pickled: S.write_zero_bytes(path))
-    _expect_value_error(loader, path, re.escape(path), "0-byte file")
+    _rejects_then_recovers(loader, where, lambda path, _t, _p: S.write_zero_bytes(path), what="a 0-byte file")
 
 
-def _truncate_to(fraction):
-    def make(path, good, pickled):
-        (S.write_pickle_fallback if pickled else S.write_safetensors)(path, good)
-        S.truncate(path, max(1, int(os.path.getsize(path) * fraction)))
+# -- FILE-TRUNCATED ----------------------------------------------------------------------------
+TRUNCATIONS = ["minus-one-byte", "inside-length", "inside-json", "at-data-start", "half-data"]
+PICKLE_TRUNCATIONS = ["minus-one-byte", "half", "four-bytes"]
 
-    return make
+
+def _case(where, kind):
+    return pytest.param(where.values[0], kind, marks=where.marks, id=f"{where.id}-{kind}")
+
+
+def _rotated(kinds, fixed, rotating):
+    """Every kind on each ``fixed`` location, and each kind once more on one of ``rotating``
+    (round robin), so every position sees several damages without every pair being paid for."""
+    for where in fixed:
+        for kind in kinds:
+            yield _case(where, kind)
+    for i, kind in enumerate(kinds):
+        yield _case(rotating[i % len(rotating)], kind)
+
+
+def _truncation_cases():
+    yield from _rotated(TRUNCATIONS, [SINGLE], [PART_LAST, PART_FIRST, LEGACY, PART_MIDDLE, PART_LAST])
+    for kind in PICKLE_TRUNCATIONS:
+        yield _case(SHARED, kind)
 
 
 @pytest.mark.rule("FILE-TRUNCATED")
-@pytest.mark.parametrize(
-    "fraction", [0.9, 0.5, 0.05], ids=["tail-missing", "half-missing", "inside-header-length"]
-)
-@pytest.mark.parametrize("where", WHERE)
-def test_truncated_file_is_value_error(loader, where, fraction):
-    path = _bad_file(loader, where, _truncate_to(fraction))
-    _expect_value_error(loader, path, re.escape(path), f"file truncated to {fraction:.0%}")
+@pytest.mark.parametrize("where,kind", list(_truncation_cases()))
+def test_truncated_file_is_value_error(loader, where, kind):
+    names = []
+
+    def bad(path, tensors, pickled):
+        _good(path, tensors, pickled)
+        if pickled:
+            size = os.path.getsize(path)
+            S.truncate(path, {"minus-one-byte": size - 1, "half": size // 2, "four-bytes": 4}[kind])
+            return
+        facts = F.damage_safetensors(path, kind)
+        if "expects" in facts:  # a header describing more bytes than the file holds says so
+            names.append(f"expects {facts['expects']} bytes, file has {facts['has']}")
+
+    _rejects_then_recovers(loader, where, bad, names=names, what=f"a file truncated ({kind})")
+
+
+# -- FILE-CORRUPT-HEADER -----------------------------------------------------------------------
+# Every damage on the single file, and each once more on a part (first, middle or last) or legacy.
+CORRUPTIONS = [
+    "garbage-json", "not-an-object", "huge-length", "length-one-past-end", "length-at-end",
+    "last-offset-one-past", "first-offset-one-past", "overlap", "gap", "item-short", "item-long",
+    "trailing-byte", "trailing-kib", "unknown-dtype",
+]
+# Well-formed variations every loader must accept (the inside of each boundary).
+ACCEPTED = ["metadata", "json-order-differs", "unpadded-header"]
+
+
+# The shared pickle has no header; its structure is checked instead.
+PICKLE_CORRUPTIONS = ["not-a-dict", "entry-not-array"]
+PICKLE_ACCEPTED = ["name-table-first"]
+
+
+def _corrupt_cases():
+    yield from _rotated(CORRUPTIONS + ACCEPTED, [SINGLE], [PART_LAST, PART_MIDDLE, PART_FIRST, LEGACY])
+    for kind in PICKLE_CORRUPTIONS + PICKLE_ACCEPTED:
+        yield _case(SHARED, kind)
 
 
 @pytest.mark.rule("FILE-CORRUPT-HEADER")
-@pytest.mark.parametrize(
-    "damage",
-    ["garbage-json", "huge-header-length", "offsets-past-end"],
-)
-@pytest.mark.parametrize("where", SAFETENSORS_WHERE)
-def test_corrupt_header_is_value_error(loader, where, damage):
-    def make(path, good, _pickled):
-        S.write_safetensors(path, good)
-        if damage == "garbage-json":
-            S.corrupt_header(path)
-        elif damage == "huge-header-length":
-            with open(path, "r+b") as f:
-                f.write((1 << 40).to_bytes(8, "little"))
-        else:
-            # A header that parses but points one tensor past the end of the data.
-            with open(path, "rb") as f:
-                raw = f.read()
-            n = int.from_bytes(raw[:8], "little")
-            header = raw[8 : 8 + n].decode()
-            start, end = re.search(r'"data_offsets":\[(\d+),(\d+)\]', header).groups()
-            bigger = header.replace(f'"data_offsets":[{start},{end}]', f'"data_offsets":[{start},{int(end) + 4096}]', 1)
-            with open(path, "wb") as f:
-                f.write(len(bigger.encode()).to_bytes(8, "little") + bigger.encode() + raw[8 + n :])
+@pytest.mark.parametrize("where,kind", list(_corrupt_cases()))
+def test_corrupt_header_is_value_error(loader, where, kind):
+    names = []
 
-    path = _bad_file(loader, where, make)
-    _expect_value_error(loader, path, re.escape(path), f"corrupt header ({damage})")
+    def bad(path, tensors, _pickled):
+        if kind in PICKLE_CORRUPTIONS + PICKLE_ACCEPTED:
+            items = list(tensors.items())
+            if kind == "not-a-dict":
+                F.write_bytes(path, __import__("pickle").dumps([a for _, a in items], protocol=4))
+            elif kind == "entry-not-array":
+                F.write_state_pickle(path, items[:1] + [("norm.step", 7)] + items[1:])
+                names.append("norm.step")
+            else:  # paddle.save's bookkeeping entry first: skipped, the tensors after it still load
+                F.write_state_pickle(path, [(F.PADDLE_NAME_TABLE, {"embed.weight": "p_0"})] + items)
+            return
+        if kind in ACCEPTED:
+            entries = F.entries_of(tensors)
+            if kind == "metadata":
+                F.write_entries(path, entries, metadata={"format": "pt", "step": "7"})
+            elif kind == "json-order-differs":
+                F.write_entries(path, entries, order=[e[0] for e in reversed(entries)])
+            else:
+                _good(path, tensors, False)
+                header, data = F.split_file(path)
+                F.write_raw(path, header, data, pad=False)
+            return
+        _good(path, tensors, False)
+        facts = F.damage_safetensors(path, kind)
+        if "expects" in facts:
+            names.append(f"expects {facts['expects']} bytes, file has {facts['has']}")
+
+    if kind in ACCEPTED + PICKLE_ACCEPTED:
+        v1 = _state(SPEC, 1)
+        path, _, _ = _write(loader, where, v1, bad)
+        session = loader.open(SPEC)
+        session.update()
+        check.params_equal(session.observe(), v1, f"well-formed file with {kind} at {path}")
+        return
+    _rejects_then_recovers(loader, where, bad, names=names, what=f"a corrupt header ({kind})")
+
+
+# -- FILE-PICKLE-NO-EXEC -----------------------------------------------------------------------
+ATTACKS = {
+    # (module.attr the pickle names, the attribute name the error must mention)
+    "reduce-os-system": "system",
+    "global-in-list": "exec",
+    "allowed-module-other-attr": "save",
+    "numpy-testing": "assert_equal",
+    "numpy-load": "load",
+    "inst": "exec",
+    "obj": "exec",
+    "newobj": "Popen",
+    "protocol-5": "exec",
+}
 
 
 @pytest.mark.rule("FILE-PICKLE-NO-EXEC")
 @pytest.mark.requires("snapshot.shared_fallback")
-@pytest.mark.parametrize("attack", ["builtins.open", "os.system", "builtins.exec"])
+@pytest.mark.parametrize("attack", ["builtins.open", "os.system", "builtins.exec", *ATTACKS])
 def test_fallback_pickle_never_runs_code(loader, tmp_path, attack):
-    """The shared fallback's pickle calls a global that would create a marker file."""
-    marker = str(tmp_path / "PWNED")
+    """The shared fallback's pickle names a global that would create a marker file."""
+    marker = str(tmp_path / "PWNED.npy")
     path = os.path.join(loader.shared_dir, S.base_name(0, 0) + S.PDPARAMS)
+    names = [path]
     if attack == "builtins.open":
         S.write_pickle_calling(path, "builtins", "open", marker, "w")
     elif attack == "os.system":
-        S.write_pickle_calling(path, "os", "system", f"touch {shlex.quote(marker)}")
-    else:
+        S.write_pickle_calling(path, "os", "system", f"touch '{marker}'")
+    elif attack == "builtins.exec":
         S.write_pickle_calling(path, "builtins", "exec", f"open({marker!r}, 'w').close()")
+    else:
+        F.write_bytes(path, F.pickle_attack(attack, marker))
+        names.append(ATTACKS[attack])  # the refused global is named
     session = loader.open(SPEC)
     try:
-        with check.raises(Exception, match=re.escape(path), where=f"{attack} pickle at {path}"):
+        with check.raises(ValueError, match=re.escape(path), names=names, where=f"{attack} pickle at {path}"):
             session.update()
     finally:
         check.that(not os.path.exists(marker), f"{path}: unpickling ran {attack}: marker {marker} was created")
+    if _has(loader, "status"):
+        check.status_not(session, "NORMAL", f"after refusing the {attack} pickle at {path}")
+    # The allow-list still admits real paddle.save output (bf16 included).
+    _recover(loader, session, ("shared", None), f"the {attack} pickle")
 
 
+# -- FILE-DETACHED -----------------------------------------------------------------------------
 @pytest.mark.rule("FILE-DETACHED")
-@pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param("single", marks=pytest.mark.requires("snapshot.single"), id="single-file"),
-        pytest.param("parts", marks=pytest.mark.requires("snapshot.parts"), id="parts"),
-    ],
-)
-def test_parameters_do_not_alias_the_snapshot_file(loader, tmp_path, layout):
+@pytest.mark.parametrize("where", [SINGLE, PART_FIRST, PART_LAST, LEGACY])
+def test_parameters_do_not_alias_the_snapshot_file(loader, tmp_path, where):
     """Rewrite the loaded files in place (same inode, same size): the model keeps the loaded values."""
-    v1, v2 = M.state(SPEC, version=1), M.state(SPEC, version=2)
-    if layout == "single":
-        paths = [S.write_safetensors(S.single_path(loader.model_dir, 0, 0), v1)]
-        fresh = [S.write_safetensors(tmp_path / "v2.safetensors", v2)]
-    else:
-        paths = S.write_parts(loader.model_dir, 0, 0, dict(enumerate(S.split(v1, 2))))
-        fresh = [S.write_safetensors(tmp_path / f"v2.part{i}", part) for i, part in enumerate(S.split(v2, 2))]
+    v1, v2 = _state(SPEC, 1), _state(SPEC, 2)
+    _, _, paths = _write(loader, where, v1)
+    fresh_dir = tmp_path / "v2"
+    fresh_dir.mkdir()
     session = loader.open(SPEC)
     session.update()
-    for path, new in zip(paths, fresh):
-        data = open(new, "rb").read()
-        assert os.path.getsize(path) == len(data), f"{path}: v2 layout differs in size; the fixture cannot rewrite in place"
+    kind = where[0]
+    groups = S.split(v2, 3) if kind == "part" else [v2]
+    for path, group in zip(paths, groups):
+        data = open(S.write_safetensors(fresh_dir / os.path.basename(path), group), "rb").read()
+        assert os.path.getsize(path) == len(data), f"{path}: v2 layout differs in size; cannot rewrite in place"
         with open(path, "r+b") as f:  # same inode: a mapping of the old file sees these bytes
             f.write(data)
-    check.params_equal(session.observe(), v1, f"{layout}: after rewriting {', '.join(map(os.path.basename, paths))} in place")
+    check.params_equal(session.observe(), v1, f"{where}: after rewriting {', '.join(map(os.path.basename, paths))} in place")
+
+
+# -- FILE-RELEASED -----------------------------------------------------------------------------
+OUTCOMES = ["success", "truncated", "corrupt", "no-tensors"]
+
+
+def _released_cases():
+    for where in WHERE:
+        yield _case(where, "success")
+    for where, outcome in [(PART_LAST, "truncated"), (SHARED, "truncated"), (SINGLE, "corrupt"), (LEGACY, "corrupt"),
+                           (PART_FIRST, "corrupt"), (PART_MIDDLE, "no-tensors"), (SHARED, "no-tensors")]:
+        yield _case(where, outcome)
+
+
+@pytest.mark.rule("FILE-RELEASED")
+@pytest.mark.parametrize("where,outcome", list(_released_cases()))
+def test_no_descriptor_or_mapping_kept(loader, where, outcome):
+    def bad(path, tensors, pickled):
+        if outcome == "no-tensors":
+            tensors = {}
+        _good(path, tensors, pickled)
+        if outcome == "truncated":
+            S.truncate(path, os.path.getsize(path) - 1)
+        elif outcome == "corrupt":
+            F.damage_safetensors(path, "overlap")
+
+    path, _, paths = _write(loader, where, _state(SPEC, 1), bad)
+    watched = [loader.model_dir, loader.shared_dir]
+    session = loader.open(SPEC)
+    if outcome == "success":
+        session.update()
+        check.params_equal(session.observe(), _state(SPEC, 1), f"{path} loaded")
+    else:
+        with check.raises(ValueError, match=re.escape(path), where=f"{outcome} file {path}"):
+            session.update()
+    held = F.held("self", watched)
+    check.that(not held, f"after the update {'succeeded' if outcome == 'success' else 'rejected ' + path}: "
+               f"the process still holds {held}; expected no descriptor or mapping of any snapshot file")
+
+
+# -- FILE-UNREADABLE ---------------------------------------------------------------------------
+def _in_child(fn, timeout=20.0):
+    """Run ``fn()`` (returning a JSON-able value) in a forked child; returns (value, how it ended)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        code = 0
+        try:
+            out = json.dumps({"value": fn()})
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out = json.dumps({"crash": f"{type(e).__name__}: {e}"})
+            code = 1
+        try:
+            os.write(w, out.encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    return _collect(pid, r, timeout)
+
+
+def _collect(pid, r, timeout, status=None):
+    """Read the child's JSON report and reap it (``status``: it was reaped already)."""
+    deadline = time.monotonic() + timeout
+    chunks = []
+    os.set_blocking(r, False)
+    while status is None:
+        try:
+            chunk = os.read(r, 1 << 16)
+            if chunk:
+                chunks.append(chunk)
+        except BlockingIOError:
+            pass
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        status = None
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
+            return None, f"still running after {timeout} s (killed)"
+        time.sleep(0.002)
+    os.set_blocking(r, True)
+    while chunk := os.read(r, 1 << 16):
+        chunks.append(chunk)
+    os.close(r)
+    if os.WIFSIGNALED(status):
+        return None, f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    report = json.loads(b"".join(chunks) or b"{}")
+    if "crash" in report:
+        return None, f"child failed: {report['crash']}"
+    return report.get("value"), "exited"
+
+
+def _try_update(session, loader):
+    """Child side: update and report the outcome as JSON (no pickle)."""
+    try:
+        session.update()
+        result = {"raised": None}
+    except Exception as e:  # noqa: BLE001 - the parent judges it
+        result = {"raised": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+    if _has(loader, "status"):
+        result["status"] = session.status()
+    result["digests"] = {
+        n: (hashlib.sha256(o.data).hexdigest() if o.data is not None else None) for n, o in session.observe().items()
+    }
+    return result
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+@pytest.mark.rule("FILE-UNREADABLE")
+@pytest.mark.parametrize("where", [SINGLE, PART_FIRST, PART_LAST, LEGACY, SHARED])
+def test_permission_denied_is_reported_as_such(loader, where):
+    path, _, _ = _write(loader, where, _state(SPEC, 1))
+    os.chmod(path, 0)
+    try:
+        def child():
+            how = F.drop_file_read_override()
+            try:
+                open(path, "rb").close()
+                return {"provoked": False, "how": how}
+            except PermissionError:
+                pass
+            return {"provoked": True, **_try_update(loader.open(SPEC), loader)}
+
+        result, ended = _in_child(child)
+    finally:
+        os.chmod(path, 0o644)
+    check.that(result is not None, f"update of unreadable {path}: the child {ended}")
+    check.that(result["provoked"], f"cannot make {path} unreadable here ({result.get('how')})")
+    raised, message = result["raised"], result.get("message", "")
+    check.that(raised is not None, f"update of unreadable (mode 000) {path} succeeded; expected PermissionError")
+    check.that("PermissionError" in raised, f"unreadable {path}: raised {raised[0]} ({message!r}); expected a PermissionError")
+    check.that(path in message and re.search(r"(?i)permission denied", message) is not None,
+               f"unreadable {path}: message {message!r} must name the file and say 'permission denied'")
+    check.that(not re.search(r"(?i)corrupt|not a valid|truncat|empty|no parameter", message),
+               f"unreadable {path}: message {message!r} reports a damaged file; the file is intact, only unreadable")
+    if "status" in result:
+        check.that(result["status"] != "NORMAL", f"after unreadable {path}: status is NORMAL")
+    session = loader.open(SPEC)  # after the mode is restored, the same files load
+    _recover(loader, session, where, f"unreadable {path}")
+
+
+# -- FILE-CHANGED-DURING-LOAD -------------------------------------------------------------------
+# 1 MiB per tensor, two per part: the read of a part is still in progress when it is changed.
+BIG = M.spec(*((f"layers.{i}.w", "float32", (512, 512)) if i % 2 else (f"layers.{i}.w", "bfloat16", (512, 1024)) for i in range(6)))
+READING = 64 << 10  # bytes read (rchar) since the opening that count as "the read is in progress"
+CHANGES = [
+    # (where, change, when): "reading" = during the loader's last opening of the file, once it is
+    # mapped or being read; "between" = after its first opening closed, before the next one (a
+    # loader that validates every header first, then reads: the file changed in between).
+    pytest.param(("single", None), "truncate", "reading", marks=SINGLE.marks, id="single-truncate-reading"),
+    pytest.param(("single", None), "rewrite", "reading", marks=SINGLE.marks, id="single-rewrite-reading"),
+    pytest.param(("part", 1), "rewrite", "reading", marks=PART_MIDDLE.marks, id="part-middle-rewrite-reading"),
+    pytest.param(("part", 2), "truncate", "reading", marks=PART_LAST.marks, id="part-last-truncate-reading"),
+    pytest.param(("part", 0), "truncate", "between", marks=PART_FIRST.marks, id="part-first-truncate-between"),
+    pytest.param(("legacy", None), "rewrite", "between", marks=LEGACY.marks, id="legacy-rewrite-between"),
+]
+
+
+def _write_big(loader, where, state):
+    kind, index = where
+    groups = S.split(state, 3) if kind == "part" else [state]
+    paths = ([S.part_path(loader.model_dir, 0, 0, i) for i in range(3)] if kind == "part"
+             else [S.single_path(loader.model_dir, 0, 0) if kind == "single" else S.legacy_path(loader.model_dir, 0)])
+    for p, g in zip(paths, groups):
+        _good(p, g, False)
+    F.backdate(*paths)
+    target = index or 0
+    return paths[target], groups[target], paths
+
+
+def _proc(pid, name):
+    with open(f"/proc/{pid}/{name}") as f:
+        return f.read()
+
+
+def _rchar(pid):
+    return int(next(line for line in _proc(pid, "io").splitlines() if line.startswith("rchar")).split()[1])
+
+
+class _Child:
+    """A forked child stepped with SIGSTOP/SIGCONT; ``status`` is set once it has been reaped."""
+
+    def __init__(self, pid):
+        self.pid, self.status = pid, None
+
+    def stop(self) -> bool:
+        """Stop the child; False when it has already ended (then it is reaped here)."""
+        if self.status is not None:
+            return False
+        os.kill(self.pid, signal.SIGSTOP)
+        _, status = os.waitpid(self.pid, os.WUNTRACED)
+        if os.WIFSTOPPED(status):
+            return True
+        self.status = status
+        return False
+
+    def cont(self) -> None:
+        if self.status is None:
+            os.kill(self.pid, signal.SIGCONT)
+
+
+def _holds(pid, path) -> bool:
+    """Whether process ``pid`` has ``path`` open or mapped."""
+    fd_dir = f"/proc/{pid}/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            if os.readlink(os.path.join(fd_dir, fd)) == path:
+                return True
+        except OSError:
+            pass
+    return " " + path + "\n" in _proc(pid, "maps")
+
+
+def _step_until_released(child, path, deadline):
+    """With the child stopped just after its first opening of ``path``: step it (as short as a
+    SIGCONT/SIGSTOP pair) until it no longer holds the file. False if it ended first."""
+    try:
+        while time.monotonic() < deadline:
+            if not _holds(child.pid, path):
+                return True
+            child.cont()
+            if not child.stop():
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _step_until_reading(child, path, ino, deadline):
+    """With the child stopped just after it opened ``path``: find the moment it has mapped the file
+    or read READING bytes since the opening. A mapping appears microseconds after the opening, so
+    the first steps are as short as a SIGCONT/SIGSTOP pair; a reader is then stopped at its reads
+    (inotify IN_ACCESS). Returns with the child stopped, or False if it ended first."""
+    rchar0 = _rchar(child.pid)
+    mapped = " " + path + "\n"
+
+    def ready():
+        return mapped in _proc(child.pid, "maps") or _rchar(child.pid) - rchar0 >= READING
+
+    try:
+        for _ in range(20):
+            if ready():
+                return True
+            child.cont()
+            if not child.stop():
+                return False
+        while time.monotonic() < deadline:
+            if ready():
+                return True
+            child.cont()
+            ino.events(0.01)  # the child's next read of the file (or 10 ms)
+            if not child.stop():
+                return False
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.rule("FILE-CHANGED-DURING-LOAD")
+@pytest.mark.parametrize("where,change,when", CHANGES)
+def test_file_changed_while_loading(loader, tmp_path, where, change, when):
+    """The trainer truncates a file to half, or rewrites its second half with new values, while the
+    loader reads it: found with inotify at the loader's last opening of the file (counted in a dry
+    run), then stepped until the file is mapped or being read. Outcome: an error naming the file, or
+    the old version complete; never a crash, never a mix."""
+    v1, v2 = _state(BIG, 1), _state(BIG, 2)
+    path, group, _ = _write_big(loader, where, v1)
+    ino = F.Inotify()
+    try:
+        ino.watch(path, F.IN_OPEN | F.IN_ACCESS)
+        # 1. How many times does this loader open the file in one update? (The last opening reads it.)
+        session = loader.open(BIG)
+        session.update()
+        check.params_equal(session.observe(), v1, f"{path}: undisturbed update")
+        opens = 0
+        while events := ino.events(0.0):
+            opens += sum(1 for _p, mask in events if mask & F.IN_OPEN)
+        check.that(opens >= 1, f"{path}: the loader never opened it (inotify saw no IN_OPEN)")
+        fresh = tmp_path / "v2.safetensors"
+        _good(fresh, {n: v2[n] for n in group}, False)
+        new_bytes = open(fresh, "rb").read()
+        assert len(new_bytes) == os.path.getsize(path), "v2 must have v1's layout to be written in place"
+
+        def damage():
+            with open(path, "r+b") as f:
+                half = len(new_bytes) // 2
+                if change == "truncate":
+                    f.truncate(half)
+                else:  # a trainer's rewrite in progress: the second half already new
+                    f.seek(half)
+                    f.write(new_bytes[half:])
+
+        # 2. The same update in a child, the file damaged mid-read.
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            code = 0
+            try:
+                out = json.dumps({"value": _try_update(loader.open(BIG), loader)})
+            except BaseException as e:  # noqa: BLE001
+                out, code = json.dumps({"crash": f"{type(e).__name__}: {e}"}), 1
+            os.write(w, out.encode())
+            os._exit(code)
+        os.close(w)
+        child = _Child(pid)
+        seen, deadline = 0, time.monotonic() + 10
+        try:
+            # "between" needs two openings; a loader that opens the file once is damaged after it
+            # closed it, and must then have loaded the old version.
+            target = 1 if when == "between" else opens
+            while seen < target and time.monotonic() < deadline:
+                seen += sum(1 for _p, mask in ino.events(0.05) if mask & F.IN_OPEN)
+            if seen < target or not child.stop():
+                pass
+            elif when == "between" and _step_until_released(child, path, deadline):
+                damage()
+            elif when == "reading" and _step_until_reading(child, path, ino, deadline):
+                damage()
+        finally:
+            child.cont()
+            result, ended = _collect(pid, r, 20.0, child.status)
+    finally:
+        ino.close()
+    check.that(result is not None, f"{change} ({when}) of {path} while it was loaded: the loader {ended}")
+    # (not damaged: the child finished before it read READING bytes after its last opening; its
+    # result must then be the undisturbed version, which the checks below require anyway.)
+    if result["raised"] is not None:
+        check.that(path in result["message"], f"{change} ({when}) of {path} during load: error {result['message']!r} does not name the file")
+        if "status" in result:
+            check.that(result["status"] != "NORMAL", f"{change} ({when}) of {path} during load raised but status is NORMAL")
+    else:
+        got = result["digests"]
+        wrong = [n for n, a in v1.items() if got.get(n) != _digest(a)]
+        check.that(not wrong, f"{change} ({when}) of {path} during load: the update succeeded but {wrong} are not the "
+                   f"version the file held before the change (the file never held another complete version)")
+    # 3. Aftermath: a good file loads again.
+    _good(path, group, False)
+    session.clear()
+    session.update()
+    check.params_equal(session.observe(), v1, f"after {change} ({when}) of {path}: rewritten file, clear() and update()")

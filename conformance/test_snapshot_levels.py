@@ -1,13 +1,22 @@
 """ipc_snapshot source priority: parts > single file > legacy tp0{id} > shared pickle. Spec: SPEC.md § LEVEL.
 
-The worker is rank 2 on physical GPU 3, so the base name (``model_state.tp2.3``), the legacy name
-(``model_state.tp03``) and rank 0's names all differ. Every level holds the whole state at a
-version of its own: the values the model ends with name the level that was applied. Cases marked
-``trace`` also check that no other level was applied on top.
+The worker is rank 2 on physical GPU 3 (CUDA ordinal 1), so the base name (``model_state.tp2.3``),
+the legacy name (``model_state.tp03``), the ordinal's names and rank 0's names all differ.
+
+Each priority comparison is its own case requiring only the two levels it compares. The winner
+holds the whole state at a version of its own; the loser is written *after* it, with a newer mtime,
+and is poisoned (one tensor of the wrong dtype), so a loader that picks the newest file, applies
+the loser before or after the winner, or merely validates it, fails the case with a message saying
+which level it read. The all-levels cases additionally compare the trace.
 """
+import contextlib
 import os
 import re
+import stat
+import threading
+import time
 
+import numpy as np
 import pytest
 
 from conformance import check
@@ -18,94 +27,137 @@ from fixtures import snapshot as S
 pytestmark = pytest.mark.snapshot
 
 SPEC = M.spec(("embed.weight", "float32", (4, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 2)), ("norm.bias", "float16", (4,)))
+NAMES = [p.name for p in SPEC.all_params]
 RANK, GPU = 2, 3
-WORKER = Worker(RANK, "0,1,2,3", "3")
-LEVELS = ("parts", "single", "legacy", "shared")
+WORKER = Worker(RANK, "5,3,7", "1")
 VERSION = {"parts": 1, "single": 2, "legacy": 3, "shared": 4}
+CAP = {"parts": "snapshot.parts", "single": "snapshot.single", "legacy": "snapshot.legacy", "shared": "snapshot.shared_fallback"}
 TRACE = pytest.mark.requires("trace")
+POISONED = "norm.bias"  # float16 in the model, float32 in every losing level
 
 
-def _write_levels(loader, present):
-    """Write each level in ``present``; return the basenames each level's sources have."""
-    names = {}
-    for level in present:
-        st = M.state(SPEC, version=VERSION[level])
-        if level == "parts":
-            paths = S.write_parts(loader.model_dir, RANK, GPU, dict(enumerate(S.split(st, 2))))
-        elif level == "single":
-            paths = [S.write_safetensors(S.single_path(loader.model_dir, RANK, GPU), st)]
-        elif level == "legacy":
-            paths = [S.write_safetensors(S.legacy_path(loader.model_dir, GPU), st)]
-        else:
-            paths = [S.write_pickle_fallback(_fallback_path(loader), st)]
-        names[level] = [os.path.basename(p) for p in paths]
-    return names
+def _state(level, poisoned=False):
+    st = M.state(SPEC, version=VERSION[level])
+    if poisoned:
+        st[POISONED] = st[POISONED].astype(np.float32)
+    return st
+
+
+def _write(loader, level, tensors):
+    return S.write_level(level, loader.model_dir, loader.shared_dir, RANK, GPU, tensors)
 
 
 def _fallback_path(loader):
-    return os.path.join(loader.shared_dir, S.base_name(RANK, GPU) + S.PDPARAMS)
+    return S.fallback_path(loader.shared_dir, RANK, GPU)
+
+
+def _check_level_wins(loader, winner, losers, observe="values"):
+    """Write ``winner`` clean, then every loser poisoned and newer; update; ``winner`` must be all
+    that was read."""
+    names = {winner: [os.path.basename(p) for p in _write(loader, winner, _state(winner))]}
+    future = time.time() + 3600
+    for level in losers:
+        for path in _write(loader, level, _state(level, poisoned=True)):
+            os.utime(path, (future, future))
+    session = loader.open(SPEC, worker=WORKER)
+    where = (f"rank {RANK} gpu {GPU}: {winner} against {', '.join(losers)} (written later, newer mtime, "
+             f"{POISONED} of the wrong dtype) in {loader.model_dir} + {loader.shared_dir}")
+    try:
+        session.update()
+    except Exception as e:  # noqa: BLE001  (any error means a losing level was read)
+        check.that(False, f"{where}: update raised {type(e).__name__}: {e}; only {winner} may be read")
+    if observe == "values":
+        check.params_equal(session.observe(), _state(winner), f"{where}: {winner} must win")
+    else:
+        check.sources(session.trace(), names[winner], f"{where}: only {winner} may be applied")
+        labels = [f"snapshot-part{i}" for i in range(len(names[winner]))] if winner == "parts" else ["snapshot"]
+        check.labels(session.trace(), labels, f"{where}: FastDeploy's labels")
+
+
+def _case(winner, losers, observe="values", extra=()):
+    marks = [pytest.mark.requires(*sorted({CAP[winner], *(CAP[lv] for lv in losers)}))]
+    if observe == "trace":
+        marks.append(TRACE)
+    label = f"{winner}-vs-{'+'.join(losers)}:{observe}"
+    return pytest.param(winner, losers, observe, marks=marks, id=label)
+
+
+@pytest.mark.rule("LEVEL-PARTS-FIRST")
+@pytest.mark.parametrize(
+    "winner,losers,observe",
+    [
+        _case("parts", ("single",)),
+        _case("parts", ("legacy",)),
+        _case("parts", ("shared",)),
+        _case("parts", ("single", "legacy", "shared")),
+        _case("parts", ("single", "legacy", "shared"), "trace"),
+    ],
+)
+def test_parts_win_over_every_level(loader, winner, losers, observe):
+    _check_level_wins(loader, winner, losers, observe)
+
+
+@pytest.mark.rule("LEVEL-SINGLE-SECOND")
+@pytest.mark.parametrize(
+    "winner,losers,observe",
+    [
+        _case("single", ("legacy",)),
+        _case("single", ("shared",)),
+        _case("single", ("legacy", "shared")),
+        _case("single", ("legacy", "shared"), "trace"),
+    ],
+)
+def test_single_file_wins_without_parts(loader, winner, losers, observe):
+    _check_level_wins(loader, winner, losers, observe)
+
+
+def _write_foreign_higher_levels(loader):
+    """Other workers' parts and single files (rank 0, the CUDA ordinal, tp{rank}{id} concatenated):
+    none is this worker's, so the legacy file must still be the one read."""
+    decoy = M.state(SPEC, version=9)
+    for rank, gpu in ((0, GPU), (RANK, 1), (RANK, 31), (23, GPU)):
+        S.write_safetensors(S.single_path(loader.model_dir, rank, gpu), decoy)
+        S.write_parts(loader.model_dir, rank, gpu, {0: decoy})
+    S.write_safetensors(os.path.join(loader.model_dir, f"model_state.tp{RANK}{GPU}{S.PDPARAMS}"), decoy)
+    S.write_safetensors(S.legacy_path(loader.model_dir, 1), decoy)  # tp01: the ordinal's legacy file
+
+
+@pytest.mark.rule("LEVEL-LEGACY-THIRD")
+@pytest.mark.parametrize(
+    "winner,losers,observe",
+    [
+        pytest.param("legacy", (), "values", marks=pytest.mark.requires("snapshot.legacy"), id="legacy-beside-other-workers-files"),
+        _case("legacy", ("shared",)),
+        _case("legacy", ("shared",), "trace"),
+    ],
+)
+def test_legacy_file_wins_without_parts_or_single(loader, winner, losers, observe):
+    if not losers:
+        _write_foreign_higher_levels(loader)
+    _check_level_wins(loader, winner, losers, observe)
+
+
+@pytest.mark.rule("LEVEL-SHARED-LAST")
+@pytest.mark.requires("snapshot.shared_fallback")
+@pytest.mark.parametrize(
+    "others,observe",
+    [
+        pytest.param(False, "values", id="model-dir-empty"),
+        # Other workers' files in model_dir are not this worker's: the fallback is still the one to use.
+        pytest.param(True, "values", id="model-dir-holds-other-workers-files"),
+        pytest.param(True, "trace", marks=TRACE, id="model-dir-holds-other-workers-files:trace"),
+    ],
+)
+def test_shared_pickle_used_when_model_dir_has_nothing(loader, others, observe):
+    if others:
+        _write_foreign_higher_levels(loader)
+    _check_level_wins(loader, "shared", (), observe)
 
 
 def _claims_shared(loader) -> bool:
     # The shared directory is only written for implementations that read it from LoaderConfig;
     # the others (FastDeploy hard-codes /shared_ipc_meta) still have levels 1-3 checked.
     return "snapshot.shared_fallback" in loader.adapter.capabilities
-
-
-def _check_level_wins(loader, winner, observe):
-    present = [lvl for lvl in LEVELS[LEVELS.index(winner) :] if lvl != "shared" or _claims_shared(loader)]
-    names = _write_levels(loader, present)
-    session = loader.open(SPEC, worker=WORKER)
-    session.update()
-    where = f"rank {RANK} gpu {GPU}, {loader.model_dir} + {loader.shared_dir} holding {', '.join(present)}"
-    if observe == "values":
-        check.params_equal(session.observe(), M.state(SPEC, version=VERSION[winner]), f"{where}: {winner} must win")
-    else:
-        check.sources(session.trace(), names[winner], f"{where}: only {winner} may be applied")
-
-
-OBSERVE = pytest.mark.parametrize(
-    "observe", [pytest.param("values", id="values"), pytest.param("trace", marks=TRACE, id="trace")]
-)
-
-
-@pytest.mark.rule("LEVEL-PARTS-FIRST")
-@pytest.mark.requires("snapshot.parts", "snapshot.single", "snapshot.legacy")
-@OBSERVE
-def test_parts_win_over_every_level(loader, observe):
-    _check_level_wins(loader, "parts", observe)
-
-
-@pytest.mark.rule("LEVEL-SINGLE-SECOND")
-@pytest.mark.requires("snapshot.single", "snapshot.legacy")
-@OBSERVE
-def test_single_file_wins_without_parts(loader, observe):
-    _check_level_wins(loader, "single", observe)
-
-
-@pytest.mark.rule("LEVEL-LEGACY-THIRD")
-@pytest.mark.requires("snapshot.legacy")
-@OBSERVE
-def test_legacy_file_wins_without_parts_or_single(loader, observe):
-    _check_level_wins(loader, "legacy", observe)
-
-
-@pytest.mark.rule("LEVEL-SHARED-LAST")
-@pytest.mark.requires("snapshot.shared_fallback")
-@pytest.mark.parametrize(
-    "others",
-    [
-        pytest.param(False, id="model-dir-empty"),
-        # Rank 0's files in model_dir are not this worker's: the fallback is still the one to use.
-        pytest.param(True, id="model-dir-holds-other-ranks-files"),
-    ],
-)
-def test_shared_pickle_used_when_model_dir_has_nothing(loader, others):
-    if others:
-        decoy = M.state(SPEC, version=9)
-        S.write_safetensors(S.single_path(loader.model_dir, 0, GPU), decoy)
-        S.write_parts(loader.model_dir, 0, GPU, {0: decoy})
-    _check_level_wins(loader, "shared", "values")
 
 
 @pytest.mark.rule("LEVEL-NONE-FOUND")
@@ -124,7 +176,7 @@ def test_no_snapshot_is_file_not_found_listing_checks(loader, layout):
         S.write_safetensors(S.single_path(loader.model_dir, 0, GPU), decoy)
         S.write_safetensors(S.single_path(loader.model_dir, 23, GPU), decoy)  # tp23.3: not tp2.3
         if _claims_shared(loader):
-            S.write_pickle_fallback(os.path.join(loader.shared_dir, S.base_name(0, GPU) + S.PDPARAMS), decoy)
+            S.write_pickle_fallback(S.fallback_path(loader.shared_dir, 0, GPU), decoy)
     elif layout == "invalid-parts":
         S.write_safetensors(os.path.join(loader.model_dir, f"{S.base_name(RANK, GPU)}.partx{S.PDPARAMS}"), decoy)
     base = S.base_name(RANK, GPU)
@@ -136,3 +188,128 @@ def test_no_snapshot_is_file_not_found_listing_checks(loader, layout):
     ):
         session = loader.open(SPEC, worker=WORKER)
         session.update()
+
+
+# -- LEVEL-CANDIDATE-NOT-FILE ---------------------------------------------------------------------
+# Where the bad candidate sits, the levels it needs, and the lower level a fall-through would read.
+_POSITIONS = {
+    "single": (("snapshot.single", "snapshot.legacy"), "legacy"),
+    "legacy": (("snapshot.legacy", "snapshot.shared_fallback"), "shared"),
+    "part1-of-0-1-2": (("snapshot.parts", "snapshot.single"), "single"),
+    "only-part": (("snapshot.parts", "snapshot.single"), "single"),
+}
+
+
+def _candidate(loader, position, want):
+    """Write the worker's good files for ``position`` except the candidate; return (candidate path,
+    tensors the candidate should hold)."""
+    if position == "single":
+        return S.single_path(loader.model_dir, RANK, GPU), want
+    if position == "legacy":
+        return S.legacy_path(loader.model_dir, GPU), want
+    if position == "only-part":
+        return S.part_path(loader.model_dir, RANK, GPU, 0), want
+    first, middle, last = S.split(want, 3)
+    S.write_parts(loader.model_dir, RANK, GPU, {0: first, 2: last})
+    return S.part_path(loader.model_dir, RANK, GPU, 1), middle
+
+
+def _make(kind, path, tmp):
+    if kind == "directory":
+        os.mkdir(path)
+    elif kind == "dangling-symlink":
+        os.symlink(os.path.join(tmp, "written-by-a-dead-trainer.pdparams"), path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink-to-dev-null":
+        os.symlink(os.devnull, path)
+    elif kind == "char-device":
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 3))  # /dev/null's numbers
+        except PermissionError:
+            os.symlink("/dev/zero", path)  # not root: a device all the same
+    else:
+        raise ValueError(kind)
+
+
+def _remove(path):
+    (os.rmdir if os.path.isdir(path) and not os.path.islink(path) else os.unlink)(path)
+
+
+class _FifoWatch:
+    """Unblocks, and records, any reader that opened the FIFO: opening a FIFO for reading blocks
+    until a writer appears, so a loader that opens it would otherwise hang the suite."""
+
+    def __init__(self, path):
+        self.path, self.opened, self._stop = path, False, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.01):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads
+            except OSError:
+                continue
+            self.opened = True
+            os.close(fd)  # the reader sees end of file
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+
+_BAD_KINDS = {
+    "single": ("directory", "dangling-symlink", "fifo", "symlink-to-dev-null", "char-device"),
+    "legacy": ("directory", "dangling-symlink", "fifo"),
+    "part1-of-0-1-2": ("directory", "dangling-symlink", "fifo"),
+    "only-part": ("directory", "symlink-to-dev-null"),
+}
+
+
+def _not_file_params():
+    out = []
+    for position, (caps, _lower) in _POSITIONS.items():
+        for kind in (*_BAD_KINDS[position], "symlink-to-regular-file"):
+            out.append(pytest.param(position, kind, marks=pytest.mark.requires(*caps), id=f"{position}:{kind}"))
+    return out
+
+
+@pytest.mark.rule("LEVEL-CANDIDATE-NOT-FILE")
+@pytest.mark.parametrize("position,kind", _not_file_params())
+def test_candidate_that_is_not_a_regular_file_is_an_error(loader, tmp_path, position, kind):
+    """A candidate that exists but is no regular file is an error naming it, never a fall-through
+    to the (stale) lower level written beside it; a symlink to a regular file loads. After the
+    error, replacing the candidate with a real file, clear() and update() load it."""
+    want = M.state(SPEC, version=1)
+    path, content = _candidate(loader, position, want)
+    lower = _POSITIONS[position][1]
+    S.write_level(lower, loader.model_dir, loader.shared_dir, RANK, GPU, M.state(SPEC, version=7))  # stale
+    where = f"{path} is a {kind}, stale {lower} level beside it"
+    if kind == "symlink-to-regular-file":
+        target = S.write_safetensors(os.path.join(str(tmp_path), "store", "real.safetensors"), content)
+        os.symlink(target, path)
+        session = loader.open(SPEC, worker=WORKER)
+        session.update()
+        check.params_equal(session.observe(), want, f"{where}: the link's target must be loaded")
+        return
+    _make(kind, path, str(tmp_path))
+    watch = _FifoWatch(path) if kind == "fifo" else None
+    session = loader.open(SPEC, worker=WORKER)
+    try:
+        with check.raises((ValueError, OSError), match=re.escape(os.path.basename(path)), names=[path], where=where):
+            session.update()
+    finally:
+        if watch:
+            watch.stop()
+    if watch:
+        check.that(not watch.opened, f"{where}: the loader opened the FIFO for reading (it blocks until a writer "
+                                     "comes); a candidate's kind must be checked without opening it")
+    check.not_loaded(session.observe(), NAMES, f"{where}: after the error")
+    if "status" in loader.adapter.capabilities:
+        check.status_not(session, "NORMAL", where)
+    _remove(path)
+    S.write_safetensors(path, content)
+    session.clear()
+    session.update()
+    check.params_equal(session.observe(), want, f"{where}: after replacing it with a regular file, clear() and update()")

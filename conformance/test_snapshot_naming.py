@@ -1,96 +1,291 @@
-"""ipc_snapshot naming and sharding: who loads which file. Spec: SPEC.md § SNAP."""
+"""ipc_snapshot naming and sharding: who loads which file, on every level. Spec: SPEC.md § SNAP.
+
+Every identity case runs on each level where the behaviour exists (parts, single file, legacy
+``tp0{id}`` keyed by the GPU only, shared ``paddle.save`` fallback), carrying only that level's
+capability. The worker's CUDA ordinal differs from its physical id, and decoy snapshots sit under
+every name a plausible mistake would produce (the ordinal, the other CUDA_VISIBLE_DEVICES entries,
+rank 0, names sharing a prefix), at the worker's level and at every level above it: a loader that
+reads a wrong name finds a file there and ends with that decoy's values, not with a "not found".
+"""
 import os
+import re
 
 import pytest
 
-from conformance import check
-from conformance.harness import Worker
+from conformance import check, harness
+from conformance.harness import Worker, set_worker_env
 from fixtures import models as M
 from fixtures import snapshot as S
 
 pytestmark = pytest.mark.snapshot
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
+NAMES = [p.name for p in SPEC.all_params]
+LEVEL_CAP = {
+    "parts": "snapshot.parts",
+    "single": "snapshot.single",
+    "legacy": "snapshot.legacy",
+    "shared": "snapshot.shared_fallback",
+}
+MODEL_DIR_LEVELS = ("parts", "single", "legacy")
+
+
+def _level_params(levels, cases, ids):
+    """pytest.params (level, *case) each requiring only its level's capability."""
+    return [
+        pytest.param(level, *case, marks=pytest.mark.requires(LEVEL_CAP[level]), id=f"{level}:{case_id}")
+        for level in levels
+        for case, case_id in zip(cases, ids)
+    ]
+
+
+def _write_decoys(loader, level, identities, own_gpu, shared_identities=(), version0=50):
+    """Decoy snapshots of ``identities`` (rank, gpu) at ``level`` and every level above it; legacy
+    decoys are keyed by the GPU (never the worker's own); the shared level (``paddle.save``, slow to
+    write) gets ``shared_identities`` only. Returns {basename: version}."""
+    written = {}
+    version = version0
+    upto = S.LEVELS.index(level)
+    for lvl in S.LEVELS[: upto + 1]:
+        seen_legacy = {own_gpu}
+        for rank, gpu in identities if lvl != "shared" else shared_identities:
+            if lvl == "legacy":
+                if gpu in seen_legacy:
+                    continue
+                seen_legacy.add(gpu)
+            version += 1
+            for path in S.write_level(lvl, loader.model_dir, loader.shared_dir, rank, gpu, M.state(SPEC, version=version), nparts=1):
+                written[os.path.basename(path)] = version
+    return written
+
+
+def _update_and_expect(loader, worker, want, where):
+    session = loader.open(SPEC, worker=worker)
+    session.update()
+    check.params_equal(session.observe(), want, where)
+    return session
+
+
+# -- SNAP-NAME-SINGLE -----------------------------------------------------------------------------
+# Two workers whose names differ only by where the dot falls, and names sharing a prefix with them.
+_DOT_WORKERS = (Worker(1, "0,234", "1"), Worker(12, "34,5", "0"))  # tp1.234 and tp12.34
+_DOT_DECOYS = ((1, 23), (12, 3), (1, 2345), (123, 4), (1, 34), (12, 234))
 
 
 @pytest.mark.rule("SNAP-NAME-SINGLE")
-@pytest.mark.requires("snapshot.single")
-def test_single_file_rank_and_id_are_separated(loader):
-    """tp1.234 and tp12.34 both present: each worker loads its own file."""
-    v_a, v_b = M.state(SPEC, version=1), M.state(SPEC, version=2)
-    S.write_safetensors(S.single_path(loader.model_dir, 1, 234), v_a)
-    S.write_safetensors(S.single_path(loader.model_dir, 12, 34), v_b)
-    for worker, want in ((Worker(1, "234"), v_a), (Worker(12, "34"), v_b)):
-        session = loader.open(SPEC, worker=worker)
-        session.update()
-        check.params_equal(session.observe(), want, f"worker rank={worker.rank} gpu={worker.gpu_id}")
+@pytest.mark.parametrize(
+    "level",
+    [pytest.param(lvl, marks=pytest.mark.requires(LEVEL_CAP[lvl]), id=lvl) for lvl in ("single", "shared")],
+)
+def test_single_file_rank_and_id_are_separated(loader, level):
+    """tp1.234 and tp12.34 both present (and tp1.23, tp12.3, tp1.2345, tp123.4...; tp1.23 and tp12.3
+    in the shared directory): each worker loads its own file, from the single file and from the
+    shared fallback alike."""
+    wants = {}
+    for i, worker in enumerate(_DOT_WORKERS):
+        wants[worker.rank] = M.state(SPEC, version=1 + i)
+        S.write_level(level, loader.model_dir, loader.shared_dir, worker.rank, worker.gpu_id, wants[worker.rank])
+    for i, (rank, gpu) in enumerate(_DOT_DECOYS if level != "shared" else _DOT_DECOYS[:2]):  # paddle.save is slow
+        S.write_level(level, loader.model_dir, loader.shared_dir, rank, gpu, M.state(SPEC, version=20 + i))
+    for worker in _DOT_WORKERS:
+        _update_and_expect(
+            loader, worker, wants[worker.rank],
+            f"{level}: worker rank={worker.rank} gpu={worker.gpu_id} must load {S.base_name(worker.rank, worker.gpu_id)}",
+        )
 
 
+# -- SNAP-NAME-PARTS ------------------------------------------------------------------------------
 @pytest.mark.rule("SNAP-NAME-PARTS")
 @pytest.mark.requires("snapshot.parts")
-def test_part_glob_does_not_match_longer_id(loader):
-    """tp1.2.part* must not pick up tp1.23.part1 lying beside it."""
-    mine, other = M.state(SPEC, version=1), M.state(SPEC, version=2)
-    S.write_parts(loader.model_dir, 1, 2, dict(enumerate(S.split(mine, 2))))
-    S.write_safetensors(S.part_path(loader.model_dir, 1, 23, 1), other)
-    session = loader.open(SPEC, worker=Worker(1, "2"))
-    session.update()
-    check.params_equal(session.observe(), mine, "worker rank=1 gpu=2 with tp1.23.part1 present")
+@pytest.mark.parametrize(
+    "worker,decoys",
+    [
+        # tp1.2.part* beside tp1.23.part5 and tp1.20.part5 (a startswith/unanchored glob takes them).
+        pytest.param(Worker(1, "7,2", "1"), ("model_state.tp1.23.part5", "model_state.tp1.20.part5"), id="tp1.2-vs-tp1.23"),
+        # ids and ranks >= 10; a trainer's temporary file is not a part either.
+        pytest.param(
+            Worker(12, "13,3", "1"),
+            ("model_state.tp12.34.part9", "model_state.tp1.23.part9", "model_state.tp12.3.part7.pdparams.tmp"),
+            id="tp12.3-vs-tp12.34-tp1.23-tmp",
+        ),
+    ],
+)
+def test_part_glob_does_not_match_longer_id(loader, worker, decoys):
+    """Only ``{base}.part{N}.pdparams`` are the worker's parts; every decoy has a higher index, so a
+    loader that takes one ends with its values."""
+    mine = M.state(SPEC, version=1)
+    S.write_parts(loader.model_dir, worker.rank, worker.gpu_id, dict(enumerate(S.split(mine, 2))))
+    for i, decoy in enumerate(decoys):
+        name = decoy if decoy.endswith(".tmp") else decoy + S.PDPARAMS
+        S.write_safetensors(os.path.join(loader.model_dir, name), M.state(SPEC, version=10 + i))
+    _update_and_expect(
+        loader, worker, mine,
+        f"worker rank={worker.rank} gpu={worker.gpu_id} with {', '.join(decoys)} beside its parts",
+    )
 
 
-def _write_every_rank(loader, layout: str, ranks):
-    states = {r: M.state(SPEC, seed=r, version=1) for r in ranks}
-    for r, st in states.items():
-        if layout == "parts":
-            S.write_parts(loader.model_dir, r, r, dict(enumerate(S.split(st, 3))))
-        elif layout == "single":
-            S.write_safetensors(S.single_path(loader.model_dir, r, r), st)
-        else:
-            S.write_pickle_fallback(os.path.join(loader.shared_dir, S.base_name(r, r) + ".pdparams"), st)
-    return states
+# -- SNAP-RANK-OWN-SHARD --------------------------------------------------------------------------
+# Ranks 0, 1, 12, 10 on physical GPUs 5, 23, 3, 7 (ordinals 0..3): rank differs from the ordinal,
+# tp1.23 and tp12.3 share a prefix, and the legacy names tp05, tp023, tp03, tp07 are all distinct.
+_RANKS = (0, 1, 12, 10)
+_VISIBLE = "5,23,3,7"
 
 
 @pytest.mark.rule("SNAP-RANK-OWN-SHARD")
 @pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param("parts", marks=pytest.mark.requires("snapshot.parts"), id="parts"),
-        pytest.param("single", marks=pytest.mark.requires("snapshot.single"), id="single-file"),
-        pytest.param("shared", marks=pytest.mark.requires("snapshot.shared_fallback"), id="shared-fallback"),
-    ],
+    "level", [pytest.param(lvl, marks=pytest.mark.requires(LEVEL_CAP[lvl]), id=lvl) for lvl in S.LEVELS]
 )
-def test_each_rank_loads_its_own_shard(loader, layout):
-    """Ranks 0..3 on GPUs 0..3, every shard present: each rank ends with its own values."""
-    ranks = range(4)
-    states = _write_every_rank(loader, layout, ranks)
-    visible = ",".join(str(r) for r in ranks)
-    for r in ranks:
-        session = loader.open(SPEC, worker=Worker(r, visible, str(r)))
-        session.update()
-        check.params_equal(session.observe(), states[r], f"{layout}: rank {r} on gpu {r}")
+def test_each_rank_loads_its_own_shard(loader, level):
+    """Every rank's shard present at one level: each rank ends with its own values, never rank 0's
+    (legacy files are keyed by the GPU, so there each rank loads its own GPU's file)."""
+    workers = [Worker(r, _VISIBLE, str(i)) for i, r in enumerate(_RANKS)]
+    states = {}
+    for w in workers:
+        states[w.rank] = M.state(SPEC, seed=w.rank, version=1)
+        S.write_level(level, loader.model_dir, loader.shared_dir, w.rank, w.gpu_id, states[w.rank])
+    for w in workers:
+        _update_and_expect(loader, w, states[w.rank], f"{level}: rank {w.rank} on physical gpu {w.gpu_id}")
+
+
+# -- SNAP-GPU-ID ----------------------------------------------------------------------------------
+def _gpu_decoys(worker):
+    """Identities a wrong reading of (rank, gpu) produces: the ordinal as id, the other entries,
+    rank 0, and ids sharing a prefix with the physical id."""
+    entries = [int(v) for v in worker.visible.split(",")]
+    gpu = worker.gpu_id
+    ids = {int(worker.selected), *entries, int(f"{gpu}1"), gpu // 10} - {gpu}
+    out = [(worker.rank, g) for g in sorted(ids)]
+    if worker.rank != 0:
+        out.append((0, gpu))
+    return out
+
+
+_GPU_CASES = [
+    (Worker(1, "5,3,7", "0"),),
+    (Worker(1, "5,3,7", "1"),),
+    (Worker(1, "5,3,7", "2"),),
+    (Worker(11, "14,11,1,12", "1"),),
+]
+_GPU_IDS = ["first-entry:5", "middle-entry:3", "last-entry:7", "ids-ge-10:11"]
 
 
 @pytest.mark.rule("SNAP-GPU-ID")
-@pytest.mark.requires("snapshot.single")
-def test_file_id_is_physical_gpu(loader):
-    """CUDA_VISIBLE_DEVICES=2,3,4 and FLAGS_selected_gpus=1 select files named ...tp0.3..."""
-    want, decoy = M.state(SPEC, version=1), M.state(SPEC, version=2)
-    S.write_safetensors(S.single_path(loader.model_dir, 0, 3), want)
-    S.write_safetensors(S.single_path(loader.model_dir, 0, 1), decoy)
-    session = loader.open(SPEC, worker=Worker(0, "2,3,4", "1"))
-    session.update()
-    check.params_equal(session.observe(), want, "CUDA_VISIBLE_DEVICES=2,3,4 FLAGS_selected_gpus=1")
+@pytest.mark.parametrize("level,worker", _level_params(S.LEVELS, _GPU_CASES, _GPU_IDS))
+def test_file_id_is_physical_gpu(loader, level, worker):
+    """The file id is CUDA_VISIBLE_DEVICES[FLAGS_selected_gpus], on every level, with decoys under
+    the ordinal, the other entries, rank 0 and prefix-sharing ids at this level and above."""
+    want = M.state(SPEC, version=1)
+    S.write_level(level, loader.model_dir, loader.shared_dir, worker.rank, worker.gpu_id, want)
+    identities = _gpu_decoys(worker)
+    ordinal_and_rank0 = [(r, g) for r, g in identities if g == int(worker.selected) or r == 0]
+    decoys = _write_decoys(loader, level, identities, worker.gpu_id, ordinal_and_rank0)
+    _update_and_expect(
+        loader, worker, want,
+        f"{level}: rank {worker.rank}, CUDA_VISIBLE_DEVICES={worker.visible} FLAGS_selected_gpus={worker.selected} "
+        f"(physical {worker.gpu_id}) with decoys {sorted(decoys)}",
+    )
+
+
+# -- SNAP-GPU-ID-INVALID --------------------------------------------------------------------------
+_UUID = "GPU-5f3c2a1e-0000-4b4b-9c9c-123456789abc"
+_MIG = "MIG-9b2c7e1d-1111-4c4c-8d8d-abcdefabcdef"
+_INVALID = [
+    # (visible, selected, culprit or None when the worker must load gpu `loads`, loads)
+    ("5,3,7", "2", None, 7),  # last valid index
+    ("5,3,7,12", "3", None, 12),  # last valid index, id >= 10
+    ("5,3,7", "3", "FLAGS_selected_gpus", None),  # one past the last
+    ("5,3,7,12", "4", "FLAGS_selected_gpus", None),
+    ("5,3,7", "-1", "FLAGS_selected_gpus", None),  # Python would wrap to the last entry
+    ("5,3,7", "1.5", "FLAGS_selected_gpus", None),
+    ("5,3,7", "x", "FLAGS_selected_gpus", None),
+    ("5,3,7", "", "FLAGS_selected_gpus", None),
+    ("5,3,7", "1,2", "FLAGS_selected_gpus", None),  # several GPUs for one worker
+    ("5,3,7", "\u0661", "FLAGS_selected_gpus", None),  # ARABIC-INDIC DIGIT ONE: int() takes it
+    ("5," + _UUID + ",7", "1", "CUDA_VISIBLE_DEVICES", None),  # UUID at the selected position
+    (_MIG, "0", "CUDA_VISIBLE_DEVICES", None),
+    (_UUID + ",3," + _MIG, "1", None, 3),  # UUID/MIG entries that are not selected do not matter
+    ("", "0", "CUDA_VISIBLE_DEVICES", None),  # no device visible
+    ("5,,7", "1", "CUDA_VISIBLE_DEVICES", None),  # an empty entry selected
+    ("5,-3,7", "1", "CUDA_VISIBLE_DEVICES", None),
+    ("5,\u0663,7", "1", "CUDA_VISIBLE_DEVICES", None),  # ARABIC-INDIC DIGIT THREE
+    (" 5, 3 ,7 ", " 1 ", None, 3),  # whitespace around entries is not part of them
+    # Unset variables default to "0" (FastDeploy's TestGetGpuId: "with no env, it gives 0").
+    (None, None, None, 0),
+    ("5,3,7", None, None, 5),
+    (None, "0", None, 0),
+]
+_INVALID_IDS = [
+    "last-index-loads", "last-index-ge-10-loads", "one-past-last", "one-past-last-ge-10", "negative", "fraction",
+    "non-digit", "empty-selection", "list-selection", "non-ascii-digit-selection", "uuid-selected", "mig-selected", "uuid-mig-not-selected-loads",
+    "visible-empty", "empty-entry-selected", "negative-entry", "non-ascii-digit-entry",
+    "whitespace-loads", "both-unset-loads-0", "selection-unset-loads-first-entry", "visible-unset-loads-0",
+]
 
 
 @pytest.mark.rule("SNAP-GPU-ID-INVALID")
 @pytest.mark.requires("snapshot.single")
+@pytest.mark.parametrize("visible,selected,culprit,loads", _INVALID, ids=_INVALID_IDS)
+def test_invalid_gpu_identity_is_a_clear_error(loader, monkeypatch, visible, selected, culprit, loads):
+    """Files exist for every id a tolerant reading could produce, so a loader that guesses loads
+    something; the rule wants the error, naming the variable, before any parameter is loaded.
+    ``None`` is a variable left unset."""
+    for gpu in (0, 1, 2, 3, 5, 7, 12):
+        S.write_safetensors(S.single_path(loader.model_dir, 0, gpu), M.state(SPEC, version=100 + gpu))
+    unset = [var for var, value in (("CUDA_VISIBLE_DEVICES", visible), ("FLAGS_selected_gpus", selected)) if value is None]
+    if unset:
+        real_set = harness.set_worker_env
+
+        def set_env_then_unset(environ, *args):  # the harness always sets both; drop what the case leaves unset
+            real_set(environ, *args)
+            for var in unset:
+                environ.pop(var, None)
+
+        monkeypatch.setattr(harness, "set_worker_env", set_env_then_unset)
+    worker = Worker(0, visible or "", selected or "")
+    where = f"CUDA_VISIBLE_DEVICES={visible!r} FLAGS_selected_gpus={selected!r}"
+    if culprit is None:
+        _update_and_expect(loader, worker, M.state(SPEC, version=100 + loads), f"{where}: physical gpu {loads}")
+        return
+    opened = []
+    with check.raises((ValueError, IndexError), match=re.escape(culprit), where=where):
+        opened.append(loader.open(SPEC, worker=worker))
+        opened[0].update()
+    if opened:  # raised by update(): nothing may have been loaded first
+        check.not_loaded(opened[0].observe(), NAMES, f"{where}: after the identity error")
+
+
+# -- SNAP-IDENTITY-AT-OPEN ------------------------------------------------------------------------
+_A = Worker(1, "5,3,7", "1")  # physical 3
+_B = Worker(12, "4,13", "1")  # physical 13
+_C = Worker(0, "0,1", "0")  # the process environment at update time
+
+
+@pytest.mark.rule("SNAP-IDENTITY-AT-OPEN")
 @pytest.mark.parametrize(
-    "visible,selected,culprit",
-    [("GPU-5f3c2a1e-0000-4b4b-9c9c-123456789abc", "0", "CUDA_VISIBLE_DEVICES"), ("0,1", "2", "FLAGS_selected_gpus")],
-    ids=["uuid-entry", "selection-out-of-range"],
+    "level,order",
+    [
+        pytest.param("single", "AB", marks=pytest.mark.requires("snapshot.single"), id="single:A-then-B"),
+        pytest.param("single", "BA", marks=pytest.mark.requires("snapshot.single"), id="single:B-then-A"),
+        pytest.param("parts", "BA", marks=pytest.mark.requires("snapshot.parts"), id="parts:B-then-A"),
+        pytest.param("legacy", "AB", marks=pytest.mark.requires("snapshot.legacy"), id="legacy:A-then-B"),
+        pytest.param("shared", "BA", marks=pytest.mark.requires("snapshot.shared_fallback"), id="shared:B-then-A"),
+    ],
 )
-def test_invalid_gpu_identity_is_a_clear_error(loader, visible, selected, culprit):
-    S.write_safetensors(S.single_path(loader.model_dir, 0, 0), M.state(SPEC))
-    with check.raises((ValueError, IndexError), match=culprit, where=f"{culprit} invalid"):
-        session = loader.open(SPEC, worker=Worker(0, visible, selected))
-        session.update()
+def test_sessions_keep_the_identity_they_were_opened_with(loader, level, order):
+    """Workers A (rank 1, gpu 3) and B (rank 12, gpu 13) opened one after the other, then the
+    environment switched to C (rank 0, gpu 0), then both updated: each loads its own files."""
+    workers = {"A": _A, "B": _B}
+    wants = {"A": M.state(SPEC, version=1), "B": M.state(SPEC, version=2)}
+    for key, w in workers.items():
+        S.write_level(level, loader.model_dir, loader.shared_dir, w.rank, w.gpu_id, wants[key])
+    S.write_level(level, loader.model_dir, loader.shared_dir, _C.rank, _C.gpu_id, M.state(SPEC, version=3))
+    sessions = {key: loader.open(SPEC, worker=w) for key, w in workers.items()}
+    set_worker_env(os.environ, _C.rank, _C.visible, _C.selected)  # the test's monkeypatch restores it
+    for key in order:
+        w = workers[key]
+        sessions[key].update()
+        check.params_equal(
+            sessions[key].observe(), wants[key],
+            f"{level}: session {key} opened as rank {w.rank} gpu {w.gpu_id}, updated (order {order}) while the "
+            f"environment says rank {_C.rank} gpu {_C.gpu_id}",
+        )

@@ -2,11 +2,13 @@
 
 Every part in the ordering tests holds the whole state at a version of its own, so the values the
 model ends with name the part applied last; that check needs no trace. Cases marked ``trace``
-additionally compare the labels the implementation reports.
+additionally compare the labels the implementation reports. Part indices are written as text
+(``"010"``, a 21-digit index), exactly as they appear in the file name.
 """
 import logging
 import os
 
+import numpy as np
 import pytest
 
 from conformance import check
@@ -16,23 +18,35 @@ from fixtures import snapshot as S
 pytestmark = pytest.mark.snapshot
 
 SPEC = M.spec(("embed.weight", "float32", (4, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 2)), ("norm.bias", "float16", (4,)))
+E, W, B = (p.name for p in SPEC.all_params)
 TRACE = pytest.mark.requires("trace")
+HUGE = "1" + "0" * 20  # 10**20: past every fixed-width integer
 
 
-def _write_versioned_parts(model_dir, indices, write_order, rank=0, gpu=0):
-    """Part i holds the whole state at version 100 + i; files are created in ``write_order``."""
-    for i in write_order:
-        assert i in indices
-        S.write_safetensors(S.part_path(model_dir, rank, gpu, i), M.state(SPEC, version=100 + i))
-    return M.state(SPEC, version=100 + max(indices))
+def _part_file(model_dir, token):
+    return os.path.join(model_dir, f"{S.base_name(0, 0)}.part{token}{S.PDPARAMS}")
 
 
-def _labels(indices):
-    return [f"snapshot-part{i}" for i in sorted(indices)]
+def _write_versioned_parts(model_dir, write_order):
+    """Part ``token`` holds the whole state at version 100 + its rank in numeric order; files are
+    created in ``write_order``. Returns the state of the numerically last part."""
+    numeric = sorted(write_order, key=int)
+    for token in write_order:
+        S.write_safetensors(_part_file(model_dir, token), M.state(SPEC, version=100 + numeric.index(token)))
+    return M.state(SPEC, version=100 + len(numeric) - 1)
+
+
+def _labels(tokens):
+    return [f"snapshot-part{int(t)}" for t in sorted(tokens, key=int)]
 
 
 # Created in a scrambled order; by name the order would be 0, 1, 10, 11, 2, 9 (part9 last).
-_SIX = (9, 11, 0, 10, 2, 1)
+_SIX = ("9", "11", "0", "10", "2", "1")
+
+
+def _order(write_order, observe, case_id):
+    marks = [TRACE] if observe == "trace" else []
+    return pytest.param(write_order, observe, marks=marks, id=f"{case_id}:{observe}")
 
 
 @pytest.mark.rule("PART-ORDER-NUMERIC")
@@ -40,117 +54,167 @@ _SIX = (9, 11, 0, 10, 2, 1)
 @pytest.mark.parametrize(
     "write_order,observe",
     [
-        pytest.param((10, 2), "values", id="2-before-10:created-10-first:values"),
-        pytest.param((2, 10), "values", id="2-before-10:created-2-first:values"),
-        pytest.param((10, 9), "values", id="9-before-10:values"),
-        pytest.param(_SIX, "values", id="0-1-2-9-10-11-scrambled:values"),
-        pytest.param((10, 2), "trace", marks=TRACE, id="2-before-10:trace"),
-        pytest.param((10, 9), "trace", marks=TRACE, id="9-before-10:trace"),
-        pytest.param(_SIX, "trace", marks=TRACE, id="0-1-2-9-10-11-scrambled:trace"),
+        _order(("10", "2"), "values", "2-before-10:created-10-first"),
+        _order(("2", "10"), "values", "2-before-10:created-2-first"),
+        _order(("10", "9"), "values", "9-before-10"),
+        _order(_SIX, "values", "0-1-2-9-10-11-scrambled"),
+        # Leading zeros are digits: part010 is index 10 (by name it sorts before part9).
+        _order(("010", "9"), "values", "9-before-010"),
+        _order(("100", "99", HUGE), "values", "99-100-10e20"),
+        _order(("10", "2"), "trace", "2-before-10"),
+        _order(("10", "9"), "trace", "9-before-10"),
+        _order(_SIX, "trace", "0-1-2-9-10-11-scrambled"),
+        _order(("010", "9"), "trace", "9-before-010"),
+        _order(("100", "99", HUGE), "trace", "99-100-10e20"),
     ],
 )
 def test_parts_load_in_numeric_order(loader, write_order, observe):
-    indices = set(write_order)
-    last = _write_versioned_parts(loader.model_dir, indices, write_order)
+    last = _write_versioned_parts(loader.model_dir, write_order)
     session = loader.open(SPEC)
     session.update()
-    where = f"{loader.model_dir}: parts {sorted(indices)} created in order {list(write_order)}"
+    where = f"{loader.model_dir}: parts {sorted(write_order, key=int)} created in order {list(write_order)}"
     if observe == "values":
-        check.params_equal(session.observe(), last, f"{where}: every tensor must hold part{max(indices)}'s value")
+        check.params_equal(session.observe(), last, f"{where}: every tensor must hold the highest index's value")
     else:
-        check.labels(session.trace(), _labels(indices), where)
+        check.labels(session.trace(), _labels(write_order), where)
 
 
 @pytest.mark.rule("PART-LABEL-INDEX")
 @pytest.mark.requires("snapshot.parts", "trace")
-def test_parts_are_labelled_by_parsed_index(loader):
-    """Parts {0, 2, 10} (non-contiguous) each hold a third of the state."""
+@pytest.mark.parametrize(
+    "tokens,dirname",
+    [
+        pytest.param(("0", "2", "10"), None, id="0-2-10"),
+        pytest.param(("0", "02", "010"), None, id="leading-zeros-0-02-010"),
+        pytest.param(("0", "2", "10"), "w.part10", id="0-2-10-under-w.part10"),
+        pytest.param(("0", "2", "10"), "ckpt.part7.run", id="0-2-10-under-ckpt.part7.run"),
+    ],
+)
+def test_parts_are_labelled_by_parsed_index(loader, tokens, dirname):
+    """Non-contiguous parts each hold a third of the state; each is labelled by its own index."""
+    model_dir = os.path.join(os.path.dirname(loader.model_dir), dirname) if dirname else loader.model_dir
     want = M.state(SPEC, version=1)
-    indices = (0, 2, 10)
-    S.write_parts(loader.model_dir, 0, 0, dict(zip(indices, S.split(want, 3))))
-    session = loader.open(SPEC)
+    for token, part in zip(tokens, S.split(want, 3)):
+        S.write_safetensors(_part_file(model_dir, token), part)
+    session = loader.open(SPEC, model_dir=model_dir)
     session.update()
-    check.params_equal(session.observe(), want, f"{loader.model_dir}: parts {list(indices)}")
-    check.labels(session.trace(), _labels(indices), f"{loader.model_dir}: parts {list(indices)}")
-    check.sources(
-        session.trace(), [os.path.basename(S.part_path("", 0, 0, i)) for i in indices], f"{loader.model_dir}: parts"
-    )
+    where = f"{model_dir}: parts {list(tokens)}"
+    check.params_equal(session.observe(), want, where)
+    check.labels(session.trace(), _labels(tokens), where)
+    check.sources(session.trace(), [os.path.basename(_part_file("", t)) for t in tokens], where)
+
+
+_DIRS = ("ckpt.part7.run", "w.part10", "model_state.tp0.0.part99.pdparams.d")
 
 
 @pytest.mark.rule("PART-INDEX-BASENAME")
 @pytest.mark.requires("snapshot.parts")
 @pytest.mark.parametrize(
-    "write_order,observe",
+    "dirname,write_order,observe",
     [
-        pytest.param((10, 2), "values", id="created-10-first:values"),
-        pytest.param((2, 10), "values", id="created-2-first:values"),
-        pytest.param((10, 2), "trace", marks=TRACE, id="trace"),
+        *(pytest.param(d, ("10", "2"), "values", id=f"{d}:created-10-first:values") for d in _DIRS),
+        pytest.param(_DIRS[0], ("2", "10"), "values", id=f"{_DIRS[0]}:created-2-first:values"),
+        *(pytest.param(d, ("10", "2"), "trace", marks=TRACE, id=f"{d}:trace") for d in _DIRS[:2]),
     ],
 )
-def test_part_index_ignores_directory_name(loader, write_order, observe):
-    """model_dir is .../ckpt.part7.run/: a full-path search would read index 7 for every part."""
-    model_dir = os.path.join(os.path.dirname(loader.model_dir), "ckpt.part7.run")
-    last = _write_versioned_parts(model_dir, set(write_order), write_order)
+def test_part_index_ignores_directory_name(loader, dirname, write_order, observe):
+    """A full-path search would read the directory's index (7, 10, 99) for every part."""
+    model_dir = os.path.join(os.path.dirname(loader.model_dir), dirname)
+    last = _write_versioned_parts(model_dir, write_order)
     session = loader.open(SPEC, model_dir=model_dir)
     session.update()
     where = f"{model_dir}: parts 2 and 10 created in order {list(write_order)}"
     if observe == "values":
         check.params_equal(session.observe(), last, f"{where}: every tensor must hold part10's value")
     else:
-        check.labels(session.trace(), _labels({2, 10}), where)
+        check.labels(session.trace(), _labels(("2", "10")), where)
 
 
-INVALID = ("partabc", "part", "part1x")
+# Invalid index texts, by where their names sort among part0, part1, part2: int() accepts the
+# first of each group but "-1", "+1", " 1", "1_0" and the Arabic-Indic digit are no ASCII digits.
+INVALID = {
+    "first": ("part-1", "part+1", "part 1", "part"),
+    "middle": ("part1.5", "part1_0", "part1x"),
+    "last": ("partabc", "part\u0661"),
+}
+POISON = W  # invalid files hold it as float32: a loader that reads one fails
+OTHERS = ("model_state.tp1.0.part0.pdparams", "model_state.tp0.01.part3.pdparams", "model_state.tp0.00.partx.pdparams")
 
 
-def _invalid_path(model_dir, suffix):
-    return os.path.join(model_dir, f"{S.base_name(0, 0)}.{suffix}{S.PDPARAMS}")
+def _poisoned(version):
+    st = M.state(SPEC, version=version)
+    st[POISON] = np.zeros(st[POISON].shape, np.float32)
+    return st
 
 
 @pytest.mark.rule("PART-INVALID-IGNORED")
 @pytest.mark.requires("snapshot.parts")
 @pytest.mark.parametrize(
-    "layout",
+    "invalid,layout",
     [
-        pytest.param("beside-valid-parts", id="beside-valid-parts"),
-        pytest.param("all-invalid", marks=pytest.mark.requires("snapshot.single"), id="all-invalid-falls-through-to-single"),
+        pytest.param(INVALID["first"], "parts", id="invalid-sorting-first"),
+        pytest.param(INVALID["middle"], "parts", id="invalid-sorting-middle"),
+        pytest.param(INVALID["last"], "parts", id="invalid-sorting-last"),
+        pytest.param(sum(INVALID.values(), ()), "parts", id="every-invalid-kind"),
+        pytest.param(("partabc", "part", "part1x"), "single", marks=pytest.mark.requires("snapshot.single"),
+                     id="all-invalid-falls-through-to-single"),
     ],
 )
-def test_invalid_part_names_are_ignored_with_one_warning(loader, caplog, layout):
-    want, decoy = M.state(SPEC, version=1), M.state(SPEC, version=9)
-    invalid = [os.path.basename(S.write_safetensors(_invalid_path(loader.model_dir, s), decoy)) for s in INVALID]
-    if layout == "beside-valid-parts":
-        S.write_parts(loader.model_dir, 0, 0, dict(enumerate(S.split(want, 2))))
+def test_invalid_part_names_are_ignored_with_one_warning(loader, caplog, invalid, layout):
+    """Valid parts 0, 1, 2 each hold a third of the state (or, with no valid part, the single file
+    holds it); the invalid files are poisoned. Exactly one WARNING names each invalid file once."""
+    want = M.state(SPEC, version=1)
+    names = [os.path.basename(S.write_safetensors(_part_file(loader.model_dir, s.removeprefix("part")), _poisoned(9)))
+             for s in invalid]
+    if layout == "parts":
+        valid = S.write_parts(loader.model_dir, 0, 0, dict(enumerate(S.split(want, 3))))
     else:
-        S.write_safetensors(S.single_path(loader.model_dir, 0, 0), want)
+        valid = [S.write_safetensors(S.single_path(loader.model_dir, 0, 0), want)]
+    # Other workers' part files (one with an invalid index of its own) are not this worker's to report.
+    others = [S.write_safetensors(os.path.join(loader.model_dir, n), _poisoned(8)) for n in OTHERS]
+    not_invalid = [os.path.basename(p) for p in valid + others]
     caplog.set_level(logging.WARNING)  # root logger: whatever logger the implementation uses
     session = loader.open(SPEC)
-    session.update()
-    where = f"{loader.model_dir} ({layout}) with {', '.join(invalid)}"
+    where = f"{loader.model_dir} ({layout}) with {names}"
+    try:
+        session.update()
+    except Exception as e:  # noqa: BLE001
+        check.that(False, f"{where}: update raised {type(e).__name__}: {e}; invalid part files must not be read")
     check.params_equal(session.observe(), want, f"{where}: invalid part files must not be loaded")
-    records = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    naming = [r.getMessage() for r in records if any(name in r.getMessage() for name in invalid)]
+    records = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    naming = [m for m in records if any(name in m for name in names)]
     check.that(
         len(naming) == 1,
         f"{where}: expected exactly one WARNING record naming the invalid part files, got {len(naming)}: {naming}",
     )
+    wrongly_named = [n for n in not_invalid if any(n in m for m in records)]
+    check.that(not wrongly_named, f"{where}: a WARNING names files that are not invalid parts of this worker: {wrongly_named}")
     if naming:
-        unnamed = [name for name in invalid if name not in naming[0]]
-        check.that(not unnamed, f"{where}: the warning {naming[0]!r} does not name {unnamed}")
+        counts = {name: naming[0].count(name) for name in names}
+        wrong = {name: c for name, c in counts.items() if c != 1}
+        check.that(not wrong, f"{where}: the warning {naming[0]!r} must name each invalid file exactly once: {wrong}")
 
 
 @pytest.mark.rule("PART-DUPLICATE-LATER-WINS")
 @pytest.mark.requires("snapshot.parts")
-def test_tensor_repeated_across_parts_takes_later_value(loader):
-    """part0 holds everything at v1; part1 repeats norm.bias (v2); part3 repeats embed.weight (v3)."""
-    v1, v2, v3 = (M.state(SPEC, version=v) for v in (1, 2, 3))
-    S.write_parts(
-        loader.model_dir,
-        0,
-        0,
-        {3: {"embed.weight": v3["embed.weight"]}, 0: v1, 1: {"norm.bias": v2["norm.bias"]}},
-    )
-    want = dict(v1, **{"norm.bias": v2["norm.bias"], "embed.weight": v3["embed.weight"]})
+@pytest.mark.parametrize(
+    "parts,want",
+    [
+        # {index: {tensor: version}}; indices 2, 9, 10 so that name order (10, 2, 9) differs.
+        pytest.param({2: {E: 1, W: 1}, 9: {E: 2, B: 2}, 10: {E: 3}}, {E: 3, W: 1, B: 2}, id="in-every-part"),
+        pytest.param({2: {E: 1, W: 1}, 9: {E: 2}, 10: {B: 3}}, {E: 2, W: 1, B: 3}, id="first-and-middle"),
+        pytest.param({2: {W: 1}, 9: {E: 2, B: 2}, 10: {E: 3}}, {E: 3, W: 1, B: 2}, id="middle-and-last"),
+        pytest.param({2: {E: 1, B: 1}, 9: {W: 2}, 10: {E: 3}}, {E: 3, W: 2, B: 1}, id="first-and-last"),
+        pytest.param({3: {E: 3}, 0: {E: 1, W: 1, B: 1}, 1: {B: 2}}, {E: 3, W: 1, B: 2}, id="two-tensors-0-1-3"),
+    ],
+)
+def test_tensor_repeated_across_parts_takes_later_value(loader, parts, want):
+    states = {v: M.state(SPEC, version=v) for v in {1, 2, 3}}
+    for index, tensors in parts.items():
+        S.write_safetensors(S.part_path(loader.model_dir, 0, 0, index), {n: states[v][n] for n, v in tensors.items()})
     session = loader.open(SPEC)
     session.update()
-    check.params_equal(session.observe(), want, f"{loader.model_dir}: duplicates in part0/part1/part3")
+    check.params_equal(
+        session.observe(), {n: states[v][n] for n, v in want.items()},
+        f"{loader.model_dir}: parts {parts} (tensor: version); the highest index holding a tensor wins",
+    )

@@ -4,15 +4,12 @@ Validation order is part of the contract: dtype first (TypeError), then shape (V
 """
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Mapping
 
 import paddle
 
 from .dtypes import dtype_name
-
-log = logging.getLogger("reference.apply")
 
 
 def check_match(name: str, src_dtype: str, src_shape, dst: paddle.Tensor, source: str = "") -> None:
@@ -26,14 +23,12 @@ def check_match(name: str, src_dtype: str, src_shape, dst: paddle.Tensor, source
 
 
 def adopt(name: str, new: paddle.Tensor, target: paddle.Tensor) -> None:
-    """Make ``target`` hold ``new``'s data. Zero-copy when layouts agree, else a copy."""
-    if not new.is_contiguous():
-        new = new.contiguous()
-    if new.stride() == target.stride() or not target._is_initialized():
-        new._share_buffer_to(target)
-    else:
-        log.warning("%s: stride %s differs from target stride %s; copying", name, new.stride(), target.stride())
-        target[...] = new
+    """Make ``target`` hold ``new``'s data, zero-copy (FastDeploy's ``_share_buffer_to``).
+
+    FastDeploy copies instead when the strides differ; here they cannot: a parameter is contiguous,
+    every loader builds contiguous tensors, and ``contiguous()`` (a no-op for those) makes sure.
+    ``name`` is kept for callers that log per tensor."""
+    new.contiguous()._share_buffer_to(target)
 
 
 def is_loaded(param: paddle.Tensor) -> bool:
@@ -54,17 +49,22 @@ def still_loaded(params: Mapping[str, paddle.Tensor]) -> list[str]:
 def apply_tensors(
     targets: Mapping[str, paddle.Tensor], tensors: Iterable[tuple[str, paddle.Tensor]], source: str
 ) -> tuple[int, int, list[str]]:
-    """Validate and adopt each known tensor; return (applied, seen, unknown names)."""
-    applied = seen = 0
+    """Validate every known tensor of one source, then adopt them; return (applied, seen, unknown
+    names). Nothing is adopted unless every tensor of the source matches its parameter
+    (APPLY-VALIDATE-FIRST): the pickle fallback has no header to check beforehand. The tensors of
+    one source are alive together anyway: each adopted one stays referenced by its parameter."""
+    seen = 0
     unknown = []
+    matched: list[tuple[str, paddle.Tensor, paddle.Tensor]] = []
+    for name, tensor in tensors:
+        seen += 1
+        target = targets.get(name)
+        if target is None:
+            unknown.append(name)
+            continue
+        check_match(name, dtype_name(tensor), tensor.shape, target, source)
+        matched.append((name, tensor, target))
     with paddle.no_grad():
-        for name, tensor in tensors:
-            seen += 1
-            target = targets.get(name)
-            if target is None:
-                unknown.append(name)
-                continue
-            check_match(name, dtype_name(tensor), tensor.shape, target, source)
+        for name, tensor, target in matched:
             adopt(name, tensor, target)
-            applied += 1
-    return applied, seen, unknown
+    return len(matched), seen, unknown

@@ -1,5 +1,6 @@
 """The ``ipc_bucket`` strategy: flat uint8 buckets in shared memory, announced by msgpack manifests
-over ZMQ (SPEC.md "Async IPC buckets"; wire format and checks in ``sim.protocol``).
+over ZMQ (SPEC.md "Async IPC buckets"; wire format in ``sim.protocol``, the receiver's checks in
+``reference.bucket_checks``).
 
 Options (``LoaderConfig.options``): ``endpoint`` (``ipc://...`` or ``tcp://127.0.0.1:port``, where
 the trainer has bound), ``version`` (expected version; absent: the first manifest's), ``timeout_s``
@@ -31,11 +32,13 @@ from sim import protocol
 from sim.ipc_handles import Segment
 
 from . import apply
+from . import bucket_checks as checks
 from .dtypes import paddle_dtype
 
 log = logging.getLogger("reference.buckets")
 
 DEFAULT_TIMEOUT_S = 5.0
+CLOSE_LINGER_MS = 1000
 # Shared memory is local by nature, so only local endpoints make sense; refusing others keeps the
 # control socket off the network.
 LOCAL_ENDPOINT = re.compile(r"^(ipc://.+|tcp://(127\.0\.0\.1|localhost|\[::1\]):\d+)$")
@@ -48,7 +51,6 @@ class Link:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.sock = zmq.Context.instance().socket(zmq.REQ)
-        self.sock.setsockopt(zmq.LINGER, 0)  # a dead trainer must not make close() wait
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME)
         self.sock.connect(endpoint)
         self.can_send = True
@@ -78,7 +80,9 @@ class Link:
                 pass
 
     def close(self) -> None:
-        self.sock.close()
+        # Bounded linger: a done or error just queued still reaches a live trainer (LINGER 0 would
+        # drop it), and the caller never waits for it (the context, not close(), does the flushing).
+        self.sock.close(linger=CLOSE_LINGER_MS)
 
 
 class Attachments:
@@ -145,7 +149,7 @@ class Staging:
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
 
-    def dest(self, e: protocol.Entry) -> np.ndarray:
+    def dest(self, e: checks.Entry) -> np.ndarray:
         view = self._bytes.get(e.name)
         if view is None:
             tensor = paddle.empty(list(e.shape), dtype=paddle_dtype(e.dtype))
@@ -211,18 +215,18 @@ def stage_bucket(staging: Staging, segment: Segment, entries) -> None:
         del src, jobs  # no export of the mapping may outlive this call, or it could not be unmapped
 
 
-def check_targets(bucket: protocol.Bucket, targets, source: str) -> None:
+def check_targets(bucket: checks.Bucket, targets, source: str) -> None:
     """dtype, then shape, against the model's parameter (the APPLY rules' errors)."""
     where = f"{source}, bucket {bucket.index} of version {bucket.version}"
     for e in bucket.entries:
         apply.check_match(e.name, e.dtype, e.shape, targets[e.name], where)
 
 
-def new_update_state(known, version) -> protocol.UpdateState:
-    return protocol.UpdateState(known=frozenset(known), version=version)
+def new_update_state(known, version) -> checks.UpdateState:
+    return checks.UpdateState(known=frozenset(known), version=version)
 
 
-def receive(link: Link, attached: Attachments, state: protocol.UpdateState, staging: Staging, rank: int,
+def receive(link: Link, attached: Attachments, state: checks.UpdateState, staging: Staging, rank: int,
             progress=None) -> None:
     """Run the exchange up to a validated end message; every tensor is staged on return."""
     message = link.request(protocol.hello(state.version, rank), state.where())
@@ -232,11 +236,11 @@ def receive(link: Link, attached: Attachments, state: protocol.UpdateState, stag
             raise RuntimeError(f"ipc_bucket: the trainer at {link.endpoint} aborted {state.where()}: "
                                f"{message.get('message', '(no reason given)')}")
         if kind == protocol.END:
-            protocol.validate_end(message, state)
+            checks.validate_end(message, state)
             return
-        bucket = protocol.parse_bucket(message, state)
+        bucket = checks.parse_bucket(message, state)
         segment = attached.get(bucket.handle)
-        protocol.validate_bucket(bucket, state, segment.size)
+        checks.validate_bucket(bucket, state, segment.size)
         check_targets(bucket, staging.targets, link.endpoint)
         stage_bucket(staging, segment, bucket.entries)
         state.admit(bucket)
@@ -245,7 +249,7 @@ def receive(link: Link, attached: Attachments, state: protocol.UpdateState, stag
         message = link.request(protocol.ack(bucket.version, bucket.index), state.where())
 
 
-def commit(manager, state: protocol.UpdateState, staging: Staging, source: str) -> None:
+def commit(manager, state: checks.UpdateState, staging: Staging, source: str) -> None:
     """Adopt the staged tensors, one trace event per bucket that completed at least one tensor."""
     missing = [n for n in manager.params if n not in staging.tensors]
     if missing:

@@ -26,14 +26,11 @@ ITEMSIZE = {
 }
 
 
-def dtype_name(dtype_or_tensor) -> str:
-    """Canonical name of a Paddle dtype (``paddle.bfloat16`` -> ``"bfloat16"``)."""
-    dtype = getattr(dtype_or_tensor, "dtype", dtype_or_tensor)
-    return str(dtype).removeprefix("paddle.").removeprefix("DataType.").lower()
+def dtype_name(tensor) -> str:
+    """Canonical name of a Paddle tensor's dtype (``paddle.bfloat16`` -> ``"bfloat16"``)."""
+    return str(tensor.dtype).removeprefix("paddle.")
 
 
 def paddle_dtype(name: str):
-    """Paddle dtype object for a canonical name; ValueError for names Paddle lacks."""
-    if name not in ITEMSIZE or not hasattr(paddle, name):
-        raise ValueError(f"unknown dtype {name!r}; known: {sorted(ITEMSIZE)}")
+    """Paddle dtype object for a canonical name; callers have checked the name against ``ITEMSIZE``."""
     return getattr(paddle, name)

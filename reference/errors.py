@@ -15,3 +15,12 @@ class UnsafePickleError(ValueError):
 
 class GpuIdError(ValueError):
     """CUDA_VISIBLE_DEVICES / FLAGS_selected_gpus do not name a physical GPU index."""
+
+
+class SnapshotPermissionError(PermissionError):
+    """A snapshot file exists but this process may not read it (EACCES): not a corrupt file."""
+
+
+class SnapshotNotAFileError(ValueError):
+    """A snapshot candidate exists at a priority level but is not a regular file (a directory, a
+    dangling symlink, a FIFO, a device): the loader refuses to fall through to a lower level."""

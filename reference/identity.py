@@ -28,17 +28,17 @@ def physical_gpu_id(env: Mapping[str, str] | None = None) -> int:
     visible_raw = env.get("CUDA_VISIBLE_DEVICES", "0")
     selected_raw = env.get("FLAGS_selected_gpus", "0")
     visible = [v.strip() for v in visible_raw.split(",")]
-    try:
-        selected = int(selected_raw)
-    except ValueError:
-        raise GpuIdError(f"FLAGS_selected_gpus={selected_raw!r} is not an integer index") from None
-    if not 0 <= selected < len(visible):
+    selected_text = selected_raw.strip()
+    if not (selected_text.isascii() and selected_text.isdigit()):  # int() would take "-1", "+1", "1_0", "١"
+        raise GpuIdError(f"FLAGS_selected_gpus={selected_raw!r} is not a non-negative integer index")
+    selected = int(selected_text)
+    if selected >= len(visible):
         raise GpuIdError(
             f"FLAGS_selected_gpus={selected} is out of range for CUDA_VISIBLE_DEVICES={visible_raw!r} "
             f"({len(visible)} entries)"
         )
     entry = visible[selected]
-    if not entry.isdigit():
+    if not (entry.isascii() and entry.isdigit()):
         raise GpuIdError(
             f"CUDA_VISIBLE_DEVICES entry {selected} is {entry!r} (CUDA_VISIBLE_DEVICES={visible_raw!r}); "
             "snapshot and IPC file names need a numeric physical GPU index, not a UUID"

@@ -2,7 +2,8 @@
 
 Lifecycle: ``clear()`` -> ``update()`` (load with the configured strategy, then ``finalize()``).
 Status values follow ModelWeightsStatus; a failed update leaves the status at UPDATING (never
-NORMAL) with the exception in ``last_error``.
+NORMAL) with the exception in ``last_error``. ``update()`` needs ``CLEARED``: after a failed update the
+caller clears, then updates again (SPEC LIFE-RECOVERY; the contract always clears first).
 """
 from __future__ import annotations
 

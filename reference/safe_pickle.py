@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import pickle
 
-from .errors import SnapshotFormatError, UnsafePickleError
+from .errors import SnapshotFormatError, SnapshotPermissionError, UnsafePickleError
 
 ARRAY_GLOBALS = frozenset(
     {
@@ -34,19 +34,24 @@ class _Restricted(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) not in self._allowed:
             raise UnsafePickleError(
-                f"{self._path}: refusing to unpickle global {module}.{name}; only array "
-                f"reconstruction is allowed ({', '.join(sorted(f'{m}.{n}' for m, n in self._allowed))})"
+                f"{self._path}: refusing to unpickle global {module}.{name}: not on this file's allow-list "
+                f"(numpy array reconstruction for a paddle.save state dict, nothing for an ipc meta file)"
             )
         import importlib
 
         return getattr(importlib.import_module(module), name)
 
 
-def load_restricted(path: str, *, allow_arrays: bool = True):
+def load_restricted(path: str, *, allow_arrays: bool):
     """Unpickle ``path`` admitting only array-reconstruction globals (or none at all)."""
     allowed = ARRAY_GLOBALS if allow_arrays else frozenset()
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except PermissionError as e:
+        raise SnapshotPermissionError(
+            f"{path}: permission denied: cannot open the file for reading ({e.strerror}); the file itself may be intact: fix its mode or owner"
+        ) from None
     if not data:
         raise SnapshotFormatError(f"{path}: file is empty (0 bytes)")
     try:
@@ -54,4 +59,4 @@ def load_restricted(path: str, *, allow_arrays: bool = True):
     except UnsafePickleError:
         raise
     except Exception as e:  # truncated or garbage pickles raise many types
-        raise SnapshotFormatError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from None
+        raise SnapshotFormatError(f"{path}: not a readable pickle ({e!r})") from None

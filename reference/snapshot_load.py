@@ -1,25 +1,41 @@
 """Loading for ``ipc_snapshot``: bytes on disk to Paddle tensors, one file at a time.
 
 ``read_header`` looks at names, dtypes and shapes without materialising data, so the manager can
-validate every file of a plan before it changes any parameter. ``iter_tensors`` yields one tensor
-at a time; the caller keeps at most one file's tensors alive.
+validate every file of a plan before it changes any parameter. ``iter_safetensors`` reads one file's
+tensors straight into freshly allocated Paddle tensors and yields them once the whole file has been
+read and found unchanged.
+
+The file is never mapped: a mapping would make a trainer that truncates the file while it is read
+kill this process with SIGBUS, and parameters adopting views of it would change when the file is
+rewritten (FILE-DETACHED). Instead the header is parsed here, validated as strictly as the
+safetensors library does (offsets contiguous, in order, starting at 0 and covering the data exactly;
+dtype x shape = byte length), and each tensor's bytes are read with ``os.preadv`` into the tensor's
+own allocation. A short read (the file shrank) or a file whose identity (device, inode, size,
+mtime, ctime) changed between the header check and the end of the read is a SnapshotFormatError
+naming the file (FILE-CHANGED-DURING-LOAD).
 """
 from __future__ import annotations
 
+import ctypes
+import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import paddle
-import safetensors
 
-from .dtypes import SAFETENSORS_TO_NAME, paddle_dtype
-from .errors import SnapshotFormatError
+from .dtypes import ITEMSIZE, SAFETENSORS_TO_NAME, paddle_dtype
+from .errors import SnapshotFormatError, SnapshotPermissionError
 from .safe_pickle import load_restricted
 
 # paddle.save adds this bookkeeping entry next to the tensors; it is not a parameter.
 PADDLE_NAME_TABLE = "StructuredToParameterName@@"
+
+# The safetensors library refuses headers above 100 MB (MAX_HEADER_SIZE); so do we.
+MAX_HEADER_BYTES = 100_000_000
+_LENGTH_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -29,46 +45,208 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
-def _open(path: str):
-    size = os.path.getsize(path)
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    dtype: str  # canonical name
+    shape: tuple[int, ...]
+    begin: int  # offsets relative to the start of the data section
+    end: int
+
+
+@dataclass(frozen=True)
+class _Header:
+    entries: tuple[_Entry, ...]  # in file (offset) order
+    data_start: int  # absolute offset of the data section
+    identity: tuple
+
+
+def _identity(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _open_fd(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except PermissionError as e:
+        raise SnapshotPermissionError(
+            f"{path}: permission denied: cannot open the snapshot file for reading ({e.strerror}); the file itself may be intact: fix its mode or owner"
+        ) from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: snapshot file disappeared before it could be read") from None
+
+
+def _read_exact(fd: int, offset: int, n: int, path: str, what: str) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise SnapshotFormatError(
+            f"{path}: file changed during load: {what} needs bytes [{offset}, {offset + n}) but the read "
+            f"ended at {offset + len(data)} (the file shrank)"
+        )
+    return data
+
+
+def _shape(path: str, name: str, value) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
+        raise SnapshotFormatError(f"{path}: tensor {name!r} has shape {value!r}, expected a list of integers >= 0")
+    return tuple(value)
+
+
+def _parse_header(fd: int, path: str) -> _Header:
+    st = os.fstat(fd)
+    size = st.st_size
     if size == 0:
         raise SnapshotFormatError(f"{path}: file is empty (0 bytes), expected a safetensors snapshot")
+    if size < _LENGTH_BYTES:
+        raise SnapshotFormatError(
+            f"{path}: truncated inside the 8-byte header length: expects at least {_LENGTH_BYTES} bytes, file has {size}"
+        )
+    n = int.from_bytes(_read_exact(fd, 0, _LENGTH_BYTES, path, "the header length"), "little")
+    if n > MAX_HEADER_BYTES:
+        raise SnapshotFormatError(
+            f"{path}: not a valid safetensors file: header length {n} is over the {MAX_HEADER_BYTES}-byte limit "
+            f"(expects {_LENGTH_BYTES + n} bytes, file has {size})"
+        )
+    if _LENGTH_BYTES + n > size:
+        raise SnapshotFormatError(
+            f"{path}: truncated inside the JSON header: the header length says {n} bytes, so the file "
+            f"expects {_LENGTH_BYTES + n} bytes, file has {size}"
+        )
+    raw = _read_exact(fd, _LENGTH_BYTES, n, path, "the JSON header")
+
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise SnapshotFormatError(f"{path}: not a valid safetensors file: header names {dup} more than once")
+        return dict(pairs)
+
     try:
-        return safetensors.safe_open(path, framework="paddle")
-    except Exception as e:  # SafetensorError for bad headers, truncated data, bad offsets
-        raise SnapshotFormatError(f"{path}: not a valid safetensors file ({e})") from None
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except SnapshotFormatError:
+        raise
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SnapshotFormatError(f"{path}: not a valid safetensors file: the JSON header does not parse ({e})") from None
+    if not isinstance(header, dict):
+        raise SnapshotFormatError(f"{path}: not a valid safetensors file: the header is {type(header).__name__}, expected an object")
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise SnapshotFormatError(f"{path}: not a valid safetensors file: __metadata__ must map strings to strings")
+            continue
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise SnapshotFormatError(
+                f"{path}: not a valid safetensors file: tensor {name!r} needs exactly dtype, shape and data_offsets, "
+                f"got {sorted(info) if isinstance(info, dict) else type(info).__name__}"
+            )
+        raw_dtype = info["dtype"]
+        if raw_dtype not in SAFETENSORS_TO_NAME:
+            raise SnapshotFormatError(f"{path}: tensor {name!r} has dtype {raw_dtype}, which Paddle cannot hold")
+        dtype = SAFETENSORS_TO_NAME[raw_dtype]
+        shape = _shape(path, name, info["shape"])
+        offsets = info["data_offsets"]
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+            raise SnapshotFormatError(f"{path}: tensor {name!r} has data_offsets {offsets!r}, expected [begin, end]")
+        begin, end = offsets
+        if end < begin:
+            raise SnapshotFormatError(f"{path}: tensor {name!r} has data_offsets [{begin}, {end}] that end before they begin")
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        if end - begin != nbytes:
+            raise SnapshotFormatError(
+                f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] hold {end - begin} bytes but dtype "
+                f"{raw_dtype} x shape {list(shape)} needs {nbytes}"
+            )
+        entries.append(_Entry(name, dtype, shape, begin, end))
+    data_start = _LENGTH_BYTES + n
+    entries.sort(key=lambda e: (e.begin, e.end))
+    _check_layout(path, entries, data_start, size)
+    return _Header(tuple(entries), data_start, _identity(st))
+
+
+def _check_layout(path: str, entries: list[_Entry], data_start: int, size: int) -> None:
+    """Sorted by offset, the tensors tile the data section exactly: from 0, no overlap, no gap,
+    ending at the end of the file (trailing bytes are rejected, as safetensors does)."""
+    position = 0
+    for e in entries:
+        if e.begin != position:
+            kind = "overlaps the previous tensor" if e.begin < position else f"leaves a gap of {e.begin - position} bytes"
+            raise SnapshotFormatError(
+                f"{path}: not a valid safetensors file: tensor {e.name!r} at data_offsets [{e.begin}, {e.end}] {kind} "
+                f"(expected it to start at {position})"
+            )
+        position = e.end
+    expected = data_start + position
+    if expected > size:
+        raise SnapshotFormatError(
+            f"{path}: truncated: the header describes {position} data bytes, so the file expects {expected} bytes, "
+            f"file has {size}"
+        )
+    if expected < size:
+        raise SnapshotFormatError(
+            f"{path}: not a valid safetensors file: {size - expected} trailing bytes after the data the header "
+            f"describes (expects {expected} bytes, file has {size})"
+        )
+
+
+# Identity of each file when its header was validated, so the load can tell that the file was
+# rewritten between the validation pass and the read (the manager validates every file first).
+_validated: dict[str, tuple] = {}
 
 
 def read_header(path: str) -> list[TensorInfo]:
     """Names, dtypes and shapes of a safetensors file; SnapshotFormatError if unreadable."""
-    with _open(path) as f:
-        infos = []
-        for name in f.keys():
-            sl = f.get_slice(name)
-            raw = sl.get_dtype()
-            if raw not in SAFETENSORS_TO_NAME:
-                raise SnapshotFormatError(f"{path}: tensor {name!r} has dtype {raw}, which Paddle cannot hold")
-            infos.append(TensorInfo(name, SAFETENSORS_TO_NAME[raw], tuple(sl.get_shape())))
-        return infos
+    fd = _open_fd(path)
+    try:
+        header = _parse_header(fd, path)
+    finally:
+        os.close(fd)
+    _validated[path] = header.identity
+    return [TensorInfo(e.name, e.dtype, e.shape) for e in header.entries]
+
+
+def _writable_bytes(tensor: paddle.Tensor, nbytes: int) -> np.ndarray:
+    """A uint8 numpy view of a CPU tensor's own allocation (see reference.buckets)."""
+    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr()), np.uint8)
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, paddle.Tensor]]:
     """Yield (name, tensor) from a safetensors file, each tensor owning its memory."""
-    with _open(path) as f:
-        for name in f.keys():
-            sl = f.get_slice(name)
-            shape = list(sl.get_shape())
-            if 0 in shape:
-                # safetensors' Paddle bridge fails to view a 0-byte buffer; build it directly.
-                yield name, paddle.empty(shape, dtype=paddle_dtype(SAFETENSORS_TO_NAME[sl.get_dtype()]))
-                continue
-            try:
-                # get_tensor returns a view of the file's mmap, never read until used: copy it so the
-                # parameter owns its memory and a trainer rewriting or truncating the file in place
-                # cannot change or SIGBUS it. The view dies here; the mapping goes when f closes.
-                yield name, f.get_tensor(name).clone()
-            except Exception as e:
-                raise SnapshotFormatError(f"{path}: cannot read tensor {name!r} ({e})") from None
+    validated = _validated.pop(path, None)
+    fd = _open_fd(path)
+    try:
+        header = _parse_header(fd, path)
+        if validated is not None and validated != header.identity:
+            raise SnapshotFormatError(
+                f"{path}: file changed during load: it is not the file whose header was checked before "
+                f"loading (device, inode, size, mtime, ctime {validated} then {header.identity})"
+            )
+        tensors = []
+        for e in header.entries:
+            tensor = paddle.empty(list(e.shape), dtype=paddle_dtype(e.dtype))
+            nbytes = e.end - e.begin
+            if nbytes:
+                view = _writable_bytes(tensor, nbytes)
+                done = 0
+                while done < nbytes:
+                    got = os.preadv(fd, [view[done:]], header.data_start + e.begin + done)
+                    if got <= 0:
+                        raise SnapshotFormatError(
+                            f"{path}: file changed during load: tensor {e.name!r} needs bytes "
+                            f"[{header.data_start + e.begin}, {header.data_start + e.end}) but the read ended at "
+                            f"{header.data_start + e.begin + done}: the file shrank"
+                        )
+                    done += got
+            tensors.append((e.name, tensor))
+        now = _identity(os.fstat(fd))
+        if now != header.identity:
+            raise SnapshotFormatError(
+                f"{path}: file changed during load: size/mtime went from {header.identity[2:4]} to {now[2:4]} "
+                f"while it was read; rewrite it completely and update again"
+            )
+    finally:
+        os.close(fd)
+    yield from tensors
 
 
 def load_pickle_state_dict(path: str) -> dict[str, paddle.Tensor]:

@@ -8,14 +8,23 @@ Priority (the first level that yields a source wins):
 3. the legacy file ``model_state.tp0{id}.pdparams`` in ``model_dir`` (pre-#6852, keyed on GPU only);
 4. ``{fallback_dir}/model_state.tp{rank}.{id}.pdparams`` in Paddle's pickle format.
 Levels 1-3 are safetensors.
+
+A listing is either an iterable of names (every entry taken for a regular file) or a mapping
+name -> kind as ``list_dir`` returns it. A candidate that exists at a level but is not a regular
+file (``kind != FILE``: a directory, a dangling symlink, a FIFO, a device) is an error naming it:
+falling through to a lower level would report success on stale weights.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import stat
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .errors import SnapshotNotAFileError
+
 PDPARAMS = ".pdparams"
+FILE = "regular file"  # the one entry kind a snapshot may be read from (symlinks are followed)
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,8 @@ def plan_snapshot(
     Raises FileNotFoundError naming the base name and every path checked when no level matches.
     """
     base, legacy = base_names(rank, gpu_id)
+    kinds = dict(model_dir_names) if isinstance(model_dir_names, Mapping) else {}
+    fallback_kinds = dict(fallback_dir_names) if isinstance(fallback_dir_names, Mapping) else {}
     names = set(model_dir_names)
     part_pattern = os.path.join(model_dir, f"{base}.part*{PDPARAMS}")
     single = os.path.join(model_dir, base + PDPARAMS)
@@ -89,23 +100,60 @@ def plan_snapshot(
     if parts:
         # Numeric order; equal indices (part1, part01) fall back to name order, never to glob order.
         parts.sort()
+        for index, name in parts:
+            _require_file(os.path.join(model_dir, name), kinds.get(name, FILE), f"part {index}")
         sources = tuple(
             Source(os.path.join(model_dir, name), f"snapshot-part{index}", "safetensors", 1)
             for index, name in parts
         )
         return SnapshotPlan(base, sources, tuple(invalid), checked)
     if base + PDPARAMS in names:
+        _require_file(single, kinds.get(base + PDPARAMS, FILE), "single-file")
         return SnapshotPlan(base, (Source(single, "snapshot", "safetensors", 2),), tuple(invalid), checked)
     if legacy + PDPARAMS in names:
+        _require_file(legacy_path, kinds.get(legacy + PDPARAMS, FILE), "legacy")
         return SnapshotPlan(base, (Source(legacy_path, "snapshot", "safetensors", 3),), tuple(invalid), checked)
     if base + PDPARAMS in set(fallback_dir_names):
+        _require_file(fallback, fallback_kinds.get(base + PDPARAMS, FILE), "shared fallback")
         return SnapshotPlan(base, (Source(fallback, "snapshot", "pickle", 4),), tuple(invalid), checked)
     raise FileNotFoundError(f"No snapshot found for {base}: checked {', '.join(checked[:-1])} and {checked[-1]}")
 
 
-def list_dir(path: str) -> list[str]:
-    """Names in a directory; a missing directory lists as empty (it is simply not a source)."""
+def _require_file(path: str, kind: str, what: str) -> None:
+    if kind != FILE:
+        raise SnapshotNotAFileError(
+            f"{path}: the {what} snapshot candidate is a {kind}, not a regular file; refusing to fall "
+            "through to a lower-priority snapshot level (its weights may be stale)"
+        )
+
+
+def entry_kind(path: str) -> str:
+    """What ``path`` is, following symlinks, without opening it (opening a FIFO blocks)."""
     try:
-        return [e.name for e in os.scandir(path) if e.is_file()]
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:  # listed by scandir, so a symlink to nothing (or removed since)
+        return "dangling symlink"
+    except OSError as e:  # a symlink loop, a name too long...
+        return f"unreadable entry ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return FILE
+    for test, kind in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def list_dir(path: str) -> dict[str, str]:
+    """Every entry of a directory, name -> kind (``FILE`` for regular files and symlinks to them);
+    a missing directory lists as empty (it is simply not a source)."""
+    try:
+        entries = list(os.scandir(path))
     except (FileNotFoundError, NotADirectoryError):
-        return []
+        return {}
+    return {e.name: entry_kind(e.path) for e in entries}

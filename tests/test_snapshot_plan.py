@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.snapshot_plan import base_names, is_part_glob_hit, list_dir, part_index, plan_snapshot
+from reference.errors import SnapshotNotAFileError
+from reference.snapshot_plan import FILE, base_names, is_part_glob_hit, list_dir, part_index, plan_snapshot
 
 MODEL_DIR = "/ckpt/model"
 SHARED = "/shared_ipc_meta"
@@ -22,7 +23,8 @@ def part(rank, gpu, index) -> str:
 
 
 def plan(names, fallback_names=(), rank=0, gpu=0, model_dir=MODEL_DIR):
-    return plan_snapshot(model_dir, list(names), SHARED, list(fallback_names), rank, gpu)
+    listing = lambda x: x if isinstance(x, dict) else list(x)  # noqa: E731  (a dict carries entry kinds)
+    return plan_snapshot(model_dir, listing(names), SHARED, listing(fallback_names), rank, gpu)
 
 
 # -- naming ---------------------------------------------------------------------------------------
@@ -170,7 +172,37 @@ def test_nothing_found_names_base_dir_and_fallback(rank, gpu):
 
 
 def test_list_dir_of_missing_directory_is_empty(tmp_path):
-    assert list_dir(str(tmp_path / "absent")) == []
+    assert list_dir(str(tmp_path / "absent")) == {}
     (tmp_path / "f.pdparams").write_bytes(b"")
     (tmp_path / "sub").mkdir()
-    assert list_dir(str(tmp_path)) == ["f.pdparams"]
+    os.symlink(tmp_path / "f.pdparams", tmp_path / "link.pdparams")
+    os.symlink(tmp_path / "gone", tmp_path / "dangling.pdparams")
+    os.symlink("/dev/null", tmp_path / "null.pdparams")
+    os.mkfifo(tmp_path / "fifo.pdparams")
+    assert list_dir(str(tmp_path)) == {
+        "f.pdparams": FILE,
+        "sub": "directory",
+        "link.pdparams": FILE,
+        "dangling.pdparams": "dangling symlink",
+        "null.pdparams": "character device",
+        "fifo.pdparams": "FIFO",
+    }
+
+
+@pytest.mark.parametrize(
+    "listing,shared,culprit",
+    [
+        ({part(0, 0, 0): FILE, part(0, 0, 1): "directory", "model_state.tp0.0.pdparams": FILE}, {}, part(0, 0, 1)),
+        ({"model_state.tp0.0.pdparams": "FIFO", "model_state.tp00.pdparams": FILE}, {}, "model_state.tp0.0.pdparams"),
+        ({"model_state.tp00.pdparams": "dangling symlink"}, {"model_state.tp0.0.pdparams": FILE}, "model_state.tp00.pdparams"),
+        ({}, {"model_state.tp0.0.pdparams": "directory"}, "model_state.tp0.0.pdparams"),
+    ],
+)
+def test_candidate_that_is_not_a_file_never_falls_through(listing, shared, culprit):
+    with pytest.raises(SnapshotNotAFileError, match=culprit.replace(".", r"\.")):
+        plan(listing, shared)
+
+
+def test_kinds_of_non_candidates_do_not_matter():
+    p = plan({part(0, 0, 0): FILE, "model_state.tp0.0.partx.pdparams": "directory", "model_state.tp0.0.pdparams": "FIFO"})
+    assert [s.label for s in p.sources] == ["snapshot-part0"]

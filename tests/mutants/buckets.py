@@ -6,6 +6,7 @@ import pickle
 
 
 from reference import apply, buckets
+from reference import bucket_checks as checks
 from reference.dtypes import paddle_dtype
 from sim import protocol
 
@@ -13,8 +14,8 @@ from .base import Mutant
 
 _stage = buckets.stage_bucket
 _Link = buckets.Link
-_check_nbytes = protocol.check_nbytes
-_check_version = protocol.check_version
+_check_nbytes = checks.check_nbytes
+_check_version = checks.check_version
 _check_targets = buckets.check_targets
 _new_state = buckets.new_update_state
 _decode = protocol.decode
@@ -46,7 +47,7 @@ class ZeroSizeRejected(Mutant):
             if e.nbytes == 0:
                 raise protocol.ManifestError(f"{where}, tensor {e.name!r}: entry of 0 bytes")
 
-        return {"sim.protocol.check_nbytes": check_nbytes}
+        return {"reference.bucket_checks.check_nbytes": check_nbytes}
 
 
 class RangeOffByOne(Mutant):
@@ -60,7 +61,7 @@ class RangeOffByOne(Mutant):
                 if e.nbytes and e.end >= segment_size:
                     raise protocol.ManifestError(f"{where}, tensor {e.name!r}: offset {e.offset} out of range")
 
-        return {"sim.protocol.check_ranges": check_ranges}
+        return {"reference.bucket_checks.check_ranges": check_ranges}
 
 
 class ChunkOffsetIgnored(Mutant):
@@ -122,7 +123,7 @@ class DuplicatesLaterWin(Mutant):
     kills = frozenset({"BKT-DUPLICATE"})
 
     def patches(self):
-        return {"sim.protocol.check_unique": _skip, "sim.protocol.check_chunks": _skip}
+        return {"reference.bucket_checks.check_unique": _skip, "reference.bucket_checks.check_chunks": _skip}
 
 
 class NbytesTrusted(Mutant):
@@ -131,7 +132,7 @@ class NbytesTrusted(Mutant):
     kills = frozenset({"BKT-MANIFEST-MISMATCH"})
 
     def patches(self):
-        return {"sim.protocol.check_nbytes": _skip}
+        return {"reference.bucket_checks.check_nbytes": _skip}
 
 
 class OffsetsTrusted(Mutant):
@@ -140,7 +141,7 @@ class OffsetsTrusted(Mutant):
     kills = frozenset({"BKT-OFFSET-RANGE"})
 
     def patches(self):
-        return {"sim.protocol.check_ranges": _skip}
+        return {"reference.bucket_checks.check_ranges": _skip}
 
 
 class OverlapUnchecked(Mutant):
@@ -149,7 +150,7 @@ class OverlapUnchecked(Mutant):
     kills = frozenset({"BKT-OVERLAP"})
 
     def patches(self):
-        return {"sim.protocol.check_overlaps": _skip}
+        return {"reference.bucket_checks.check_overlaps": _skip}
 
 
 class NoAlignmentCheck(Mutant):
@@ -158,7 +159,7 @@ class NoAlignmentCheck(Mutant):
     kills = frozenset({"BKT-MISALIGNED"})
 
     def patches(self):
-        return {"sim.protocol.check_alignment": _skip}
+        return {"reference.bucket_checks.check_alignment": _skip}
 
 
 class DtypeUnchecked(Mutant):
@@ -167,7 +168,7 @@ class DtypeUnchecked(Mutant):
     kills = frozenset({"BKT-DTYPE-UNKNOWN"})
 
     def patches(self):
-        return {"sim.protocol.check_dtype": _skip}
+        return {"reference.bucket_checks.check_dtype": _skip}
 
 
 class UnknownNamesIgnored(Mutant):
@@ -181,7 +182,7 @@ class UnknownNamesIgnored(Mutant):
             known = [e for e in bucket.entries if e.name in targets]
             _check_targets(dataclasses.replace(bucket, entries=tuple(known)), targets, source)
 
-        return {"sim.protocol.check_known": _skip, "reference.buckets.check_targets": check_targets}
+        return {"reference.bucket_checks.check_known": _skip, "reference.buckets.check_targets": check_targets}
 
 
 class ChunksTrusted(Mutant):
@@ -190,7 +191,7 @@ class ChunksTrusted(Mutant):
     kills = frozenset({"BKT-CHUNKS"})
 
     def patches(self):
-        return {"sim.protocol.check_chunks": _skip}
+        return {"reference.bucket_checks.check_chunks": _skip}
 
 
 class VersionFirstOnly(Mutant):
@@ -203,7 +204,7 @@ class VersionFirstOnly(Mutant):
             if state.next_bucket == 0:
                 _check_version(got, state, where)
 
-        return {"sim.protocol.check_version": check_version}
+        return {"reference.bucket_checks.check_version": check_version}
 
 
 class EndUnchecked(Mutant):
@@ -212,7 +213,7 @@ class EndUnchecked(Mutant):
     kills = frozenset({"BKT-END-CHECK"})
 
     def patches(self):
-        return {"sim.protocol.validate_end": _skip}
+        return {"reference.bucket_checks.validate_end": _skip}
 
 
 class StaleUpdateState(Mutant):
@@ -293,3 +294,419 @@ class MappingCached(Mutant):
 
         return {"reference.buckets.release": release}
 
+
+
+# -- found by the phase/boundary/aftermath cases (issue 6) --------------------------------------------
+_Staging = buckets.Staging
+_commit = buckets.commit
+_check_ranges = checks.check_ranges
+_validate_end = checks.validate_end
+_kept: list = []  # objects a leaking mutant keeps alive (a collected socket or pool would close itself)
+
+
+class ThreadSplitOffByOne(Mutant):
+    id = "bkt_thread_split_off_by_one"
+    bug = ("the threaded copy of a large bucket cuts each share one byte short at the split point "
+           "(`d[:room - 1]` then `d[room:]`): the byte at every thread boundary is never copied")
+    kills = frozenset({"BKT-LARGE"})
+
+    def patches(self):
+        from concurrent.futures import wait
+
+        class Split(_Staging):
+            def copy(self, jobs):
+                total = sum(d.nbytes for d, _ in jobs)
+                if total < buckets.PARALLEL_MIN_BYTES:
+                    return super().copy(jobs)
+                share, parts, room = -(-total // self.threads), [[]], -(-total // self.threads)
+                for d, s in jobs:
+                    while d.nbytes > room and len(parts) < self.threads:
+                        parts[-1].append((d[: room - 1], s[: room - 1]))
+                        d, s = d[room:], s[room:]
+                        parts.append([])
+                        room = share
+                    parts[-1].append((d, s))
+                    room -= d.nbytes
+                if self._pool is None:
+                    self._pool = buckets.ThreadPoolExecutor(self.threads - 1)
+                futures = [self._pool.submit(buckets._copy_all, p) for p in parts[1:]]
+                buckets._copy_all(parts[0])
+                wait(futures)
+
+        return {"reference.buckets.Staging": Split}
+
+
+class DoneBeforeCommit(Mutant):
+    id = "bkt_done_before_commit"
+    bug = ("`done` is sent as soon as the end message checks out, before the commit: when the commit then fails "
+           "(a parameter never sent) the trainer has already been told the update was applied")
+    kills = frozenset({"BKT-DONE-AFTER-COMMIT"})
+
+    def patches(self):
+        links = []
+
+        class Recorded(_Link):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                links.append(self)
+
+        def commit(manager, state, staging, source):
+            links[-1].tell(protocol.done(state.version, len(state.order)))
+            _commit(manager, state, staging, source)
+
+        return {"reference.buckets.Link": Recorded, "reference.buckets.commit": commit}
+
+
+class ErrorNeverSent(Mutant):
+    id = "bkt_error_never_sent"
+    bug = "a rejected update just raises: the trainer is never sent an `error` and waits for its own timeout"
+    kills = frozenset({"BKT-ERROR-REPORTED"})
+
+    def patches(self):
+        class Quiet(_Link):
+            def tell(self, message):
+                if message.get("type") != protocol.ERROR:
+                    super().tell(message)
+
+        return {"reference.buckets.Link": Quiet}
+
+
+class ErrorNamesLastAccepted(Mutant):
+    id = "bkt_error_names_last_accepted"
+    bug = "the `error` names the last bucket accepted (k - 1) instead of the bucket rejected (k)"
+    kills = frozenset({"BKT-ERROR-REPORTED"})
+
+    def patches(self):
+        class OffByOne(_Link):
+            def tell(self, message):
+                if message.get("type") == protocol.ERROR:
+                    message = {**message, "bucket": message["bucket"] - 1}
+                super().tell(message)
+
+        return {"reference.buckets.Link": OffByOne}
+
+
+class DeadlinePerUpdate(Mutant):
+    id = "bkt_deadline_per_update"
+    bug = ("timeout_s is a deadline for the whole update instead of a bound on each silence: a slow but healthy "
+           "trainer (every pause shorter than timeout_s) is cut off mid-update")
+    kills = frozenset({"BKT-TIMEOUT"})
+
+    def patches(self):
+        import time
+
+        class Deadline(_Link):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                self.deadline = time.monotonic() + self.timeout_s
+
+            def receive(self, where):
+                left = max(0.0, self.deadline - time.monotonic())
+                if not self.sock.poll(int(left * 1000), 1):
+                    raise protocol.TransferTimeout(f"ipc_bucket: update not finished within {self.timeout_s}s at {where}")
+                frame = self.sock.recv(copy=False).bytes
+                self.can_send = True
+                return protocol.decode(frame, where)
+
+        return {"reference.buckets.Link": Deadline}
+
+
+class TimeoutUnnamed(Mutant):
+    id = "bkt_timeout_unnamed"
+    bug = "the timeout is a bare `TimeoutError('trainer timed out')`: the operator cannot tell which bucket or version stalled"
+    kills = frozenset({"BKT-TIMEOUT"})
+
+    def patches(self):
+        class Bare(_Link):
+            def receive(self, where):
+                try:
+                    return super().receive(where)
+                except TimeoutError:
+                    raise TimeoutError("trainer timed out") from None
+
+        return {"reference.buckets.Link": Bare}
+
+
+class SocketKeptOnFailure(Mutant):
+    id = "bkt_socket_kept_on_failure"
+    bug = "the worker's socket is closed only on success: every failed or timed-out update leaks a connected socket"
+    kills = frozenset({"BKT-NO-LEAK"})
+
+    def patches(self):
+        class Leaky(_Link):
+            failed = False
+
+            def tell(self, message):
+                self.failed = self.failed or message.get("type") == protocol.ERROR
+                super().tell(message)
+
+            def close(self):
+                if self.failed:
+                    _kept.append(self)
+                else:
+                    super().close()
+
+        return {"reference.buckets.Link": Leaky}
+
+
+class CopyThreadsLeaked(Mutant):
+    id = "bkt_copy_threads_leaked"
+    bug = "the copy thread pool of large buckets is never shut down: each update leaves idle threads behind"
+    kills = frozenset({"BKT-NO-LEAK"})
+
+    def patches(self):
+        class Leaky(_Staging):
+            def close(self):
+                _kept.append(self._pool)
+
+        return {"reference.buckets.Staging": Leaky}
+
+
+class LinkReused(Mutant):
+    id = "bkt_link_reused"
+    bug = ("one REQ socket per endpoint is cached and reused across updates: after a timeout (or the final done) it "
+           "still awaits a reply, so the next update's hello fails (ZMQ EFSM) and the worker never recovers")
+    kills = frozenset({"BKT-RECOVERY", "BKT-REPEAT"})
+
+    def patches(self):
+        cache: dict = {}
+
+        class Cached(_Link):
+            def __init__(self, endpoint, timeout_s):
+                if endpoint in cache:
+                    self.__dict__.update(cache[endpoint].__dict__)
+                    self.timeout_s = timeout_s
+                    return
+                super().__init__(endpoint, timeout_s)
+                cache[endpoint] = self
+
+            def close(self):
+                cache[self.endpoint].__dict__.update(self.__dict__)
+
+        return {"reference.buckets.Link": Cached}
+
+
+class RangeStartOnly(Mutant):
+    id = "bkt_range_start_only"
+    bug = "only the entry's start is range-checked (`offset < size`): an entry straddling the buffer's end is read past it"
+    kills = frozenset({"BKT-OFFSET-RANGE"})
+
+    def patches(self):
+        def check_ranges(entries, segment_size, where):
+            for e in entries:
+                if e.offset >= segment_size:
+                    raise protocol.ManifestError(f"{where}, tensor {e.name!r}: offset {e.offset} out of range")
+
+        return {"reference.bucket_checks.check_ranges": check_ranges}
+
+
+class RangeRejectsEmptyAtEnd(Mutant):
+    id = "bkt_range_rejects_empty_at_end"
+    bug = ("the range check also demands `offset < size`, so an empty tensor placed right after a bucket filled to "
+           "its last byte (offset == size, 0 bytes) is refused")
+    kills = frozenset({"BKT-EMPTY-SCALAR"})
+
+    def patches(self):
+        def check_ranges(entries, segment_size, where):
+            for e in entries:
+                if e.offset >= segment_size:
+                    raise protocol.ManifestError(f"{where}, tensor {e.name!r}: offset {e.offset} out of range")
+            _check_ranges(entries, segment_size, where)
+
+        return {"reference.bucket_checks.check_ranges": check_ranges}
+
+
+class OverlapMissesOneByte(Mutant):
+    id = "bkt_overlap_misses_one_byte"
+    bug = "overlap is tested on inclusive last bytes with `<` (`next.offset < end - 1`): a single shared byte passes"
+    kills = frozenset({"BKT-OVERLAP"})
+
+    def patches(self):
+        def check_overlaps(entries, where):
+            spans = sorted((e.offset, e.end, e.name) for e in entries if e.nbytes)
+            for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+                if b0 < a1 - 1:
+                    raise protocol.ManifestError(f"{where}: tensors {a!r} and {b!r} overlap")
+
+        return {"reference.bucket_checks.check_overlaps": check_overlaps}
+
+
+class OverlapCountsEmpty(Mutant):
+    id = "bkt_overlap_counts_empty"
+    bug = "two entries at the same offset are an overlap even when one is empty (0 bytes share nothing)"
+    kills = frozenset({"BKT-OVERLAP"})
+
+    def patches(self):
+        def check_overlaps(entries, where):
+            spans = sorted((e.offset, e.end, e.name) for e in entries)
+            for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+                if b0 < a1 or b0 == a0:
+                    raise protocol.ManifestError(f"{where}: tensors {a!r} and {b!r} overlap")
+
+        return {"reference.bucket_checks.check_overlaps": check_overlaps}
+
+
+class NbytesLongAccepted(Mutant):
+    id = "bkt_nbytes_long_accepted"
+    bug = "nbytes is only checked not to be short (so no byte is left unwritten): a longer entry is accepted"
+    kills = frozenset({"BKT-MANIFEST-MISMATCH"})
+
+    def patches(self):
+        def check_nbytes(e, where):
+            if e.total_nbytes >= checks.math.prod(e.shape) * protocol.DTYPES[e.dtype]:
+                return
+            _check_nbytes(e, where)
+
+        return {"reference.bucket_checks.check_nbytes": check_nbytes}
+
+
+def _end_patch(fix):
+    def validate_end(message, state):
+        _validate_end(fix(dict(message), state), state)
+
+    return {"reference.bucket_checks.validate_end": validate_end}
+
+
+class EndBucketsUnchecked(Mutant):
+    id = "bkt_end_buckets_unchecked"
+    bug = "the end's bucket count is not compared with the buckets that arrived (only count and digest are)"
+    kills = frozenset({"BKT-END-CHECK"})
+
+    def patches(self):
+        return _end_patch(lambda m, st: {**m, "buckets": st.next_bucket})
+
+
+class EndDigestCaseless(Mutant):
+    id = "bkt_end_digest_caseless"
+    bug = "the digest is compared case-insensitively (`.lower()`): a digest not in the wire's form is accepted"
+    kills = frozenset({"BKT-END-CHECK"})
+
+    def patches(self):
+        return _end_patch(lambda m, st: {**m, "digest": m["digest"].lower()} if isinstance(m.get("digest"), str) else m)
+
+
+class EndVersionProtoUnchecked(Mutant):
+    id = "bkt_end_version_proto_unchecked"
+    bug = "the end message's version and proto are not checked (only the manifests' are)"
+    kills = frozenset({"BKT-END-CHECK"})
+
+    def patches(self):
+        return _end_patch(lambda m, st: {**m, "version": st.version, "proto": protocol.PROTO})
+
+
+class AbortUnhandled(Mutant):
+    id = "bkt_abort_unhandled"
+    bug = "an `abort` is parsed as a malformed bucket manifest: the error says `field bucket is missing`, not why the trainer gave up"
+    kills = frozenset({"BKT-ABORT"})
+
+    def patches(self):
+        return {"sim.protocol.ABORT": "abort (unhandled)"}
+
+
+class StatusClearedUntilCommit(Mutant):
+    id = "bkt_status_cleared_until_commit"
+    bug = "the status stays CLEARED while buckets arrive and reads UPDATING only at the commit"
+    kills = frozenset({"BKT-STATUS-UPDATING"})
+
+    def patches(self):
+        from reference.status import Status
+
+        update = buckets.update_from_buckets
+
+        def update_from_buckets(manager):
+            manager.status = Status.CLEARED
+            try:
+                update(manager)
+            finally:
+                manager.status = Status.UPDATING
+
+        return {"reference.buckets.update_from_buckets": update_from_buckets}
+
+
+class DtypeByItemsize(Mutant):
+    id = "bkt_dtype_by_itemsize"
+    bug = ("the manifest's dtype is compared with the parameter's by itemsize only (nbytes agree): bf16 sent for an "
+           "fp16 parameter, or fp8 for uint8, is staged, and the mismatch shows only when applying, after earlier tensors")
+    kills = frozenset({"APPLY-DTYPE-MISMATCH"})
+
+    def patches(self):
+        def check_targets(bucket, targets, source):
+            for e in bucket.entries:
+                t = targets[e.name]
+                if protocol.DTYPES[e.dtype] != t.element_size():
+                    raise TypeError(f"Type mismatch for {e.name}")
+                if tuple(e.shape) != tuple(t.shape):
+                    raise ValueError(f"Shape mismatch for {e.name}")
+
+        return {"reference.buckets.check_targets": check_targets}
+
+
+class ShapeByNumel(Mutant):
+    id = "bkt_shape_by_numel"
+    bug = "the manifest's shape is compared with the parameter's by element count: (8, 4) for a (4, 8) parameter passes"
+    kills = frozenset({"APPLY-SHAPE-MISMATCH"})
+
+    def patches(self):
+        import math
+
+        def check_targets(bucket, targets, source):
+            for e in bucket.entries:
+                t = targets[e.name]
+                apply.check_match(e.name, e.dtype, t.shape if math.prod(e.shape) == math.prod(t.shape) else e.shape, t)
+
+        return {"reference.buckets.check_targets": check_targets}
+
+
+class MissingCheckedAfterApply(Mutant):
+    id = "bkt_missing_checked_after_apply"
+    bug = ("the commit adopts what arrived and leaves the missing-parameter check to the final verification: an "
+           "update lacking a tensor raises, but after the others were applied")
+    kills = frozenset({"APPLY-MISSING-FAILS", "BKT-ATOMIC"})
+
+    def patches(self):
+        def commit(manager, state, staging, source):
+            staging.drop_views()
+            manager.apply(((n, staging.tensors[n]) for n in state.order), f"bucket-{state.version}", source)
+
+        return {"reference.buckets.commit": commit}
+
+
+class RemoteEndpointAllowed(Mutant):
+    id = "bkt_remote_endpoint_allowed"
+    bug = "the endpoint is only checked for a zmq scheme: a remote tcp:// host puts the control socket on the network"
+    kills = frozenset({"BKT-OPTIONS"})
+
+    def patches(self):
+        import re
+
+        return {"reference.buckets.LOCAL_ENDPOINT": re.compile(r"^(ipc|tcp)://.+$")}
+
+
+class EntryFieldsTrusted(Mutant):
+    id = "bkt_entry_fields_trusted"
+    bug = ("manifest entries are unpacked as they come (`Entry(**raw)` style): a missing field is a bare KeyError, "
+           "a negative offset or a str nbytes reaches the copy")
+    kills = frozenset({"BKT-FIELDS"})
+
+    def patches(self):
+        def parse_entry(raw, where):
+            return checks.Entry(raw["name"], raw["dtype"], tuple(raw["shape"]), raw["offset"], raw["nbytes"],
+                                raw.get("chunk_offset", 0), raw.get("total_nbytes", raw["nbytes"]))
+
+        return {"reference.bucket_checks.parse_entry": parse_entry}
+
+
+class VersionUnsetWithoutExpected(Mutant):
+    id = "bkt_version_unset_without_expected"
+    bug = ("with no expected version configured, the first manifest's version is never recorded, so nothing is "
+           "compared: a trainer switching versions mid-update mixes two versions")
+    kills = frozenset({"BKT-VERSION"})
+
+    def patches(self):
+        class State(checks.UpdateState):
+            def admit(self, bucket):
+                version = self.version
+                super().admit(bucket)
+                self.version = version
+
+        return {"reference.bucket_checks.UpdateState": State}

@@ -8,14 +8,37 @@ import numpy as np
 import paddle
 
 from reference import ipc_meta
+from reference.dtypes import dtype_name
 from sim import ipc_handles
 
 from .base import Mutant
 
-_normalize = ipc_handles.normalize_meta
-_open = ipc_handles.open_tensor_meta
+_normalize = ipc_meta.normalize_meta
+_open = ipc_meta.open_tensor
+_plan = ipc_meta.plan_metas
+_dtype_of_code = ipc_meta.dtype_of_code
 _read = ipc_meta.read_metas
-_to_paddle = ipc_meta.to_paddle
+_update = ipc_meta.update_from_ipc_meta
+
+
+def _to_paddle(arr: np.ndarray) -> paddle.Tensor:
+    """A Paddle tensor owning a copy of ``arr`` (bf16/fp8 via a uint8 view)."""
+    dtype = ipc_meta.paddle_dtype(arr.dtype.name)
+    if arr.size == 0:
+        return paddle.empty(list(arr.shape), dtype=dtype)
+    flat = paddle.to_tensor(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    return flat.view(dtype).reshape(list(arr.shape))
+
+
+def _read_bytes(meta, check_range=True):
+    """Attach, (check the range,) copy the bytes out as numpy, unmap."""
+    handle, offset, size, type_idx, dims, _lod, device_id = meta
+    dtype = ipc_handles.numpy_dtype(ipc_meta.dtype_of_code(type_idx))
+    with ipc_handles.attach_on_device(handle, device_id) as seg:
+        if check_range and offset + size > seg.size:
+            raise ipc_handles.MetaError(f"field offset_bytes {offset} + size {size} outside segment of {seg.size} bytes")
+        data = bytes(seg.buf[offset : offset + size])
+    return np.frombuffer(data, dtype).reshape(dims).copy()
 
 
 class DeviceNotReplaced(Mutant):
@@ -95,13 +118,12 @@ class MissingFileSkipped(Mutant):
         return {"reference.ipc_meta.read_metas": read}
 
 
-def _unchecked_open(meta, *, device=None):
+def _unchecked_open(name, meta, path):
     """_new_shared_cuda without the range check: slices whatever the mapping holds."""
-    handle, offset, size, type_idx, dims, _lod, _dev = meta
-    dtype = ipc_handles.numpy_dtype(ipc_handles.dtype_of_code(type_idx))
-    with ipc_handles.Segment.attach(handle) as seg:
-        data = bytes(seg.buf[offset : offset + size])
-    return np.frombuffer(data, dtype).reshape(dims).copy()
+    try:
+        return _to_paddle(_read_bytes(meta, check_range=False))
+    except ipc_handles.HandleError as e:
+        raise ipc_handles.MetaError(f"{path}: cannot open IPC handle of tensor {name!r}: {e}") from None
 
 
 class RangeUnchecked(Mutant):
@@ -110,7 +132,7 @@ class RangeUnchecked(Mutant):
     kills = frozenset({"IPC-RANGE-CHECKED"})
 
     def patches(self):
-        return {"reference.ipc_meta.open_tensor_meta": _unchecked_open}
+        return {"reference.ipc_meta.open_tensor": _unchecked_open}
 
 
 class SizeUnchecked(Mutant):
@@ -136,12 +158,10 @@ class UnknownTypeAsBytes(Mutant):
     kills = frozenset({"IPC-TYPE-UNKNOWN"})
 
     def patches(self):
-        real = ipc_handles.dtype_of_code
-
         def dtype_of_code(code):
-            return real(code) or "uint8"
+            return _dtype_of_code(code) or "uint8"
 
-        return {"sim.ipc_handles.dtype_of_code": dtype_of_code, "reference.ipc_meta.dtype_of_code": dtype_of_code}
+        return {"reference.ipc_meta.dtype_of_code": dtype_of_code}
 
 
 class ApplyAsYouGo(Mutant):
@@ -155,10 +175,11 @@ class ApplyAsYouGo(Mutant):
             device = ipc_meta.worker_device(manager)
             for name, meta in ipc_meta.read_metas(path).items():
                 try:
-                    fixed = ipc_handles.normalize_meta(meta, name=name, device=device)
+                    fixed = ipc_meta.normalize_meta(meta, name=name, device=device)
                 except ipc_handles.MetaError as e:
                     raise ipc_handles.MetaError(f"{path}: {e}") from None
-                manager.apply([(name, ipc_meta.open_tensor(name, fixed, path))], ipc_meta.LABEL, path)
+                known = name in manager.params
+                manager.apply([(name, ipc_meta.open_tensor(name, fixed, path) if known else None)], ipc_meta.LABEL, path)
 
         return {"reference.ipc_meta.update_from_ipc_meta": update}
 
@@ -182,7 +203,7 @@ class UnnamedOpenErrors(Mutant):
     kills = frozenset({"IPC-SEGMENT-GONE", "IPC-RANGE-CHECKED"})
 
     def patches(self):
-        return {"reference.ipc_meta.open_tensor": lambda name, meta, path: _to_paddle(ipc_meta.open_tensor_meta(meta))}
+        return {"reference.ipc_meta.open_tensor": lambda name, meta, path: _to_paddle(_read_bytes(meta))}
 
 
 _kept: list = []  # mappings the aliasing mutant never closes
@@ -195,18 +216,306 @@ class AliasesSegment(Mutant):
     kills = frozenset({"IPC-WORKER-OWNS-COPY"})
 
     def patches(self):
-        def open_view(meta, *, device=None):
-            _open(meta, device=device)  # every check of the real opener; only the copy is the bug
+        def open_view(name, meta, path):
+            real = _open(name, meta, path)  # every check of the real opener; only the copy is the bug
             handle, offset, size, type_idx, dims, _lod, _dev = meta
+            if size == 0:
+                return real
             seg = ipc_handles.Segment.attach(handle)
             _kept.append(seg)
-            dtype = ipc_handles.numpy_dtype(ipc_handles.dtype_of_code(type_idx))
-            return np.frombuffer(seg.buf[offset : offset + size], dtype).reshape(dims)
+            arr = np.frombuffer(seg.buf[offset : offset + size], np.uint8)
+            flat = paddle.base.core.eager.Tensor(value=arr, zero_copy=True, place=paddle.CPUPlace())
+            return flat.view(real.dtype).reshape(list(dims))
 
-        def to_paddle(arr):
-            if arr.size == 0:
-                return _to_paddle(arr)
-            flat = paddle.base.core.eager.Tensor(value=arr.reshape(-1).view(np.uint8), zero_copy=True, place=paddle.CPUPlace())
-            return flat.view(ipc_meta.paddle_dtype(arr.dtype.name)).reshape(list(arr.shape))
+        return {"reference.ipc_meta.open_tensor": open_view}
 
-        return {"reference.ipc_meta.open_tensor_meta": open_view, "reference.ipc_meta.to_paddle": to_paddle}
+
+# --- boundaries, positions, identity, aftermath (added with the ipc axes of the testing guide) ----
+
+
+class RangeEndExclusive(Mutant):
+    id = "ipc_range_end_exclusive"
+    bug = "range check `offset + size >= segment size` (< instead of <=): a tensor ending on the segment's last byte is refused"
+    kills = frozenset({"IPC-RANGE-CHECKED"})
+
+    def patches(self):
+        def open_tensor(name, meta, path):
+            with ipc_handles.attach_on_device(meta[0], meta[6]) as seg:
+                size = seg.size
+            if meta[2] and meta[1] + meta[2] >= size:
+                raise ipc_handles.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} outside segment of {size} bytes")
+            return _open(name, meta, path)
+
+        return {"reference.ipc_meta.open_tensor": open_tensor}
+
+
+class RangeStartOnly(Mutant):
+    id = "ipc_range_start_only"
+    bug = "only offset_bytes is checked against the segment, not offset_bytes + size: a tensor straddling the end is read short"
+    kills = frozenset({"IPC-RANGE-CHECKED"})
+
+    def patches(self):
+        def open_tensor(name, meta, path):
+            with ipc_handles.attach_on_device(meta[0], meta[6]) as seg:
+                size = seg.size
+            if meta[1] >= size and meta[2]:
+                raise ipc_handles.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} past segment of {size} bytes")
+            return _unchecked_open(name, meta, path)
+
+        return {"reference.ipc_meta.open_tensor": open_tensor}
+
+
+class RangeWraps64(Mutant):
+    id = "ipc_range_wraps_64bit"
+    bug = "offset_bytes + size computed in uint64 (as C does): an offset near 2**64 wraps and passes the range check"
+    kills = frozenset({"IPC-RANGE-CHECKED"})
+
+    def patches(self):
+        def open_tensor(name, meta, path):
+            end = (meta[1] + meta[2]) % 2**64
+            with ipc_handles.attach_on_device(meta[0], meta[6]) as seg:
+                size = seg.size
+            if end > size:
+                raise ipc_handles.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} outside segment of {size} bytes")
+            return _unchecked_open(name, meta, path)
+
+        return {"reference.ipc_meta.open_tensor": open_tensor}
+
+
+class SizeAtLeast(Mutant):
+    id = "ipc_size_at_least"
+    bug = "size only required to cover dims x itemsize (`size >= need`): an oversized meta is read from its first bytes"
+    kills = frozenset({"IPC-SIZE-CHECKED"})
+
+    def patches(self):
+        def normalize(meta, *, name, device):
+            meta = list(meta) if isinstance(meta, (list, tuple)) else meta
+            if isinstance(meta, list) and len(meta) == 7 and isinstance(meta[2], int) and isinstance(meta[4], list):
+                dtype = ipc_meta.dtype_of_code(meta[3])
+                if dtype is not None and all(isinstance(d, int) for d in meta[4]):
+                    need = int(np.prod(meta[4], dtype=np.int64)) * ipc_handles.numpy_dtype(dtype).itemsize
+                    if meta[2] > need:
+                        meta[2] = need
+            return _normalize(meta, name=name, device=device)
+
+        return {"reference.ipc_meta.normalize_meta": normalize}
+
+
+class TypeIdxByEquality(Mutant):
+    id = "ipc_type_idx_by_equality"
+    bug = "type_idx looked up by equality in the code table, so True reads as BOOL and 10.0 as FLOAT32"
+    kills = frozenset({"IPC-TYPE-UNKNOWN"})
+
+    def patches(self):
+        def dtype_of_code(code):
+            table = {c: n for n, c in ipc_handles.phi_dtype_codes().items()}
+            try:
+                return table.get(code)
+            except TypeError:
+                return None
+
+        return {"reference.ipc_meta.dtype_of_code": dtype_of_code}
+
+
+class DimsSignUnchecked(Mutant):
+    id = "ipc_dims_sign_unchecked"
+    bug = "dims only checked through size == prod(dims) x itemsize: negative dims whose product agrees pass, and reshape fails unnamed"
+    kills = frozenset({"IPC-DIMS-CHECKED"})
+
+    def patches(self):
+        def normalize(meta, *, name, device):
+            if isinstance(meta, (list, tuple)) and len(meta) == 7 and isinstance(meta[4], (list, tuple)) \
+                    and all(type(d) is int for d in meta[4]) and any(d < 0 for d in meta[4]):
+                fixed = _normalize([*meta[:4], [abs(d) for d in meta[4]], *meta[5:]], name=name, device=device)
+                return (*fixed[:4], list(meta[4]), *fixed[5:])
+            return _normalize(meta, name=name, device=device)
+
+        return {"reference.ipc_meta.normalize_meta": normalize}
+
+
+class ChecksFirstMetaOnly(Mutant):
+    id = "ipc_checks_first_meta_only"
+    bug = "the first meta is validated as a sample of the file, the rest converted FastDeploy-style and trusted"
+    kills = frozenset({"IPC-VALIDATE-FIRST", "IPC-META-LENGTH", "IPC-SIZE-CHECKED", "IPC-TYPE-UNKNOWN"})
+
+    def patches(self):
+        def plan(path, metas, device, params):
+            first = dict(list(metas.items())[:1])
+            planned = _plan(path, first, device, params)
+            for name, meta in list(metas.items())[1:]:
+                meta = list(meta) if isinstance(meta, (list, tuple)) else [meta] * 7
+                meta[0] = meta[0].encode("latin-1") if isinstance(meta[0], str) else meta[0]
+                meta[6] = device
+                planned.append((name, tuple(meta) if name in params else None))
+            return planned
+
+        return {"reference.ipc_meta.plan_metas": plan}
+
+
+class UnknownSkippedUnchecked(Mutant):
+    id = "ipc_unknown_skipped_unchecked"
+    bug = "metas of names the model does not have are dropped before validation, so a malformed entry passes"
+    kills = frozenset({"IPC-UNKNOWN-VALIDATED"})
+
+    def patches(self):
+        def plan(path, metas, device, params):
+            known = {n: m for n, m in metas.items() if n in params}
+            return _plan(path, known, device, params) + [(n, None) for n in metas if n not in params]
+
+        return {"reference.ipc_meta.plan_metas": plan}
+
+
+class IdentityAtUpdate(Mutant):
+    id = "ipc_identity_at_update"
+    bug = "the ipc_metas id is read from the environment at update time, not kept from when the worker was opened"
+    kills = frozenset({"IPC-IDENTITY-AT-OPEN"})
+
+    def patches(self):
+        def update(manager):
+            from reference import identity
+
+            manager.gpu_id = identity.physical_gpu_id(dict(os.environ))
+            return _update(manager)
+
+        return {"reference.ipc_meta.update_from_ipc_meta": update}
+
+
+class OpenAllLeakOnError(Mutant):
+    id = "ipc_open_all_leak_on_error"
+    bug = "every handle is attached first and copied at apply; when a later handle fails, the attached ones are never unmapped"
+    kills = frozenset({"IPC-NO-LEAK"})
+
+    def patches(self):
+        def update(manager):
+            path = ipc_meta.meta_path(manager.shared_dir, manager.gpu_id)
+            planned = ipc_meta.plan_metas(path, ipc_meta.read_metas(path), ipc_meta.worker_device(manager), manager.params)
+            attached = []
+            for name, meta in planned:
+                if meta is not None:
+                    attached.append(ipc_handles.attach_on_device(meta[0], meta[6]))  # not closed if a later one fails
+                    if meta[1] + meta[2] > attached[-1].size:
+                        raise ipc_handles.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} outside its segment")
+            for seg in attached:
+                seg.close()
+            return _update(manager)
+
+        return {"reference.ipc_meta.update_from_ipc_meta": update}
+
+
+_fds: list = []
+
+
+class KeepsDescriptor(Mutant):
+    id = "ipc_keeps_descriptor"
+    bug = "the segment is opened with open() and mapped, but the file descriptor is never closed (one leaked per tensor)"
+    kills = frozenset({"IPC-NO-LEAK"})
+
+    def patches(self):
+        def open_tensor(name, meta, path):
+            try:
+                _fds.append(os.open(os.path.join(ipc_handles.SHM_DIR, ipc_handles.handle_name(meta[0])), os.O_RDONLY))
+            except OSError:
+                pass
+            return _open(name, meta, path)
+
+        return {"reference.ipc_meta.open_tensor": open_tensor}
+
+
+class ModelDtypeTrusted(Mutant):
+    id = "ipc_model_dtype_trusted"
+    bug = "the bytes are read as the parameter's dtype whenever the itemsize agrees (type_idx only used for the size), so bf16 loads as fp16"
+    kills = frozenset({"APPLY-DTYPE-MISMATCH"})
+
+    def patches(self):
+        def plan(path, metas, device, params):
+            codes = ipc_handles.phi_dtype_codes()
+            fixed = {}
+            for name, meta in metas.items():
+                target = params.get(name)
+                if target is not None and isinstance(meta, (list, tuple)) and len(meta) == 7:
+                    have, want = ipc_meta.dtype_of_code(meta[3]), dtype_name(target)
+                    if have and want in codes and ipc_handles.numpy_dtype(have).itemsize == ipc_handles.numpy_dtype(want).itemsize:
+                        meta = [*meta[:3], codes[want], *meta[4:]]
+                fixed[name] = meta
+            return _plan(path, fixed, device, params)
+
+        return {"reference.ipc_meta.plan_metas": plan}
+
+
+class ReshapedToModel(Mutant):
+    id = "ipc_reshaped_to_model"
+    bug = "dims replaced by the parameter's shape when the element count agrees (a transposed or flattened tensor loads silently)"
+    kills = frozenset({"APPLY-SHAPE-MISMATCH"})
+
+    def patches(self):
+        def plan(path, metas, device, params):
+            fixed = {}
+            for name, meta in metas.items():
+                target = params.get(name)
+                if target is not None and isinstance(meta, (list, tuple)) and len(meta) == 7 and isinstance(meta[4], (list, tuple)):
+                    if int(np.prod(meta[4])) == int(np.prod(target.shape)):
+                        meta = [*meta[:4], list(target.shape), *meta[5:]]
+                fixed[name] = meta
+            return _plan(path, fixed, device, params)
+
+        return {"reference.ipc_meta.plan_metas": plan}
+
+
+class FileContentUnchecked(Mutant):
+    id = "ipc_file_content_unchecked"
+    bug = "whatever the meta file unpickles to is iterated as a dict: a list or None fails with an AttributeError naming no file"
+    kills = frozenset({"IPC-FILE-CONTENT"})
+
+    def patches(self):
+        from reference.safe_pickle import load_restricted
+
+        def read(path):
+            if not os.path.exists(path):
+                raise FileNotFoundError(path)
+            return load_restricted(path, allow_arrays=False)
+
+        return {"reference.ipc_meta.read_metas": read}
+
+
+class EmptyFileIsNoop(Mutant):
+    id = "ipc_empty_file_is_noop"
+    bug = "an empty meta dict is taken as 'the trainer has nothing new' and the update goes on to report missing parameters, naming no file"
+    kills = frozenset({"IPC-FILE-CONTENT"})
+
+    def patches(self):
+        def update(manager):
+            path = ipc_meta.meta_path(manager.shared_dir, manager.gpu_id)
+            if ipc_meta.read_metas(path):
+                _update(manager)
+
+        return {"reference.ipc_meta.update_from_ipc_meta": update}
+
+
+class HandleUtf8(Mutant):
+    id = "ipc_handle_utf8"
+    bug = "the latin-1 str handle encoded back with Python's default UTF-8: every byte >= 0x80 of the opaque handle doubles"
+    kills = frozenset({"IPC-ROUNDTRIP-DTYPES", "IPC-FILE-NAME", "IPC-DEVICE-ID-REPLACED"})
+
+    def patches(self):
+        def normalize(meta, *, name, device):
+            if isinstance(meta, (list, tuple)) and meta and isinstance(meta[0], str):
+                meta = [meta[0].encode("utf-8"), *meta[1:]]
+            return _normalize(meta, name=name, device=device)
+
+        return {"reference.ipc_meta.normalize_meta": normalize}
+
+
+class ArraysAdmitted(Mutant):
+    id = "ipc_arrays_admitted"
+    bug = "the meta file read with the snapshot fallback's unpickler, which admits numpy array reconstruction"
+    kills = frozenset({"IPC-META-NO-PICKLE-EXEC"})
+
+    def patches(self):
+        from reference.safe_pickle import load_restricted
+
+        def read(path):
+            if not os.path.exists(path):
+                raise FileNotFoundError(path)
+            return load_restricted(path, allow_arrays=True)
+
+        return {"reference.ipc_meta.read_metas": read}

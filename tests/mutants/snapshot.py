@@ -599,3 +599,317 @@ class AdoptsFileViews(Mutant):
                 return getattr(self._h, attr)
 
         return {"reference.snapshot_load._open": lambda path: NoCopy(real_open(path))}
+
+
+# -- candidates that are not regular files (LEVEL-CANDIDATE-NOT-FILE) ----------------------------
+class SkipNonFiles(Mutant):
+    id = "skip_non_files"
+    bug = ("the directory listing keeps only regular files (os.scandir + is_file(), the reference before this "
+           "rule): a directory, dangling symlink, FIFO or device at the single-file name is skipped and the "
+           "stale legacy file is loaded, reported as success")
+    kills = frozenset({"LEVEL-CANDIDATE-NOT-FILE"})
+
+    def patches(self):
+        def list_dir(path):
+            return [n for n, kind in _real_list_dir(path).items() if kind == snapshot_plan.FILE]
+
+        return {"reference.snapshot.list_dir": list_dir}
+
+
+class DanglingLinkUnlisted(Mutant):
+    id = "dangling_link_unlisted"
+    bug = ("candidates probed with os.path.exists(), which is False for a dangling symlink: a trainer's link "
+           "to a file not written yet falls through to the lower level")
+    kills = frozenset({"LEVEL-CANDIDATE-NOT-FILE"})
+
+    def patches(self):
+        def list_dir(path):
+            return {n: k for n, k in _real_list_dir(path).items() if k != "dangling symlink"}
+
+        return {"reference.snapshot.list_dir": list_dir}
+
+
+class PartsFilteredByIsFile(Mutant):
+    id = "parts_filtered_by_isfile"
+    bug = ("part candidates filtered with [p for p in glob(...) if os.path.isfile(p)] while the single and "
+           "legacy names are opened directly: a directory or FIFO among the parts is dropped silently and the "
+           "update succeeds without it (or falls through to the single file)")
+    kills = frozenset({"LEVEL-CANDIDATE-NOT-FILE"})
+
+    def patches(self):
+        def list_dir(path):
+            return {
+                n: k for n, k in _real_list_dir(path).items()
+                if k == snapshot_plan.FILE or ".part" not in n
+            }
+
+        return {"reference.snapshot.list_dir": list_dir}
+
+
+class CandidateKindUnchecked(Mutant):
+    id = "candidate_kind_unchecked"
+    bug = ("candidates taken from a listing of names only and opened to find out what they are: a FIFO at the "
+           "single-file name blocks the update until some writer appears (here: the suite's watchdog)")
+    kills = frozenset({"LEVEL-CANDIDATE-NOT-FILE"})
+
+    def patches(self):
+        return {"reference.snapshot.list_dir": lambda path: list(_real_list_dir(path))}
+
+
+# -- level order against one loser at a time ------------------------------------------------------
+def _level_options(model_dir, names, fallback_dir, fallback_names, rank, gpu_id):
+    """The plan each level would give on its own, highest priority first."""
+    names, fallback_names = list(names), list(fallback_names)
+    base, legacy = snapshot_plan.base_names(rank, gpu_id)
+    listings = (
+        ([n for n in names if snapshot_plan.is_part_glob_hit(n, base)], []),
+        ([n for n in names if n == base + PDPARAMS], []),
+        ([n for n in names if n == legacy + PDPARAMS], []),
+        ([], fallback_names),
+    )
+    options = []
+    for listing, fallback in listings:
+        try:
+            options.append(_real_plan(model_dir, listing, fallback_dir, fallback, rank, gpu_id))
+        except FileNotFoundError:
+            pass
+    return options
+
+
+class NewestLevelWins(Mutant):
+    id = "newest_level_wins"
+    bug = ("the most recently written snapshot is taken, whatever its level ('the trainer's latest output'): a "
+           "stale single file or fallback touched after the parts were written wins over them")
+    kills = frozenset({"LEVEL-PARTS-FIRST", "LEVEL-SINGLE-SECOND", "LEVEL-LEGACY-THIRD"})
+
+    def patches(self):
+        def plan(*args):
+            options = _level_options(*args)
+            if not options:
+                return _real_plan(*args)
+            return max(options, key=lambda p: max(os.path.getmtime(s.path) for s in p.sources))
+
+        return {"reference.snapshot.plan_snapshot": plan}
+
+
+class AllLevelsApplied(Mutant):
+    id = "all_levels_applied"
+    bug = ("every level present is applied, lowest priority first, so the highest one 'wins' by being applied "
+           "last: the values look right, but stale files are read and a bad tensor in any of them fails the update")
+    kills = frozenset({"LEVEL-PARTS-FIRST", "LEVEL-SINGLE-SECOND", "LEVEL-LEGACY-THIRD"})
+
+    def patches(self):
+        def plan(*args):
+            options = _level_options(*args)
+            if len(options) < 2:
+                return _real_plan(*args)
+            sources = [s for p in reversed(options) for s in p.sources]
+            return _with_sources(options[0], sources)
+
+        return {"reference.snapshot.plan_snapshot": plan}
+
+
+class SingleBeforeParts(Mutant):
+    id = "single_before_parts"
+    bug = ("the single file is checked before the part glob (levels 1 and 2 swapped): a trainer that switched "
+           "to parts leaves its old single file behind, and the worker keeps loading it")
+    kills = frozenset({"LEVEL-PARTS-FIRST"})
+
+    def patches(self):
+        def plan(*args):
+            options = _level_options(*args)
+            if len(options) >= 2 and options[0].sources[0].level == 1 and options[1].sources[0].level == 2:
+                return options[1]
+            return _real_plan(*args)
+
+        return {"reference.snapshot.plan_snapshot": plan}
+
+
+class SharedBeforeLegacy(Mutant):
+    id = "shared_before_legacy"
+    bug = ("levels 3 and 4 swapped: the shared /shared_ipc_meta pickle is preferred to the legacy tp0{id} file "
+           "in the model directory")
+    kills = frozenset({"LEVEL-LEGACY-THIRD"})
+
+    def patches(self):
+        def plan(*args):
+            options = _level_options(*args)
+            if len(options) >= 2 and options[0].sources[0].level == 3 and options[1].sources[0].level == 4:
+                return options[1]
+            return _real_plan(*args)
+
+        return {"reference.snapshot.plan_snapshot": plan}
+
+
+# -- naming: the part glob ------------------------------------------------------------------------
+class PartGlobUnanchored(Mutant):
+    id = "part_glob_unanchored"
+    bug = ("parts found with startswith(base) and '.part' in the name (glob 'model_state.tp1.2*.part*.pdparams'): "
+           "worker tp1.2 also takes tp1.23.part5 and tp1.20.part5")
+    kills = frozenset({"SNAP-NAME-PARTS"})
+
+    def patches(self):
+        def is_part_glob_hit(basename, base_name):
+            return basename.startswith(base_name) and ".part" in basename and basename.endswith(PDPARAMS)
+
+        def part_index(basename, base_name):
+            if not is_part_glob_hit(basename, base_name):
+                return None
+            m = re.search(r"\.part(\d+)\.pdparams$", basename)
+            return int(m.group(1)) if m else None
+
+        return {"reference.snapshot_plan.is_part_glob_hit": is_part_glob_hit,
+                "reference.snapshot_plan.part_index": part_index}
+
+
+class PartSuffixUnanchored(Mutant):
+    id = "part_suffix_unanchored"
+    bug = ("parts matched by the prefix '{base}.part' and re.match(r'(\\d+)') on the rest, without anchoring "
+           "the '.pdparams' end: a trainer's temporary model_state.tp12.3.part7.pdparams.tmp loads as part 7")
+    kills = frozenset({"SNAP-NAME-PARTS"})
+
+    def patches(self):
+        def is_part_glob_hit(basename, base_name):
+            return basename.startswith(f"{base_name}.part") and PDPARAMS in basename
+
+        def part_index(basename, base_name):
+            if not is_part_glob_hit(basename, base_name):
+                return None
+            m = re.match(r"(\d+)\.pdparams", basename[len(base_name) + len(".part"):])
+            return int(m.group(1)) if m else None
+
+        return {"reference.snapshot_plan.is_part_glob_hit": is_part_glob_hit,
+                "reference.snapshot_plan.part_index": part_index}
+
+
+# -- part index grammar ---------------------------------------------------------------------------
+def _digits(basename, base_name):
+    prefix = f"{base_name}.part"
+    if not (basename.startswith(prefix) and basename.endswith(PDPARAMS)):
+        return None
+    return basename[len(prefix):-len(PDPARAMS)]
+
+
+class IntParsePartIndex(Mutant):
+    id = "int_parse_part_index"
+    bug = ("part index parsed with try: int(text) except ValueError: invalid — int() also accepts '-1', '+1', "
+           "' 1', '1_0' and non-ASCII digits such as '١', so those files are loaded as parts")
+    kills = frozenset({"PART-INVALID-IGNORED"})
+
+    def patches(self):
+        def part_index(basename, base_name):
+            text = _digits(basename, base_name)
+            try:
+                return int(text) if text is not None else None
+            except ValueError:
+                return None
+
+        return {"reference.snapshot_plan.part_index": part_index}
+
+
+class FdRegexPartIndex(Mutant):
+    id = "fd_regex_part_index"
+    bug = ("part index found with FastDeploy's re.search(r'\\.part(\\d+)\\.', name) on the basename: "
+           "'part1.5.pdparams' parses as part 1 and is loaded (fd-spec rule 8 asks for digits only)")
+    kills = frozenset({"PART-INVALID-IGNORED"})
+
+    def patches(self):
+        def part_index(basename, base_name):
+            if _digits(basename, base_name) is None:
+                return None
+            m = re.search(r"\.part(\d+)\.", basename[len(base_name):])
+            return int(m.group(1)) if m else None
+
+        return {"reference.snapshot_plan.part_index": part_index}
+
+
+class BreakOnInvalidPart(Mutant):
+    id = "break_on_invalid_part"
+    bug = ("the sorted glob is walked with 'break' instead of 'continue' at the first invalid name: every "
+           "valid part whose name sorts after it is silently dropped")
+    kills = frozenset({"PART-INVALID-IGNORED"})
+
+    def patches(self):
+        def plan(model_dir, names, fallback_dir, fallback_names, rank, gpu_id):
+            base, _ = snapshot_plan.base_names(rank, gpu_id)
+            names = list(names)
+            kept, stop = [], False
+            for name in sorted(names):
+                if snapshot_plan.is_part_glob_hit(name, base):
+                    stop = stop or snapshot_plan.part_index(name, base) is None
+                    if stop and snapshot_plan.part_index(name, base) is not None:
+                        continue
+                kept.append(name)
+            return _real_plan(model_dir, kept, fallback_dir, fallback_names, rank, gpu_id)
+
+        return {"reference.snapshot.plan_snapshot": plan}
+
+
+class _PerFileLogger(_QuietLogger):
+    """One warning per invalid part file instead of one naming them all."""
+
+    def warning(self, msg, *args, **kwargs):
+        if len(args) == 2 and isinstance(args[1], str) and ", " in args[1]:
+            for name in args[1].split(", "):
+                self._inner.warning(msg, args[0], name, **kwargs)
+            return
+        self._inner.warning(msg, *args, **kwargs)
+
+
+class WarningPerInvalidFile(Mutant):
+    id = "warning_per_invalid_file"
+    bug = "one WARNING per invalid part file (a loop around log.warning): the rule asks for one record naming them all"
+    kills = frozenset({"PART-INVALID-IGNORED"})
+
+    def patches(self):
+        return {"reference.snapshot.log": _PerFileLogger(logging.getLogger("reference.snapshot"))}
+
+
+class InvalidPartsBlockFallthrough(Mutant):
+    id = "invalid_parts_block_fallthrough"
+    bug = ("level 1 chosen as soon as the part glob matches anything (if glob(...): use parts): with only invalid "
+           "part names the update fails instead of falling through to the single file")
+    kills = frozenset({"PART-INVALID-IGNORED"})
+
+    def patches(self):
+        def plan(*args):
+            p = _real_plan(*args)
+            if p.invalid_parts and (not p.sources or p.sources[0].level != 1):
+                raise FileNotFoundError(f"No valid snapshot part found for {p.base_name}: {', '.join(p.invalid_parts)}")
+            return p
+
+        return {"reference.snapshot.plan_snapshot": plan}
+
+
+class LeadingZeroInvalid(Mutant):
+    id = "leading_zero_invalid"
+    bug = ("part indices with a leading zero rejected as invalid (a canonical-form check str(int(t)) == t): a "
+           "trainer writing zero-padded part010 loses that part, and part9 wins")
+    kills = frozenset({"PART-ORDER-NUMERIC", "PART-LABEL-INDEX"})
+
+    def patches(self):
+        def part_index(basename, base_name):
+            index = _real_part_index(basename, base_name)
+            text = _digits(basename, base_name)
+            return None if index is None or str(index) != text else index
+
+        return {"reference.snapshot_plan.part_index": part_index}
+
+
+class NumpyInt64PartSort(Mutant):
+    id = "numpy_int64_part_sort"
+    bug = ("part indices sorted with np.argsort(np.array(indices, dtype=np.int64)): an index past 2**63 "
+           "(part100000000000000000000) raises OverflowError instead of loading last")
+    kills = frozenset({"PART-ORDER-NUMERIC"})
+
+    def patches(self):
+        import numpy as np
+
+        def plan(*args):
+            p = _real_plan(*args)
+            if p.sources and p.sources[0].level == 1:
+                indices = np.array([int(s.label.removeprefix("snapshot-part")) for s in p.sources], dtype=np.int64)
+                return _with_sources(p, [p.sources[i] for i in np.argsort(indices, kind="stable")])
+            return p
+
+        return {"reference.snapshot.plan_snapshot": plan}

@@ -1,0 +1,157 @@
+"""Memory: the peak host memory of a snapshot update, measured in a forked child. Spec: SPEC.md § MEM.
+
+The session is opened in the test process (the models are lazy: nothing is allocated), then a
+forked child (Paddle is already imported, so a fork costs milliseconds) freezes the garbage
+collector's view of the inherited objects (a collection would otherwise copy their pages), takes
+its resident size as the baseline, resets the kernel's high-water mark (``/proc/self/clear_refs``
+"5"), runs ``update()``, reads ``VmHWM`` and reports to the parent over a pipe as JSON. The
+technique is ``benchmarks/snapshot_memory.py``'s.
+
+Files are written once per module, filled with zeros (cheap to build).
+"""
+import gc
+import json
+import os
+import select
+import time
+
+import numpy as np
+import pytest
+
+from conformance import check
+from fixtures import models as M
+from fixtures import snapshot as S
+
+pytestmark = pytest.mark.snapshot
+
+MIB = 1 << 20
+TENSOR_MIB = 16
+SLACK_MIB = 64
+CHILD_TIMEOUT_S = 60
+
+
+def _spec(tensors: int) -> M.ModelSpec:
+    """``tensors`` tensors of 16 MiB, float32 and bfloat16 alternating."""
+    params = []
+    for i in range(tensors):
+        dtype, itemsize = ("float32", 4) if i % 2 == 0 else ("bfloat16", 2)
+        params.append((f"layers.{i:02d}.weight", dtype, (TENSOR_MIB * MIB // (1024 * itemsize), 1024)))
+    return M.spec(*params)
+
+
+def _state(spec):
+    """Zeros: calloc'ed, so building them touches nothing; the file still holds every byte."""
+    return {p.name: np.zeros(p.shape, dtype=M.NUMPY_DTYPES[p.dtype]) for p in spec.main}
+
+
+# (layout, k, tensors): k files of a model of tensors x 16 MiB. k = 5 with M = 160 MiB separates a
+# loader holding one part (the reference peaks near 1.25 M = 200 MiB) from one holding all of them
+# (>= 2 M = 320 MiB: every part's tensors plus the parameters; 2.26 M measured) against the bound
+# M (1 + 1.5/5) + 64 MiB = 272 MiB, at the cost of moving a few times 160 MiB.
+CASES = [
+    pytest.param("parts", 5, 10, marks=pytest.mark.requires("snapshot.parts"), id="5-parts-160MiB"),
+]
+
+
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory):
+    """layout -> model_dir, written on first use."""
+    root = tmp_path_factory.mktemp("mem")
+    made = {}
+
+    def get(layout, k, tensors):
+        key = (layout, k, tensors)
+        if key not in made:
+            spec = _spec(tensors)
+            st = _state(spec)
+            d = root / f"{layout}{k}"
+            if layout == "single":
+                S.write_safetensors(S.single_path(d, 0, 0), st)
+            else:
+                names = list(st)
+                per = len(names) // k
+                S.write_parts(d, 0, 0, {i: {n: st[n] for n in names[i * per : (i + 1) * per]} for i in range(k)})
+            made[key] = str(d)
+        return made[key]
+
+    return get
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _measure(session, spec) -> dict:
+    """In the forked child: peak resident growth of one update over the baseline."""
+    gc.freeze()  # inherited objects: a collection must not copy their pages into this child
+    base = _status_kib("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as e:
+        return {"skip": f"cannot reset VmHWM through /proc/self/clear_refs: {e}"}
+    start = time.perf_counter()
+    session.update()
+    seconds = time.perf_counter() - start
+    peak = _status_kib("VmHWM") - base
+    # Reading the parameters back (observe() copies every byte twice) would cost more than the
+    # update: whether they hold the right bytes is every other rule's business.
+    return {"peak_kib": peak, "base_kib": base, "seconds": seconds}
+
+
+def _in_child(fn) -> dict:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (child)
+        os.close(r)
+        try:
+            out = fn()
+        except BaseException as e:  # noqa: BLE001 (reported to the parent)
+            out = {"error": f"{type(e).__name__}: {e}"}
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    chunks, deadline = [], time.monotonic() + CHILD_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([r], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                break
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if not done:
+            os.kill(pid, 9)
+            _, status = os.waitpid(pid, 0)
+    data = b"".join(chunks)
+    if not data:
+        return {"error": f"the measuring child reported nothing (wait status {status}; killed after {CHILD_TIMEOUT_S} s?)"}
+    return json.loads(data)
+
+
+@pytest.mark.rule("MEM-SNAPSHOT-PEAK")
+@pytest.mark.parametrize("layout,k,tensors", CASES)
+def test_snapshot_update_peak_memory(loader, snapshots, layout, k, tensors):
+    spec = _spec(tensors)
+    model_dir = snapshots(layout, k, tensors)
+    session = loader.open(spec, model_dir=model_dir)
+    result = _in_child(lambda: _measure(session, spec))
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    where = f"{layout} snapshot of {k} file(s) in {model_dir}, model M = {spec.nbytes // MIB} MiB"
+    check.that("error" not in result, f"{where}: the update failed in the measuring child: {result.get('error')}")
+    bound = spec.nbytes * (1 + 1.5 / k) / 1024 + SLACK_MIB * 1024
+    peak = result["peak_kib"]
+    check.that(
+        peak < bound,
+        f"{where}: peak resident growth {peak / 1024:.0f} MiB ({peak * 1024 / spec.nbytes:.2f} M) during update(), "
+        f"expected under M (1 + 1.5/{k}) + {SLACK_MIB} MiB = {bound / 1024:.0f} MiB",
+    )
