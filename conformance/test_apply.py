@@ -8,9 +8,9 @@ the safetensors library (and ``paddle.save`` for the fallback), never by the imp
 names sort as they are listed (``embed`` < ``layers`` < ``norm``), so "first", "middle" and "last"
 hold for a loader reading a file in name order; cases at every position cover other orders.
 """
+import os
 import re
 
-import numpy as np
 import pytest
 
 from conformance import check
@@ -202,7 +202,7 @@ SHAPE_WHERE = [
 def test_shape_mismatch_is_value_error_naming_tensor(loader, source, name, model_shape, file_shape):
     spec = SPEC_MTP if name in MTP_NAMES else SPEC
     if model_shape is not None:
-        spec = M.spec(*((p.name, "float32" if p.name == name else p.dtype, model_shape if p.name == name else p.shape) for p in spec.main))
+        spec = M.spec(*((p.name, "float32", model_shape) if p.name == name else (p.name, p.dtype, p.shape) for p in spec.main))
     target = spec.param(name)
     st = _replace(M.state(spec, version=2), name, target.dtype, file_shape)
     paths = _write(loader, source, st, focus=name)
@@ -265,10 +265,11 @@ def test_rejected_snapshot_changes_no_parameter(loader, source, name, file_dtype
     target = spec.param(name)
     st = _replace(M.state(spec, version=2), name, file_dtype, file_shape)
     paths = _write(loader, source, st, focus=name)
+    bad = os.path.basename(paths[int(source.removeprefix("part"))] if source.startswith("part") else paths[0])
     session = loader.open(spec)
     where = f"{source} {paths}: {name} {file_dtype}{list(file_shape)} into {target.dtype}{list(target.shape)}"
     error = TypeError if file_dtype != target.dtype else ValueError
-    with check.raises(error, match=re.escape(name), names=[name], where=where):
+    with check.raises(error, match=re.escape(name), names=[name, bad], where=where):
         session.update()
     check.not_loaded(session.observe(), [p.name for p in spec.all_params], where)
 
@@ -381,7 +382,8 @@ def test_main_and_mtp_models_both_loaded(loader, source, layout):
     session = loader.open(spec)
     for version in (1, 2):
         want = M.state(spec, version=version)
-        paths = _write(loader, source, want, focus=mtp if layout == "mtp-own-part" else (), nparts=2 if layout == "mtp-own-part" else 3)
+        own = layout == "mtp-own-part"
+        paths = _write(loader, source, want, focus=mtp if own else (), nparts=2 if own else 3)
         if version == 2:
             session.clear()
         session.update()

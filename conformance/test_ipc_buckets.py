@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conformance import check
+from conformance.harness import Worker
 from fixtures import buckets as B
 from fixtures import models as M
 
@@ -63,6 +64,10 @@ def _roundtrip(loader, publisher, model, where, *, bucket_bytes=1024, **serve):
 
 def _rejected(loader, publisher, tamper, *, match, names=(), where, exc=ValueError, model=SPEC, bucket_bytes=1024,
               pack_bytes=None, expected=VERSION):
+    """The update is rejected with ``exc`` matching ``match`` and naming ``names`` and the version (SPEC
+    wire format: every violation names the version), and nothing is loaded."""
+    if expected is not None:
+        names = [*names, f"version {VERSION}"]
     state = M.state(model, version=VERSION)
     pub, session, _ = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=bucket_bytes, tamper=tamper,
                              pack_bytes=pack_bytes, version=expected)
@@ -225,14 +230,17 @@ def test_buffer_overwritten_on_ack(loader, publisher, case):
     check.equal(acks, want, f"{where}: (version, bucket) of every ack, in order")
 
 
+NBYTES = r"(?<!total_)nbytes"  # the field nbytes, not total_nbytes (a whole tensor's entry has no chunk fields)
+
+
 @pytest.mark.rule("BKT-MANIFEST-MISMATCH")
 @pytest.mark.requires("ipc.buckets")
 @pytest.mark.parametrize(
     "field,exc,match",
-    [pytest.param("nbytes-half", ValueError, "nbytes", id="nbytes-half"),
-     pytest.param("nbytes-one-item-short", ValueError, "nbytes", id="nbytes-one-item-short"),
-     pytest.param("nbytes-one-item-long", ValueError, "nbytes", id="nbytes-one-item-long"),
-     pytest.param("nbytes-double", ValueError, "nbytes", id="nbytes-double"),
+    [pytest.param("nbytes-half", ValueError, NBYTES, id="nbytes-half"),
+     pytest.param("nbytes-one-item-short", ValueError, NBYTES, id="nbytes-one-item-short"),
+     pytest.param("nbytes-one-item-long", ValueError, NBYTES, id="nbytes-one-item-long"),
+     pytest.param("nbytes-double", ValueError, NBYTES, id="nbytes-double"),
      pytest.param("total_nbytes-one-short", ValueError, "total_nbytes", id="total_nbytes-one-short"),
      pytest.param("total_nbytes-one-long", ValueError, "total_nbytes", id="total_nbytes-one-long"),
      pytest.param("dtype", TypeError, "Type mismatch for layers.0.mlp.weight", id="dtype"),
@@ -385,7 +393,8 @@ def test_duplicate_name_rejected(loader, publisher, where_):
 
 @pytest.mark.rule("BKT-CHUNKS")
 @pytest.mark.requires("ipc.buckets")
-@pytest.mark.parametrize("case", ["gap-of-one", "back-by-one", "out-of-order", "last-chunk-missing"])
+@pytest.mark.parametrize("case", ["gap-of-one", "back-by-one", "out-of-order", "last-chunk-missing", "last-chunk-one-item-long",
+                                  "total-changes-between-chunks"])
 def test_split_chunks_contiguous_in_order(loader, publisher, case):
     model = M.spec(("c.big", "float32", (300,)))  # 1200 bytes in 512-byte buckets: chunks 512, 512, 176
 
@@ -395,6 +404,11 @@ def test_split_chunks_contiguous_in_order(loader, publisher, case):
             c1["chunk_offset"] += 1
         elif case == "back-by-one":
             c2["chunk_offset"] -= 1
+        elif case == "last-chunk-one-item-long":  # 180 bytes at chunk_offset 1024 of a 1200-byte tensor
+            c2["nbytes"] += 4
+            update.writes[2] = [(o, d + b"\0" * 4) for o, d in update.writes[2]]
+        elif case == "total-changes-between-chunks":  # chunk 1 claims a (301,) tensor of 1204 bytes
+            c1["shape"], c1["total_nbytes"] = [301], 1204
         elif case == "last-chunk-missing":  # the end counts the two buckets sent
             del update.buckets[2], update.writes[2]
             update.end["buckets"] = 2
@@ -403,7 +417,7 @@ def test_split_chunks_contiguous_in_order(loader, publisher, case):
             update.writes[1], update.writes[2] = update.writes[2], update.writes[1]
             update.buckets[1]["bucket"], update.buckets[2]["bucket"] = 1, 2
 
-    match = "incomplete" if case == "last-chunk-missing" else "chunk_offset"
+    match = {"last-chunk-missing": "incomplete", "total-changes-between-chunks": "total_nbytes|[Ss]hape"}.get(case, "chunk_offset")
     _rejected(loader, publisher, tamper, model=model, bucket_bytes=512, match=match, names=["c.big"],
               where=f"chunks of c.big: {case}")
 
@@ -553,7 +567,8 @@ def test_version_must_not_change(loader, publisher, case):
         update.end["version"] = VERSION + 1 if case == "not-the-expected" else VERSION
 
     expected = None if case.endswith("none-expected") else VERSION  # then bucket 0's version is the update's
-    _rejected(loader, publisher, tamper, bucket_bytes=512, match=f"version is {VERSION + 1}.*{VERSION}", names=[str(VERSION + 1)],
+    _rejected(loader, publisher, tamper, bucket_bytes=512, match=f"version is {VERSION + 1}.*{VERSION}",
+              names=[str(VERSION + 1), "bucket 0" if case == "not-the-expected" else "bucket 1"],
               where=f"version {VERSION} then {VERSION + 1} ({case})", expected=expected)
 
 
@@ -565,7 +580,9 @@ def test_done_only_after_commit(loader, publisher, case):
     state = M.state(SPEC, version=VERSION)
     sent = {n: a for n, a in state.items() if n != "layers.0.mlp.weight"} if case == "missing-parameter" else state
     tamper = _end_tamper("digest", "other-order") if case == "end-rejected" else None
-    pub, session, updates = _serve(loader, publisher, SPEC, [(VERSION, sent)], bucket_bytes=256, tamper=tamper, wait_s=3.0)
+    pub, _, updates = _serve(loader, publisher, SPEC, [(VERSION, sent)], bucket_bytes=256, tamper=tamper, wait_s=3.0)
+    # worker rank 1 on CUDA ordinal 1 = physical GPU 1: the hello carries the global rank
+    session = loader.open(SPEC, strategy="ipc_bucket", options=pub.options(VERSION), worker=Worker(1, "0,1", "1"))
     where = f"{pub.endpoint}: what the trainer is told after an update {case}"
     if case == "applied":
         session.update()
@@ -584,8 +601,8 @@ def test_done_only_after_commit(loader, publisher, case):
         kinds = [m.get("type") for m in pub.received]
         check.equal(kinds, ["hello"] + ["ack"] * len(updates[0].buckets) + ["done"], f"{where}: messages in order")
         hello = pub.received[0]
-        check.equal((hello.get("version"), hello.get("rank"), hello.get("proto")), (VERSION, 0, 1),
-                    f"{where}: (version, rank, proto) of the hello of worker rank 0 expecting version {VERSION}")
+        check.equal((hello.get("version"), hello.get("rank"), hello.get("proto")), (VERSION, 1, 1),
+                    f"{where}: (version, rank, proto) of the hello of worker rank 1 expecting version {VERSION}")
     else:
         check.equal(done, [], f"{where}: done messages after a failed update")
 
@@ -898,7 +915,9 @@ def test_bucket_options(loader, publisher, case):
         pub.serve(B.pack(state, VERSION, 512))
         options = {"endpoint": pub.endpoint}
     else:
-        pub, _, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=512)
+        pub = publisher(512)
+        if case not in BAD_OPTIONS:
+            pub.serve(B.pack(state, VERSION, 512))
         options = {"endpoint": pub.endpoint}  # defaults: no expected version, timeout_s 5
     if case in BAD_OPTIONS:
         changes, named = BAD_OPTIONS[case]

@@ -1,4 +1,11 @@
-"""ipc: a metadata file of shared handles, ``{shared_dir}/ipc_metas_{id}``. Spec: SPEC.md § IPC."""
+"""ipc: a metadata file of shared handles, ``{shared_dir}/ipc_metas_{id}``. Spec: SPEC.md § IPC, and the
+APPLY and LIFE rules on this source (dtype/shape checks, unknown and missing names, MTP, 0-d, empty and
+large tensors; status, repeated updates, recovery).
+
+Tampered metas are rewritten from the trainer fixture's (``_open_tampered``), one segment per tensor
+where a range or a freed segment must hit one tensor only. Error messages are checked for the tensor,
+the file and the field, the field outside the file's path (pytest's tmp_path holds the test's name).
+"""
 import os
 import pickle
 import re
@@ -134,9 +141,9 @@ def test_every_dtype_roundtrips_bit_exact(loader, trainer):
 @pytest.mark.requires("ipc.meta")
 @pytest.mark.parametrize(
     "visible,selected,trainer_device",
-    [("5,3,7", "1", 5), ("5,3,7", "1", 0), ("5,3,7", "1", 3), ("5,3,7", "1", 1), ("5,3,7", "0", 5), ("5,3,7", "2", 2)],
+    [("5,3,7", "1", 5), ("5,3,7", "1", 0), ("5,3,7", "1", 3), ("5,3,7", "1", 1), ("5,3,7", "2", 5)],
     ids=["ordinal1-physical3-from-dev5", "from-dev0", "from-dev-equal-physical", "from-dev-equal-ordinal",
-         "ordinal0-physical5", "ordinal2-physical7"],
+         "ordinal2-physical7"],
 )
 def test_trainer_device_id_is_replaced(loader, trainer, visible, selected, trainer_device):
     worker = Worker(0, visible, selected)
@@ -162,7 +169,8 @@ def _open_tampered(loader, export, tamper, spec=SPEC, pickle_writer=False):
 def _names_field(info, path, field, where):
     """The error names ``field`` outside the file's path (pytest's tmp_path holds the test's name)."""
     message = str(info.value).replace(os.path.dirname(path), "<shared_dir>")
-    check.that(field in message, f"{where}: error message {message!r} does not name the field {field!r}")
+    check.that(re.search(rf"\b{re.escape(field)}\b", message) is not None,
+               f"{where}: error message {message!r} does not name the field {field!r}")
 
 
 def _rejected(session, path, name, field, what, exc=ValueError):
@@ -216,7 +224,6 @@ def test_meta_stored_as_tuple_is_accepted(loader, trainer):
 
 BAD_HANDLES = {
     "63-bytes": lambda h: h[:63],
-    "65-bytes": lambda h: h + "\0",
     "65-bytes-as-bytes": lambda h: (h + "\0").encode("latin-1"),
     "not-latin1": lambda h: "\u20ac" * 64,
     "int": lambda h: 12345,
@@ -272,7 +279,6 @@ RANGE_CASES = {
     "negative-ending-inside": (LAST, lambda seg, n: -n, False),
     "empty-at-segment-end": ("z.empty", lambda seg, n: seg, True),
     "empty-one-past-end": ("z.empty", lambda seg, n: seg + 1, False),
-    "first-tensor-one-byte-past": (FIRST, lambda seg, n: seg - n + 1, False),
 }
 
 
@@ -302,7 +308,6 @@ def test_range_outside_segment_is_a_clear_error(loader, trainer, case):
 SIZE_CASES = {  # LAST is float32 (4, 8): 32 items, 128 bytes
     "one-item-short": lambda n: n - 4,
     "one-item-long": lambda n: n + 4,
-    "one-byte-long": lambda n: n + 1,
     "half": lambda n: n // 2,
     "double": lambda n: n * 2,
     "zero": lambda n: 0,
@@ -372,7 +377,7 @@ def _spoil(export, metas, kind, name):
     elif kind == "handle":
         bad[0] = bad[0][:63]
     elif kind == "dims":
-        bad[4] = [-d for d in bad[4][:1]] + [-d for d in bad[4][1:2]] if len(bad[4]) == 2 else [-1]
+        bad[4] = [-d for d in bad[4]] if len(bad[4]) == 2 else [-1]  # a pair keeps its product
     elif kind == "dtype":
         bad[3] = I.type_code(_other_dtype(name))
     elif kind == "shape":
@@ -526,6 +531,8 @@ NO_LEAK_CASES = ["success", "success-large", "range-last", "size-last", "dtype-l
 @pytest.mark.requires("ipc.meta")
 @pytest.mark.parametrize("case", NO_LEAK_CASES)
 def test_no_mapping_or_descriptor_of_trainer_segments_is_kept(loader, trainer, case):
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs /proc/self/maps and /proc/self/fd (Linux)")
     spec = M.spec(*((p.name, p.dtype, p.shape) for p in SPEC.main), ("big.weight", "float32", (1024, 2048))) \
         if case == "success-large" else SPEC
     want = M.state(M.spec(*((p.name, p.dtype, p.shape) for p in SPEC.main)))
@@ -594,7 +601,7 @@ def test_ipc_dtype_mismatch_is_type_error(loader, trainer, model_dtype, meta_dty
 
 SHAPE_PAIRS = [  # (model shape, exported shape, position)
     ((8, 4), (4, 8), "last"), ((8, 4), (32,), "last"), ((8, 4), (8, 3), "last"),
-    ((), (1,), "last"), ((1,), (), "last"), ((0, 4), (4, 0), "last"),
+    ((), (1,), "last"), ((0, 4), (4, 0), "last"),
     ((8, 4), (4, 8), "first"), ((8, 4), (4, 8), "middle"),
 ]
 
@@ -698,34 +705,72 @@ def test_ipc_edge_tensors_roundtrip(loader, trainer, spec):
     check.params_equal(session.observe(), want, f"{path}: {', '.join(f'{p.name}{list(p.shape)}' for p in spec.all_params)}")
 
 
-FAILURES = ["range", "size", "handle", "dtype", "shape", "freed-segment", "missing", "no-file"]
+def _publish_failing(loader, export, kind, name=MIDDLE):
+    """Write a meta file for ``export`` that fails in ``kind`` at ``name`` (no file at all for no-file)."""
+    path = _meta_file(loader)
+    if kind == "missing":
+        I.write_metas(path, {n: m for n, m in export.metas.items() if n != name})
+    elif kind != "no-file":
+        metas = {n: list(m) for n, m in export.metas.items()}
+        _spoil(export, metas, kind, name)
+        I.write_metas(path, metas)
+    return path
+
+
+FAILURES = [("range", "first-load"), ("size", "first-load"), ("dtype", "first-load"), ("freed-segment", "first-load"),
+            ("missing", "first-load"), ("no-file", "first-load"), ("dtype", "after-clear"), ("freed-segment", "after-clear")]
 
 
 @pytest.mark.rule("LIFE-FAILED-NOT-NORMAL")
 @pytest.mark.requires("ipc.meta", "status")
-@pytest.mark.parametrize("kind", FAILURES)
-def test_ipc_failed_update_is_not_normal_and_recovers(loader, trainer, kind):
-    bad_v, good_v = M.state(SPEC, version=1), M.state(SPEC, version=2)
-    export = trainer(bad_v, per_segment=1)
-    path = _meta_file(loader)
-    if kind == "missing":
-        I.write_metas(path, {n: m for n, m in export.metas.items() if n != MIDDLE})
-    elif kind != "no-file":
-        metas = {n: list(m) for n, m in export.metas.items()}
-        _spoil(export, metas, kind, MIDDLE)
-        I.write_metas(path, metas)
+@pytest.mark.parametrize("kind,when", FAILURES, ids=[f"{k}-{w}" for k, w in FAILURES])
+def test_ipc_failed_update_is_not_normal(loader, trainer, kind, when):
     session = loader.open(SPEC, strategy="ipc")
-    check.status_is(session, "CLEARED", f"{path}: a fresh session")
+    if when == "after-clear":
+        _publish(loader, trainer, M.state(SPEC, version=3), per_segment=1)
+        session.update()
+        session.clear()
+    export = trainer(M.state(SPEC, version=1), per_segment=1)
+    path = _publish_failing(loader, export, kind)
     with pytest.raises((ValueError, TypeError, RuntimeError, FileNotFoundError)):
         session.update()
-    check.status_not(session, "NORMAL", f"{path}: after an update rejected for {kind} in {MIDDLE}")
-    # recovery: the trainer publishes a fixed file; clear, update
-    _publish(loader, trainer, good_v, per_segment=1)
+    check.status_not(session, "NORMAL", f"{path}: after an update ({when}) rejected for {kind} in {MIDDLE}")
+
+
+RECOVERIES = ["range", "dtype", "freed-segment", "no-file"]
+
+
+@pytest.mark.rule("LIFE-RECOVERY")
+@pytest.mark.requires("ipc.meta", "status")
+@pytest.mark.parametrize("kind", RECOVERIES)
+def test_ipc_recovers_after_a_rejected_meta_file(loader, trainer, kind):
+    bad_v, good_v = M.state(SPEC, version=1), M.state(SPEC, version=2)
+    path = _publish_failing(loader, trainer(bad_v, per_segment=1), kind)
+    session = loader.open(SPEC, strategy="ipc")
+    with pytest.raises((ValueError, TypeError, RuntimeError, FileNotFoundError)):
+        session.update()
+    _publish(loader, trainer, good_v, per_segment=1)  # the trainer publishes a fixed file
     session.clear()
-    check.status_is(session, "CLEARED", f"{path}: clear() after the rejected update ({kind})")
     session.update()
-    check.params_equal(session.observe(), good_v, f"{path}: fixed file after an update rejected for {kind}")
-    check.status_is(session, "NORMAL", f"{path}: after the recovering update")
+    check.params_equal(session.observe(), good_v, f"{path}: fixed file, clear(), update() after an update rejected for {kind}")
+    check.status_is(session, "NORMAL", f"{path}: after the recovering update ({kind} before)")
+
+
+@pytest.mark.rule("LIFE-STATUS")
+@pytest.mark.requires("ipc.meta", "status")
+def test_ipc_status_through_updates_and_clears(loader, trainer):
+    path = _meta_file(loader)
+    session = loader.open(SPEC, strategy="ipc")
+    check.status_is(session, "CLEARED", f"{path}: a session opened on unloaded models")
+    for version in (1, 2):
+        _publish(loader, trainer, M.state(SPEC, version=version))
+        if version > 1:
+            session.clear()
+            check.status_is(session, "CLEARED", f"{path}: clear() after update {version - 1}")
+            session.clear()
+            check.status_is(session, "CLEARED", f"{path}: a second clear() in a row")
+        session.update()
+        check.status_is(session, "NORMAL", f"{path}: after successful update {version}")
 
 
 @pytest.mark.rule("LIFE-RELOAD-LATEST")

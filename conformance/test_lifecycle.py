@@ -30,7 +30,8 @@ CAPS = {
 
 
 def case(source, *values, mtp=False, status=False, extra=(), id=None):
-    marks = pytest.mark.requires(*CAPS[source.split(":")[0]], *(("mtp",) if mtp else ()), *(("status",) if status else ()), *extra)
+    needs = CAPS[source.split(":")[0]] + (("mtp",) if mtp else ()) + (("status",) if status else ()) + tuple(extra)
+    marks = pytest.mark.requires(*needs)
     return pytest.param(source, *values, marks=marks, id=id)
 
 

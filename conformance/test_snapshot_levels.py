@@ -9,7 +9,6 @@ and is poisoned (one tensor of the wrong dtype), so a loader that picks the newe
 the loser before or after the winner, or merely validates it, fails the case with a message saying
 which level it read. The all-levels cases additionally compare the trace.
 """
-import contextlib
 import os
 import re
 import stat

@@ -156,20 +156,25 @@ def _poisoned(version):
         pytest.param(INVALID["middle"], "parts", id="invalid-sorting-middle"),
         pytest.param(INVALID["last"], "parts", id="invalid-sorting-last"),
         pytest.param(sum(INVALID.values(), ()), "parts", id="every-invalid-kind"),
-        pytest.param(("partabc", "part", "part1x"), "single", marks=pytest.mark.requires("snapshot.single"),
-                     id="all-invalid-falls-through-to-single"),
+        *(
+            pytest.param(("partabc", "part", "part1x"), level, marks=pytest.mark.requires(cap),
+                         id=f"all-invalid-falls-through-to-{level}")
+            for level, cap in (("single", "snapshot.single"), ("legacy", "snapshot.legacy"),
+                               ("shared", "snapshot.shared_fallback"))
+        ),
     ],
 )
 def test_invalid_part_names_are_ignored_with_one_warning(loader, caplog, invalid, layout):
-    """Valid parts 0, 1, 2 each hold a third of the state (or, with no valid part, the single file
-    holds it); the invalid files are poisoned. Exactly one WARNING names each invalid file once."""
+    """Valid parts 0, 1, 2 each hold a third of the state (or, with no valid part, the next level
+    holds it); the invalid files are poisoned. Exactly one WARNING names each invalid file once,
+    whichever level ends up loaded."""
     want = M.state(SPEC, version=1)
     names = [os.path.basename(S.write_safetensors(_part_file(loader.model_dir, s.removeprefix("part")), _poisoned(9)))
              for s in invalid]
     if layout == "parts":
         valid = S.write_parts(loader.model_dir, 0, 0, dict(enumerate(S.split(want, 3))))
     else:
-        valid = [S.write_safetensors(S.single_path(loader.model_dir, 0, 0), want)]
+        valid = S.write_level(layout, loader.model_dir, loader.shared_dir, 0, 0, want)
     # Other workers' part files (one with an invalid index of its own) are not this worker's to report.
     others = [S.write_safetensors(os.path.join(loader.model_dir, n), _poisoned(8)) for n in OTHERS]
     not_invalid = [os.path.basename(p) for p in valid + others]

@@ -119,12 +119,24 @@ def plan_snapshot(
     raise FileNotFoundError(f"No snapshot found for {base}: checked {', '.join(checked[:-1])} and {checked[-1]}")
 
 
+_NOT_A_FILE = (
+    "{path}: the {what} snapshot candidate is a {kind}, not a regular file; refusing to fall through to a "
+    "lower-priority snapshot level (its weights may be stale)"
+)
+# What an entry is when it is not a regular file, by stat.S_IFMT; a symlink is followed first.
+_KINDS = {
+    stat.S_IFDIR: "directory",
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFSOCK: "socket",
+}
+DANGLING = "dangling symlink"
+
+
 def _require_file(path: str, kind: str, what: str) -> None:
     if kind != FILE:
-        raise SnapshotNotAFileError(
-            f"{path}: the {what} snapshot candidate is a {kind}, not a regular file; refusing to fall "
-            "through to a lower-priority snapshot level (its weights may be stale)"
-        )
+        raise SnapshotNotAFileError(_NOT_A_FILE.format(path=path, what=what, kind=kind))
 
 
 def entry_kind(path: str) -> str:
@@ -132,21 +144,10 @@ def entry_kind(path: str) -> str:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:  # listed by scandir, so a symlink to nothing (or removed since)
-        return "dangling symlink"
+        return DANGLING
     except OSError as e:  # a symlink loop, a name too long...
         return f"unreadable entry ({e.strerror})"
-    if stat.S_ISREG(mode):
-        return FILE
-    for test, kind in (
-        (stat.S_ISDIR, "directory"),
-        (stat.S_ISFIFO, "FIFO"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-        (stat.S_ISSOCK, "socket"),
-    ):
-        if test(mode):
-            return kind
-    return "special file"
+    return FILE if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "special file")
 
 
 def list_dir(path: str) -> dict[str, str]:

@@ -710,3 +710,35 @@ class VersionUnsetWithoutExpected(Mutant):
                 self.version = version
 
         return {"reference.bucket_checks.UpdateState": State}
+
+
+class ChunkEndUnchecked(Mutant):
+    id = "bkt_chunk_end_unchecked"
+    bug = ("only total_nbytes is checked against the shape, not that chunk_offset + nbytes stays within it: a last "
+           "chunk longer than the rest of the tensor reaches the copy (a bare numpy broadcast error, or a write past it)")
+    kills = frozenset({"BKT-CHUNKS"})
+
+    def patches(self):
+        def check_nbytes(e, where):
+            _check_nbytes(checks.Entry(e.name, e.dtype, e.shape, e.offset, min(e.nbytes, e.total_nbytes - e.chunk_offset),
+                                       e.chunk_offset, e.total_nbytes), where)
+
+        return {"reference.bucket_checks.check_nbytes": check_nbytes}
+
+
+class ErrorsWithoutVersion(Mutant):
+    id = "bkt_errors_without_version"
+    bug = ("manifest errors name the bucket and the tensor but not the version: with two trainers or a stale one the "
+           "operator cannot tell which update was refused")
+    kills = frozenset({"BKT-OVERLAP", "BKT-MISALIGNED", "BKT-OFFSET-RANGE", "BKT-DUPLICATE", "BKT-CHUNKS"})
+
+    def patches(self):
+        _validate_bucket = checks.validate_bucket
+
+        def validate_bucket(bucket, state, segment_size):
+            try:
+                _validate_bucket(bucket, state, segment_size)
+            except protocol.ManifestError as e:
+                raise protocol.ManifestError(str(e).replace(f" of version {bucket.version}", "")) from None
+
+        return {"reference.bucket_checks.validate_bucket": validate_bucket}

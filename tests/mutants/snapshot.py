@@ -15,8 +15,6 @@ import logging
 import os
 import re
 
-import safetensors
-
 from reference import apply as _apply
 from reference import manager as _manager
 from reference import snapshot_load, snapshot_plan
@@ -316,16 +314,6 @@ class EmptyFilesUnlisted(Mutant):
         return {"reference.snapshot.list_dir": list_dir}
 
 
-class RawSafetensorsErrors(Mutant):
-    id = "raw_safetensors_errors"
-    bug = ("safetensors opened with no wrapping (FastDeploy's paddle.load(path, safetensors=True)): a 0-byte, "
-           "truncated or corrupt file raises a bare SafetensorError ('header too small') naming no file")
-    kills = frozenset({"FILE-CORRUPT-HEADER", "FILE-TRUNCATED", "FILE-ZERO-BYTES"})
-
-    def patches(self):
-        return {"reference.snapshot_load._open": lambda path: safetensors.safe_open(path, framework="paddle")}
-
-
 class EmptyFileUnnamed(Mutant):
     id = "empty_file_unnamed"
     bug = "a file with no tensors raises FastDeploy's ValueError('No parameter found in state dict {}'), which names no file (fd-spec rule 9)"
@@ -563,44 +551,6 @@ class MemoisedFiles(Mutant):
         return {"reference.snapshot.iter_safetensors": iter_safetensors, "reference.snapshot.load_pickle_state_dict": load_pickle_state_dict}
 
 
-class AdoptsFileViews(Mutant):
-    id = "adopts_file_views"
-    bug = ("parameters adopt safetensors' zero-copy mmap views of the snapshot file (found by the snapshot "
-           "memory benchmark): a rewrite of the file changes the served weights, a truncation is a SIGBUS")
-    kills = frozenset({"FILE-DETACHED"})
-
-    def patches(self):
-        import safetensors
-
-        from reference import snapshot_load
-
-        real_open = snapshot_load._open
-
-        class NoCopy:
-            """The tensor returned by get_tensor() with clone() made a no-op."""
-
-            def __init__(self, handle):
-                self._h = handle
-
-            def __enter__(self):
-                self._h.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                # Leave the mapping open, as a loader holding views into it would.
-                return None
-
-            def get_tensor(self, name):
-                t = self._h.get_tensor(name)
-                t.clone = lambda: t
-                return t
-
-            def __getattr__(self, attr):
-                return getattr(self._h, attr)
-
-        return {"reference.snapshot_load._open": lambda path: NoCopy(real_open(path))}
-
-
 # -- candidates that are not regular files (LEVEL-CANDIDATE-NOT-FILE) ----------------------------
 class SkipNonFiles(Mutant):
     id = "skip_non_files"
@@ -624,7 +574,7 @@ class DanglingLinkUnlisted(Mutant):
 
     def patches(self):
         def list_dir(path):
-            return {n: k for n, k in _real_list_dir(path).items() if k != "dangling symlink"}
+            return {n: k for n, k in _real_list_dir(path).items() if k != snapshot_plan.DANGLING}
 
         return {"reference.snapshot.list_dir": list_dir}
 
@@ -910,6 +860,22 @@ class NumpyInt64PartSort(Mutant):
             if p.sources and p.sources[0].level == 1:
                 indices = np.array([int(s.label.removeprefix("snapshot-part")) for s in p.sources], dtype=np.int64)
                 return _with_sources(p, [p.sources[i] for i in np.argsort(indices, kind="stable")])
+            return p
+
+        return {"reference.snapshot.plan_snapshot": plan}
+
+
+class InvalidPartsWarnedOnlyWithParts(Mutant):
+    id = "invalid_parts_warned_only_with_parts"
+    bug = ("the invalid-name warning is logged inside the 'if parts:' branch: when no valid part remains and "
+           "loading falls through to the single, legacy or shared file, the ignored files go unreported")
+    kills = frozenset({"PART-INVALID-IGNORED"})
+
+    def patches(self):
+        def plan(*args):
+            p = _real_plan(*args)
+            if p.sources and p.sources[0].level != 1:
+                return dataclasses.replace(p, invalid_parts=())
             return p
 
         return {"reference.snapshot.plan_snapshot": plan}
