@@ -59,6 +59,17 @@ class Worker:
         return int(self.visible.split(",")[int(self.selected)])
 
 
+def _set_device(selected) -> None:
+    """Make the worker's CUDA ordinal the device stand-in's current device, as an engine's
+    ``set_device`` at worker start does; it then stays put when the environment changes."""
+    from sim import ipc_handles
+
+    try:
+        ipc_handles.set_current_device(int(selected))
+    except (TypeError, ValueError):  # an invalid selection is the test's subject, not a device
+        ipc_handles.set_current_device(None)
+
+
 class Loader:
     """Opens sessions of the implementation under test on models built from a spec."""
 
@@ -76,6 +87,7 @@ class Loader:
         for key in ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "CUDA_VISIBLE_DEVICES", "FLAGS_selected_gpus"):
             self._monkeypatch.setenv(key, os.environ.get(key, "0"))  # restored after the test
         set_worker_env(os.environ, worker.rank, worker.visible, worker.selected)
+        _set_device(worker.selected)
         from fixtures.models import build_models
 
         models = build_models(model_spec)
@@ -91,6 +103,7 @@ class Loader:
             if close:
                 close()
         self._sessions.clear()
+        _set_device(None)
         from paddle.distributed import parallel
 
         parallel._global_parallel_env = None

@@ -3,16 +3,17 @@
 The trainer is fixtures.buckets.Publisher, serving from a thread on a private ipc:// endpoint; tests
 tamper with its manifests (plain dicts) before serving them. Buckets are tiny (256-2048 bytes) except in
 the large cases (>= 8 MiB, so that a loader switching to a threaded or chunked copy for large buffers
-runs that copy too). Fault tests use timeout_s 0.2 s.
+runs that copy too), and the frame-limit cases, whose manifest is padded to 64 MiB. Fault tests use timeout_s 0.2 s.
 """
 import os
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from conformance import check
-from conformance.harness import Worker
+from conformance.harness import Worker, in_child
 from fixtures import buckets as B
 from fixtures import models as M
 
@@ -212,16 +213,32 @@ def test_odd_sized_tensor_then_wider_dtypes(loader, publisher):
 
 @pytest.mark.rule("BKT-ACK-AFTER-COPY")
 @pytest.mark.requires("ipc.buckets")
-@pytest.mark.parametrize("case", ["small", "large-threaded"])
+@pytest.mark.parametrize("case", ["small", "small-no-expected-version", "large-threaded"])
 def test_buffer_overwritten_on_ack(loader, publisher, case):
-    if case == "small":
+    """The trainer overwrites a buffer from its END backwards (1 MiB steps) the instant it is acked: a
+    loader acking while a copy thread still works on the back of the buffer (its share, copied front to
+    back) loses the bytes that thread copies last. In the large case the back half of the 16 MiB buffer
+    holds zeros the trainer never wrote (holes of the shared-memory file, allocated by the reader's page
+    faults), so the copy of the back is the slowest part of the bucket, not a coin toss with the front."""
+    tamper = None
+    if case.startswith("small"):
         model, bucket = M.spec(*((f"k.{i}", "float32", (32, 4)) for i in range(4))), 512  # one 512-byte tensor per bucket
-    else:  # an 8 MiB bucket exactly full (the copy a loader parallelizes for large buffers), then a small one
-        model, bucket = M.spec(("k.big", "uint8", (8 * MiB,)), ("k.small", "float32", (3,))), 8 * MiB
-    state = M.state(model, version=VERSION)
+        state = M.state(model, version=VERSION)
+    else:  # a 16 MiB bucket exactly full (the copy a loader parallelizes for large buffers), then a small one
+        model, bucket = M.spec(("k.big", "uint8", (16 * MiB,)), ("k.small", "float32", (3,))), 16 * MiB
+        state = M.state(M.spec(("k.small", "float32", (3,))), version=VERSION)
+        big = np.zeros(16 * MiB, np.uint8)  # random front half, zero back half
+        big[: 8 * MiB] = np.frombuffer(np.random.default_rng(VERSION).bytes(8 * MiB), np.uint8)
+        state = {"k.big": big, **state}
+
+        def tamper(update):  # the zero half is never written: the reader's faults allocate its pages
+            update.writes[0] = [(o, d[: 8 * MiB]) for o, d in update.writes[0]]
+
+    expected = None if case.endswith("no-expected-version") else VERSION  # then the acks carry the manifests' version
     pub, session, updates = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=bucket, wait_s=3.0,
-                                   overwrite_on_ack=True)
-    where = f"{pub.endpoint}: trainer fills each {bucket}-byte buffer with 0xA5 when it is acked ({case})"
+                                   overwrite_on_ack=True, version=expected, tamper=tamper)
+    where = (f"{pub.endpoint}: trainer fills each {bucket}-byte buffer with 0xA5 from its end when it is acked "
+             f"({case}, expected version {expected})")
     session.update()
     check.params_equal(session.observe(), state, where)
     pub.wait(5.0)
@@ -241,8 +258,8 @@ NBYTES = r"(?<!total_)nbytes"  # the field nbytes, not total_nbytes (a whole ten
      pytest.param("nbytes-one-item-short", ValueError, NBYTES, id="nbytes-one-item-short"),
      pytest.param("nbytes-one-item-long", ValueError, NBYTES, id="nbytes-one-item-long"),
      pytest.param("nbytes-double", ValueError, NBYTES, id="nbytes-double"),
-     pytest.param("total_nbytes-one-short", ValueError, "total_nbytes", id="total_nbytes-one-short"),
-     pytest.param("total_nbytes-one-long", ValueError, "total_nbytes", id="total_nbytes-one-long"),
+     *(pytest.param(f"total_nbytes-one-{side}-{chunk}", ValueError, "total_nbytes", id=f"total_nbytes-one-{side}-{chunk}")
+       for side in ("short", "long") for chunk in ("first", "middle", "last", "every")),
      pytest.param("dtype", TypeError, "Type mismatch for layers.0.mlp.weight", id="dtype"),
      pytest.param("shape", ValueError, "Shape mismatch for layers.0.mlp.weight", id="shape")],
 )
@@ -260,12 +277,10 @@ def test_manifest_disagreeing_with_data_or_model(loader, publisher, field, exc, 
             e["nbytes"] += 4
         elif field == "nbytes-double":
             e["nbytes"] *= 2
-        elif field == "total_nbytes-one-short":
-            for k in range(3):
-                update.entry(name, k)["total_nbytes"] -= 1
-        elif field == "total_nbytes-one-long":
-            for k in range(3):
-                update.entry(name, k)["total_nbytes"] += 1
+        elif field.startswith("total_nbytes"):  # one chunk alone (the others right), or every chunk alike
+            _, side, chunk = field.rsplit("-", 2)
+            for k in {"first": [0], "middle": [1], "last": [2], "every": [0, 1, 2]}[chunk]:
+                update.entry(name, k)["total_nbytes"] += -1 if side == "short" else 1
         elif field == "dtype":
             e["dtype"], e["shape"], e["nbytes"] = "float16", [4, 16], 128
         else:
@@ -572,19 +587,35 @@ def test_version_must_not_change(loader, publisher, case):
               where=f"version {VERSION} then {VERSION + 1} ({case})", expected=expected)
 
 
+DONE_APPLIED = {  # case -> (model, bucket bytes, expected version configured): each tensor counted once
+    "applied": (SPEC, 256, VERSION),  # 3 tensors, one per bucket
+    "applied-no-expected-version": (SPEC, 256, None),  # done (and every ack) carry the manifests' version, never nil
+    # 3 tensors, s.big (2000 bytes) split into 5 chunks over 512-byte buckets: 7 entries, count 3
+    "applied-split-tensor": (M.spec(("s.before", "float16", (7,)), ("s.big", "float32", (100, 5)),
+                                    ("s.after", "uint8", (9,))), 512, VERSION),
+    # an empty (0, 4) tensor and two 0-d ones among 4: each counts, bytes or none
+    "applied-empty-and-0d": (M.spec(("a.w_empty", "float32", (0, 4)), ("a.w_scalar", "bfloat16", ()),
+                                    ("a.w_vec", "float32", (3,)), ("a.w_scalar_i", "int64", ())), 256, VERSION),
+}
+
+
 @pytest.mark.rule("BKT-DONE-AFTER-COMMIT")
-@pytest.mark.parametrize("case", [pytest.param("applied", marks=pytest.mark.requires("ipc.buckets")),
+@pytest.mark.parametrize("case", [*(pytest.param(c, marks=pytest.mark.requires("ipc.buckets")) for c in DONE_APPLIED),
                                   pytest.param("missing-parameter", marks=pytest.mark.requires("ipc.buckets", "status")),
                                   pytest.param("end-rejected", marks=pytest.mark.requires("ipc.buckets", "status"))])
 def test_done_only_after_commit(loader, publisher, case):
-    state = M.state(SPEC, version=VERSION)
+    model, bucket, expected = DONE_APPLIED.get(case, (SPEC, 256, VERSION))
+    state = M.state(model, version=VERSION)
     sent = {n: a for n, a in state.items() if n != "layers.0.mlp.weight"} if case == "missing-parameter" else state
     tamper = _end_tamper("digest", "other-order") if case == "end-rejected" else None
-    pub, _, updates = _serve(loader, publisher, SPEC, [(VERSION, sent)], bucket_bytes=256, tamper=tamper, wait_s=3.0)
+    pub, _, updates = _serve(loader, publisher, model, [(VERSION, sent)], bucket_bytes=bucket, tamper=tamper, wait_s=3.0)
     # worker rank 1 on CUDA ordinal 1 = physical GPU 1: the hello carries the global rank
-    session = loader.open(SPEC, strategy="ipc_bucket", options=pub.options(VERSION), worker=Worker(1, "0,1", "1"))
-    where = f"{pub.endpoint}: what the trainer is told after an update {case}"
-    if case == "applied":
+    session = loader.open(model, strategy="ipc_bucket", options=pub.options(expected), worker=Worker(1, "0,1", "1"))
+    where = f"{pub.endpoint}: what the trainer is told after an update {case} (expected version {expected})"
+    if case in DONE_APPLIED:
+        entries = sum(len(b["entries"]) for b in updates[0].buckets)
+        check.that(case != "applied-split-tensor" or entries == 7,
+                   f"fixture precondition: {entries} entries, expected 7 (s.big in 5 chunks)")
         session.update()
         check.params_equal(session.observe(), state, where)
     else:
@@ -596,13 +627,14 @@ def test_done_only_after_commit(loader, publisher, case):
     except TimeoutError:
         pass  # the trainer waited for a done or an error that never came: judged below
     done = [(m.get("version"), m.get("count")) for m in pub.replies("done")]
-    if case == "applied":
-        check.equal(done, [(VERSION, len(NAMES))], f"{where}: (version, count) of the done messages")
+    if case in DONE_APPLIED:
+        check.equal(done, [(VERSION, len(state))], f"{where}: (version, count) of the done messages "
+                    f"({len(state)} tensors in {len(updates[0].buckets)} buckets)")
         kinds = [m.get("type") for m in pub.received]
         check.equal(kinds, ["hello"] + ["ack"] * len(updates[0].buckets) + ["done"], f"{where}: messages in order")
         hello = pub.received[0]
-        check.equal((hello.get("version"), hello.get("rank"), hello.get("proto")), (VERSION, 1, 1),
-                    f"{where}: (version, rank, proto) of the hello of worker rank 1 expecting version {VERSION}")
+        check.equal((hello.get("version"), hello.get("rank"), hello.get("proto")), (expected, 1, 1),
+                    f"{where}: (version, rank, proto) of the hello of worker rank 1 expecting version {expected}")
     else:
         check.equal(done, [], f"{where}: done messages after a failed update")
 
@@ -734,6 +766,42 @@ def test_pickled_manifest_never_unpickled(loader, publisher, tmp_path):
     check.that(not marker.exists(), f"{marker}: created, so the worker unpickled the trainer's message")
 
 
+MAX_FRAME = 64 * MiB  # SPEC wire format: frames over 64 MiB are refused
+
+
+@pytest.mark.rule("BKT-FRAME-LIMIT")
+@pytest.mark.parametrize("case", [pytest.param("exactly-64MiB-loads", marks=pytest.mark.requires("ipc.buckets")),
+                                  pytest.param("64MiB-plus-1-refused", marks=pytest.mark.requires("ipc.buckets", "status"))])
+def test_frame_size_limit(loader, publisher, case):
+    """Bucket 0's manifest, otherwise valid, padded by an extra field (bin zeros, ignored as unknown) to a
+    frame of exactly 64 MiB (not over the limit: loads) or 64 MiB + 1 byte (refused: the worker raises
+    ValueError, or TimeoutError where its transport drops the frame, and loads nothing)."""
+    size = MAX_FRAME + (1 if case.endswith("refused") else 0)
+    state = M.state(SPEC, version=VERSION)
+
+    def tamper(update):
+        update.frame_bytes[0] = size
+
+    # timeout_s: a 64 MiB frame takes ~0.06 s to cross here; a worker without the limit must have time to
+    # take it in (and load) before it would time out, and one with it times out after 0.3 s of silence.
+    pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=512, tamper=tamper,
+                             timeout_s=0.3 if size > MAX_FRAME else 2.0, wait_s=3.0)
+    where = f"{pub.endpoint}: bucket 0 sent as a frame of {size} bytes (limit {MAX_FRAME})"
+    finished, error, elapsed = _bounded(session.update, 4.0)
+    check.that(finished, f"{where}: update() still blocked after {elapsed:.1f}s")
+    if size <= MAX_FRAME:
+        check.that(error is None, f"{where}: a frame of exactly the limit must load, got {type(error).__name__}: {error}")
+        check.params_equal(session.observe(), state, where)
+        return
+    check.that(isinstance(error, (ValueError, TimeoutError)),
+               f"{where}: expected ValueError or TimeoutError, got {type(error).__name__ if error else 'no error'}: {error}")
+    check.that(elapsed <= 1.5, f"{where}: raised after {elapsed:.2f}s, expected within 1.5s")
+    missing = [w for w in ("bucket 0", f"version {VERSION}") if w not in str(error)]
+    check.that(not missing, f"{where}: error {str(error)!r} does not name {missing}")
+    check.not_loaded(session.observe(), NAMES, where)
+    check.status_not(session, "NORMAL", where)
+
+
 def _mapped(names) -> list[str]:
     with open("/proc/self/maps") as f:
         return [line.strip() for line in f if any(n in line for n in names)]
@@ -764,14 +832,10 @@ def _settled(probe, want, seconds: float = 2.0):
         time.sleep(0.02)
 
 
-@pytest.mark.rule("BKT-NO-LEAK")
-@pytest.mark.parametrize("outcome", [pytest.param("applied", marks=pytest.mark.requires("ipc.buckets")),
-                                     pytest.param("applied-large", marks=pytest.mark.requires("ipc.buckets")),
-                                     pytest.param("rejected", marks=pytest.mark.requires("ipc.buckets")),
-                                     pytest.param("timed-out", marks=pytest.mark.requires("ipc.buckets"))])
-def test_no_mapping_or_segment_left(loader, publisher, outcome):
+def _no_leak(loader, publisher, outcome) -> None:
+    """One update ending in ``outcome``, then: no socket, mapping, /dev/shm segment or thread of it left."""
     existing, threads = _ours(), set(threading.enumerate())
-    large = outcome.endswith("-large")
+    large = "-large" in outcome
     model = M.spec(("n.big", "uint8", (8 * MiB,)), ("n.small", "float32", (3,))) if large else SPEC
     state = M.state(model, version=VERSION)
 
@@ -781,14 +845,16 @@ def test_no_mapping_or_segment_left(loader, publisher, outcome):
 
     pub, session, _ = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=8 * MiB if large else 512,
                              tamper=tamper, timeout_s=FAULT_TIMEOUT, fault=("silent", 1) if outcome == "timed-out" else None)
-    where = f"{pub.endpoint}: after an update that was {outcome}"
+    where = f"{pub.endpoint}: after an update that was {outcome} (process {os.getpid()})"
     sockets = _sockets()  # the trainer's listening socket is open; the worker has not connected yet
+    finished, error, elapsed = _bounded(session.update, 5.0)  # a copy thread that never runs must not hang the suite
+    check.that(finished, f"{where}: update() still blocked after {elapsed:.1f}s")
     if outcome.startswith("applied"):
-        session.update()
+        check.that(error is None, f"{where}: the update must succeed, got {type(error).__name__}: {error}")
     else:
         exc, match = (TimeoutError, "bucket 1") if outcome == "timed-out" else (ValueError, "digest")
-        with check.raises(exc, match=match, where=where):
-            session.update()
+        check.that(isinstance(error, exc) and match in str(error),
+                   f"{where}: expected {exc.__name__} naming {match!r}, got {type(error).__name__}: {error}")
     # While the trainer is still up, a socket the worker kept open keeps its connection (and the
     # trainer's end of it) alive; once the worker closed it, both descriptors go.
     got = _settled(_sockets, sockets)
@@ -801,6 +867,35 @@ def test_no_mapping_or_segment_left(loader, publisher, outcome):
     check.that(not leaked, f"{where}: /dev/shm still holds {leaked} after the trainer closed")
     extra = _settled(lambda: sorted(t.name for t in set(threading.enumerate()) - threads if t.is_alive()), [])
     check.that(not extra, f"{where}: threads still running after the update: {extra}")
+
+
+def _no_leak_in_child(loader, outcome) -> None:
+    """``_no_leak`` in a forked child, with a trainer of its own: the child's first large update is the
+    first of its process, so a copy pool (or any thread) that outlives one update is new there, whatever
+    earlier tests did in the parent; a pool inherited across the fork hangs (bounded) or fails."""
+    made = []
+
+    def publisher(bucket_bytes: int = 1024, wait_s: float = 10.0) -> B.Publisher:
+        made.append(B.Publisher(bucket_bytes, wait_s=wait_s))
+        return made[-1]
+
+    try:
+        _no_leak(loader, publisher, outcome)
+    finally:
+        for pub in made:
+            pub.close()
+
+
+@pytest.mark.rule("BKT-NO-LEAK")
+@pytest.mark.parametrize("outcome", [pytest.param("applied", marks=pytest.mark.requires("ipc.buckets")),
+                                     pytest.param("applied-large-in-child", marks=pytest.mark.requires("ipc.buckets")),
+                                     pytest.param("rejected", marks=pytest.mark.requires("ipc.buckets")),
+                                     pytest.param("timed-out", marks=pytest.mark.requires("ipc.buckets"))])
+def test_no_mapping_or_segment_left(loader, publisher, outcome):
+    if outcome.endswith("-in-child"):
+        in_child(_no_leak_in_child, loader, outcome, timeout_s=20.0)
+    else:
+        _no_leak(loader, publisher, outcome)
 
 
 # -- the APPLY rules on the bucket path ---------------------------------------------------------------

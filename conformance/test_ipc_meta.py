@@ -92,11 +92,24 @@ def test_meta_file_is_named_by_physical_gpu(loader, trainer, rank):
 
 @pytest.mark.rule("IPC-IDENTITY-AT-OPEN")
 @pytest.mark.requires("ipc.meta")
-@pytest.mark.parametrize("order", ["opened-order", "reverse-order"])
-def test_overlapping_sessions_keep_their_own_file(loader, trainer, order):
+@pytest.mark.parametrize("order", ["opened-order", "reverse-order", "environment-changed-after-open"])
+def test_overlapping_sessions_keep_their_own_file(loader, trainer, order, monkeypatch):
     """Two workers opened with different physical GPUs (3 and 6, both at CUDA ordinal 1, as each would
     be in its own process) and then updated: each reads the file of the identity it was opened with,
-    although the environment now holds the second worker's."""
+    although the environment now holds the second worker's. In the last case one worker is opened and
+    the environment then names another identity (ordinal 2, physical 9, whose file exists too): the
+    worker still reads ipc_metas_3 and opens its handles on ordinal 1, the device it started on."""
+    if order == "environment-changed-after-open":
+        want = M.state(SPEC, version=1)
+        _publish(loader, trainer, want, gpu_id=3, device_id=1)
+        _publish(loader, trainer, M.state(SPEC, version=9), gpu_id=9, device_id=2)
+        session = loader.open(SPEC, strategy="ipc", worker=Worker(0, "5,3,7", "1"))
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,6,9")
+        monkeypatch.setenv("FLAGS_selected_gpus", "2")
+        session.update()
+        check.params_equal(session.observe(), want, "opened as CUDA_VISIBLE_DEVICES=5,3,7 FLAGS_selected_gpus=1 "
+                           "(ipc_metas_3, ordinal 1), updated after the environment changed to 2,6,9 / 2")
+        return
     workers = {3: Worker(0, "5,3,7", "1"), 6: Worker(1, "2,6", "1")}
     want = {gpu: M.state(SPEC, version=v) for v, gpu in enumerate(workers, start=1)}
     for gpu in workers:
@@ -316,17 +329,22 @@ SIZE_CASES = {  # LAST is float32 (4, 8): 32 items, 128 bytes
     "bool": lambda n: True,
     "float": lambda n: float(n),
 }
+# A 1-byte tensor last: there ``True == 1`` and ``1.0 == 1``, so only a type check rejects them.
+ONE_BYTE = M.spec(*((p.name, p.dtype, p.shape) for p in SPEC.main), ("z.flag", "uint8", (1,)))
+ONE_BYTE_CASES = {"bool-True-for-1-byte": True, "float-1.0-for-1-byte": 1.0}
 
 
 @pytest.mark.rule("IPC-SIZE-CHECKED")
 @pytest.mark.requires("ipc.meta")
-@pytest.mark.parametrize("case", list(SIZE_CASES))
+@pytest.mark.parametrize("case", list(SIZE_CASES) + list(ONE_BYTE_CASES))
 def test_size_disagreeing_with_dims_is_a_clear_error(loader, trainer, case):
-    export = trainer(M.state(SPEC), per_segment=1)
-    size = SIZE_CASES[case](export.metas[LAST][2])
+    spec, name = (ONE_BYTE, "z.flag") if case in ONE_BYTE_CASES else (SPEC, LAST)
+    export = trainer(M.state(spec), per_segment=1)
+    size = ONE_BYTE_CASES[case] if case in ONE_BYTE_CASES else SIZE_CASES[case](export.metas[name][2])
     # every bad size still lies inside the 256-byte segment: only the size check can catch it
-    session, path, _ = _open_tampered(loader, export, lambda metas: metas[LAST].__setitem__(2, size), pickle_writer=True)
-    _rejected(session, path, LAST, "size", f"size {size!r} for dims [4, 8] float32 (128 bytes)")
+    session, path, _ = _open_tampered(loader, export, lambda metas: metas[name].__setitem__(2, size), spec=spec,
+                                      pickle_writer=True)
+    _rejected(session, path, name, "size", f"size {size!r} for dims {export.metas[name][4]} ({export.metas[name][2]} bytes)")
 
 
 DIMS_CASES = {

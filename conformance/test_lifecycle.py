@@ -167,6 +167,9 @@ def test_clear_then_update_leaves_new_version(loader, source, versions, spec, in
         where = f"version {version} from {paths} (after {versions[:version - 1]}), clear() then update()"
         check.params_equal(observed, want, where)
         check.equal(sorted(observed), sorted(want), f"{where}: parameter names after reload")
+        if "trace" in loader.adapter.capabilities:
+            # The trace is the last update's, not every update's so far (nor the first one's).
+            check.sources(session.trace(), [os.path.basename(p) for p in paths], f"{where}: sources traced")
 
 
 @pytest.mark.rule("LIFE-STATUS")

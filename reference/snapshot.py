@@ -32,10 +32,12 @@ def update_from_snapshot(manager) -> None:
         )
     # Validate every safetensors header before any parameter changes: a bad part 7 must not leave
     # parts 0-6 applied. (The pickle fallback has no header; it is validated as it is applied.)
+    identity = {}
     for src in plan.sources:
         if src.fmt != "safetensors":
             continue
         infos = read_header(src.path)
+        identity[src.path] = getattr(infos, "identity", None)
         if not infos:
             raise ValueError(f"No parameter found in state dict from {src.path} ({src.label}): file holds no tensors")
         for info in infos:
@@ -46,7 +48,10 @@ def update_from_snapshot(manager) -> None:
     count = len(plan.sources)
     for position, src in enumerate(plan.sources, 1):
         log.info("Loading snapshot %s (%d/%d) from %s", src.label, position, count, src.path)
-        tensors = iter_safetensors(src.path) if src.fmt == "safetensors" else load_pickle_state_dict(src.path).items()
+        if src.fmt == "safetensors":  # read only if it is still the file whose header was checked
+            tensors = iter_safetensors(src.path, expect=identity[src.path])
+        else:
+            tensors = load_pickle_state_dict(src.path).items()
         manager.apply(tensors, src.label, src.path)
         # Only one file's tensors may be alive at once (FastDeploy #6852, host-memory peak). A full
         # collection costs ~0.1 s with Paddle loaded, and only the next file's load needs the room:

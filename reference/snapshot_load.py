@@ -182,20 +182,23 @@ def _check_layout(path: str, entries: list[_Entry], data_start: int, size: int) 
         )
 
 
-# Identity of each file when its header was validated, so the load can tell that the file was
-# rewritten between the validation pass and the read (the manager validates every file first).
-_validated: dict[str, tuple] = {}
+class Header(list):
+    """``read_header``'s result: the file's tensors (a list of TensorInfo) and the file's identity when
+    they were read, so that the load can tell the file was rewritten in between (FILE-CHANGED-DURING-LOAD)."""
+
+    def __init__(self, infos, identity: tuple):
+        super().__init__(infos)
+        self.identity = identity
 
 
-def read_header(path: str) -> list[TensorInfo]:
+def read_header(path: str) -> Header:
     """Names, dtypes and shapes of a safetensors file; SnapshotFormatError if unreadable."""
     fd = _open_fd(path)
     try:
         header = _parse_header(fd, path)
     finally:
         os.close(fd)
-    _validated[path] = header.identity
-    return [TensorInfo(e.name, e.dtype, e.shape) for e in header.entries]
+    return Header((TensorInfo(e.name, e.dtype, e.shape) for e in header.entries), header.identity)
 
 
 def _writable_bytes(tensor: paddle.Tensor, nbytes: int) -> np.ndarray:
@@ -203,16 +206,16 @@ def _writable_bytes(tensor: paddle.Tensor, nbytes: int) -> np.ndarray:
     return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr()), np.uint8)
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, paddle.Tensor]]:
-    """Yield (name, tensor) from a safetensors file, each tensor owning its memory."""
-    validated = _validated.pop(path, None)
+def iter_safetensors(path: str, expect: tuple | None = None) -> Iterator[tuple[str, paddle.Tensor]]:
+    """Yield (name, tensor) from a safetensors file, each tensor owning its memory. ``expect`` is the
+    file's identity when its header was validated (``read_header(path).identity``)."""
     fd = _open_fd(path)
     try:
         header = _parse_header(fd, path)
-        if validated is not None and validated != header.identity:
+        if expect is not None and expect != header.identity:
             raise SnapshotFormatError(
                 f"{path}: file changed during load: it is not the file whose header was checked before "
-                f"loading (device, inode, size, mtime, ctime {validated} then {header.identity})"
+                f"loading (device, inode, size, mtime, ctime {expect} then {header.identity})"
             )
         tensors = []
         for e in header.entries:

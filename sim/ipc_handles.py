@@ -172,8 +172,22 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# The process's current device, as ``cudaSetDevice`` leaves it: an engine sets it once when the worker
+# starts, from FLAGS_selected_gpus, and it does not follow later changes of the environment.
+_current: int | None = None
+
+
+def set_current_device(device: int | None) -> None:
+    """``cudaSetDevice`` for the stand-in (None: follow ``FLAGS_selected_gpus`` of the environment)."""
+    global _current
+    _current = device
+
+
 def current_device(env=None) -> int:
-    """The device a CUDA worker has current: its ``FLAGS_selected_gpus`` ordinal."""
+    """The device a CUDA worker has current: the one set by ``set_current_device``, else its
+    ``FLAGS_selected_gpus`` ordinal."""
+    if _current is not None and env is None:
+        return _current
     env = os.environ if env is None else env
     return int(env.get("FLAGS_selected_gpus", "0"))
 

@@ -742,3 +742,162 @@ class ErrorsWithoutVersion(Mutant):
                 raise protocol.ManifestError(str(e).replace(f" of version {bucket.version}", "")) from None
 
         return {"reference.bucket_checks.validate_bucket": validate_bucket}
+
+
+# -- found by the red team's loaders (issue 6, second pass): each bug class with its own mutant --------
+_check_chunks = checks.check_chunks
+_UpdateState = checks.UpdateState
+_shared_pools: dict = {}  # the module-level pool of bkt_copy_pool_shared
+
+
+class TotalNbytesFirstChunkOnly(Mutant):
+    id = "bkt_total_nbytes_first_chunk_only"
+    bug = ("total_nbytes is checked against the shape on a split tensor's first chunk only (chunk_offset 0); later "
+           "chunks' total_nbytes is trusted, not compared with the first chunk's either")
+    kills = frozenset({"BKT-MANIFEST-MISMATCH"})
+
+    def patches(self):
+        def check_nbytes(e, where):
+            if e.chunk_offset == 0:
+                _check_nbytes(e, where)
+            elif e.chunk_offset + e.nbytes > e.total_nbytes:
+                raise protocol.ManifestError(f"{where}, tensor {e.name!r}: chunk runs past total_nbytes")
+
+        def check_chunks(entries, state, where):  # contiguity only: each chunk's total as the first chunk's
+            totals = dict(state.totals)
+            _check_chunks([dataclasses.replace(e, total_nbytes=totals.setdefault(e.name, e.total_nbytes))
+                           for e in entries], state, where)
+
+        return {"reference.bucket_checks.check_nbytes": check_nbytes, "reference.bucket_checks.check_chunks": check_chunks}
+
+
+class CopyPoolShared(Mutant):
+    id = "bkt_copy_pool_shared"
+    bug = ("the copy thread pool is a module-level singleton created by the first large bucket and reused by every "
+           "later update: its thread outlives update() (and a forked worker inherits a pool without its thread)")
+    kills = frozenset({"BKT-NO-LEAK"})
+
+    def patches(self):
+        class Shared(_Staging):
+            def copy(self, jobs):
+                self._pool = self._pool or _shared_pools.get("copy")
+                super().copy(jobs)
+                if self._pool is not None:
+                    _shared_pools["copy"] = self._pool
+
+            def close(self):
+                self._pool = None  # kept for the next update
+
+        return {"reference.buckets.Staging": Shared}
+
+
+class CopyNotAwaited(Mutant):
+    id = "bkt_copy_not_awaited"
+    bug = ("the threaded copy of a large bucket hands the back of the buffer to a helper thread and returns once "
+           "its own share is copied: the ack goes out while the helper still reads the buffer the trainer reuses")
+    kills = frozenset({"BKT-ACK-AFTER-COPY"})
+
+    def patches(self):
+        class NoWait(_Staging):
+            def copy(self, jobs):
+                total = sum(d.nbytes for d, _ in jobs)
+                if total < buckets.PARALLEL_MIN_BYTES or any(d.nbytes != s.nbytes for d, s in jobs):
+                    return super().copy(jobs)
+                if self._pool is None:
+                    self._pool = buckets.ThreadPoolExecutor(1, thread_name_prefix="bucket-copy")
+                front, back, room = [], [], total // 2
+                for d, s in jobs:
+                    if room > 0:
+                        n = min(room, d.nbytes)
+                        front.append((d[:n], s[:n]))
+                        d, s, room = d[n:], s[n:], room - n
+                    if d.nbytes:
+                        back.append((d, s))
+                self._pool.submit(buckets._copy_all, back)  # never awaited
+                buckets._copy_all(front)
+
+        return {"reference.buckets.Staging": NoWait}
+
+
+def _counting(count_of):
+    """Patches that make ``done`` carry ``count_of(state)`` instead of the number of distinct tensors."""
+    states = []
+
+    class State(_UpdateState):
+        def admit(self, bucket):
+            self.entries_seen = getattr(self, "entries_seen", 0) + len(bucket.entries)
+            self.with_bytes = getattr(self, "with_bytes", set()) | {e.name for e in bucket.entries if e.nbytes}
+            super().admit(bucket)
+
+    def new_update_state(known, version):
+        states.append(State(known=frozenset(known), version=version))
+        return states[-1]
+
+    class Counting(_Link):
+        def tell(self, message):
+            if message.get("type") == protocol.DONE:
+                message = {**message, "count": count_of(states[-1])}
+            super().tell(message)
+
+    return {"reference.buckets.new_update_state": new_update_state, "reference.buckets.Link": Counting}
+
+
+class DoneCountsEntries(Mutant):
+    id = "bkt_done_counts_entries"
+    bug = "done's count is the number of manifest entries received, so a tensor split into chunks counts once per chunk"
+    kills = frozenset({"BKT-DONE-AFTER-COMMIT"})
+
+    def patches(self):
+        return _counting(lambda state: state.entries_seen)
+
+
+class DoneSkipsEmpty(Mutant):
+    id = "bkt_done_skips_empty"
+    bug = "done's count is the number of tensors whose bytes were copied: an empty (0-element) tensor is not counted"
+    kills = frozenset({"BKT-DONE-AFTER-COMMIT"})
+
+    def patches(self):
+        return _counting(lambda state: len(state.with_bytes))
+
+
+class AckVersionFromOptions(Mutant):
+    id = "bkt_ack_version_from_options"
+    bug = ("ack and done carry the version the worker was configured to expect (the hello's), so with no expected "
+           "version configured they carry nil instead of the update's version")
+    kills = frozenset({"BKT-ACK-AFTER-COPY", "BKT-DONE-AFTER-COMMIT"})
+
+    def patches(self):
+        class Configured(_Link):
+            expected = None
+
+            def request(self, message, where):
+                if message.get("type") == protocol.HELLO:
+                    self.expected = message.get("version")
+                elif message.get("type") == protocol.ACK:
+                    message = {**message, "version": self.expected}
+                return super().request(message, where)
+
+            def tell(self, message):
+                if message.get("type") == protocol.DONE:
+                    message = {**message, "version": self.expected}
+                super().tell(message)
+
+        return {"reference.buckets.Link": Configured}
+
+
+class FrameLimitTypo(Mutant):
+    id = "bkt_frame_limit_typo"
+    bug = "the frame limit is written 64 << 30 (64 GiB) for 64 << 20: any frame is taken in and decoded, however large"
+    kills = frozenset({"BKT-FRAME-LIMIT"})
+
+    def patches(self):
+        return {"sim.protocol.MAX_FRAME": 64 << 30}
+
+
+class FrameLimitInclusive(Mutant):
+    id = "bkt_frame_limit_inclusive"
+    bug = "the frame limit is checked `len(frame) >= limit`: a frame of exactly 64 MiB, which is allowed, is refused"
+    kills = frozenset({"BKT-FRAME-LIMIT"})
+
+    def patches(self):
+        return {"sim.protocol.MAX_FRAME": (64 << 20) - 1}

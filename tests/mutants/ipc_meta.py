@@ -519,3 +519,28 @@ class ArraysAdmitted(Mutant):
             return load_restricted(path, allow_arrays=True)
 
         return {"reference.ipc_meta.read_metas": read}
+
+
+class SizeTypeByIsinstance(Mutant):
+    id = "ipc_size_isinstance_int"
+    bug = ("offset_bytes and size checked with isinstance(v, int), which admits bools (and a float 1.0 compares equal): a "
+           "1-byte tensor whose size is True passes as 1 byte")
+    kills = frozenset({"IPC-SIZE-CHECKED"})
+
+    def patches(self):
+        def normalize(meta, *, name, device):
+            if isinstance(meta, (list, tuple)) and len(meta) == 7 and isinstance(meta[2], (bool, float)) and meta[2] == int(meta[2]):
+                meta = [*meta[:2], int(meta[2]), *meta[3:]]
+            return _normalize(meta, name=name, device=device)
+
+        return {"reference.ipc_meta.normalize_meta": normalize}
+
+
+class DeviceFromEnvironmentAtUpdate(Mutant):
+    id = "ipc_device_env_at_update"
+    bug = ("the CUDA ordinal for opening handles read from os.environ when update() runs, not from the identity the "
+           "session was opened with: after the environment changes, meta[6] names a device the worker is not on")
+    kills = frozenset({"IPC-IDENTITY-AT-OPEN"})
+
+    def patches(self):
+        return {"reference.ipc_meta.worker_device": lambda manager: int(os.environ.get("FLAGS_selected_gpus", "0"))}

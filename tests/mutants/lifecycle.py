@@ -327,3 +327,21 @@ class HoldsAllParts(Mutant):
                 super().finalize()
 
         return _manager_patch(Manager)
+
+
+class TraceAccumulates(Mutant):
+    id = "trace_accumulates"
+    bug = ("the list of applied sources is created once per session and never reset: after the second update "
+           "the trace still lists the first update's files, so an operator reads stale provenance")
+    kills = frozenset({"LIFE-RELOAD-LATEST"})
+
+    def patches(self):
+        class Manager(_manager.WeightManager):
+            def update(self):
+                earlier = list(self.trace)
+                try:
+                    super().update()
+                finally:
+                    self.trace[:0] = earlier
+
+        return _manager_patch(Manager)

@@ -359,8 +359,8 @@ class ScalarAsVector(Mutant):
     kills = frozenset({"APPLY-ROUNDTRIP-DTYPES"})
 
     def patches(self):
-        def iter_safetensors(path):
-            for name, t in _real_iter(path):
+        def iter_safetensors(path, expect=None):
+            for name, t in _real_iter(path, expect):
                 yield name, (t.reshape([1]) if t.ndim == 0 else t)
 
         return {"reference.snapshot.iter_safetensors": iter_safetensors}
@@ -538,9 +538,9 @@ class MemoisedFiles(Mutant):
     def patches(self):
         cache: dict = {}
 
-        def iter_safetensors(path):
+        def iter_safetensors(path, expect=None):
             if path not in cache:
-                cache[path] = list(_real_iter(path))
+                cache[path] = list(_real_iter(path, expect))
             return iter(cache[path])
 
         def load_pickle_state_dict(path):

@@ -1,0 +1,57 @@
+"""Append justifications for surviving mutants to ``mutation/justified.toml``.
+
+    python -m mutation.justify LINES_FILE
+
+Each line of LINES_FILE is ``MUTANT_NAME<TAB>KIND<TAB>REASON`` (KIND: equivalent | out-of-scope), for a
+mutant of the last ``mutmut run`` in ``mutants/``. The entry records the mutated function and the diff's
+changed lines (what ``mutation.report`` matches on), never mutmut's number. Names already justified
+with the same change are skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from .report import JUSTIFIED, KINDS, REPO, load_justified, load_results
+
+
+def _toml_string(text: str) -> str:
+    return '"""\n' + text.replace("\\", "\\\\").replace('"""', '\\"""') + '\n"""'
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as f:
+        wanted = [line.rstrip("\n").split("\t") for line in f if line.strip() and not line.startswith("#")]
+    bad = [w for w in wanted if len(w) != 3 or w[1] not in KINDS or not w[2].strip()]
+    if bad:
+        print(f"malformed lines (need NAME<TAB>{'|'.join(KINDS)}<TAB>REASON): {bad[:5]}", file=sys.stderr)
+        return 2
+    os.chdir(REPO)
+    results = {r.name: r for r in load_results()}
+    have = {(e["function"], e["change"]) for e in load_justified()}
+    missing = [name for name, _, _ in wanted if name not in results]
+    if missing:
+        print(f"not mutants of the last run: {missing[:10]}", file=sys.stderr)
+        return 2
+    added = 0
+    with open(JUSTIFIED, "a", encoding="utf-8") as out:
+        for name, kind, reason in wanted:
+            r = results[name]
+            if (r.function, r.change) in have:
+                continue
+            have.add((r.function, r.change))
+            out.write(f"\n[[mutant]]  # {name}\nfunction = {json.dumps(r.function)}\n"
+                      f"change = {_toml_string(r.change)}\nkind = {json.dumps(kind)}\n"
+                      f"reason = {json.dumps(reason.strip(), ensure_ascii=False)}\n")
+            added += 1
+    print(f"added {added} justification(s) to {os.path.relpath(JUSTIFIED, REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
