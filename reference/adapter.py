@@ -33,9 +33,8 @@ class ReferenceSession:
         return self.manager.status.name
 
     def close(self) -> None:
-        closer = getattr(self.manager, "close", None)
-        if closer:
-            closer()
+        """Nothing to release: every path frees its files, mappings, sockets and threads before
+        ``update()`` returns (FILE-RELEASED, IPC-NO-LEAK, BKT-NO-LEAK)."""
 
 
 class ReferenceAdapter:
