@@ -183,12 +183,11 @@ def _check_layout(path: str, entries: list[_Entry], data_start: int, size: int) 
 
 
 class Header(list):
-    """``read_header``'s result: the file's tensors (a list of TensorInfo) and the file's identity when
-    they were read, so that the load can tell the file was rewritten in between (FILE-CHANGED-DURING-LOAD)."""
+    """``read_header``'s result: the file's tensors (a list of TensorInfo) and, as ``identity``, the
+    file's identity when they were read, so that the load can tell the file was rewritten in between
+    (FILE-CHANGED-DURING-LOAD)."""
 
-    def __init__(self, infos, identity: tuple):
-        super().__init__(infos)
-        self.identity = identity
+    identity: tuple = ()
 
 
 def read_header(path: str) -> Header:
@@ -198,7 +197,9 @@ def read_header(path: str) -> Header:
         header = _parse_header(fd, path)
     finally:
         os.close(fd)
-    return Header((TensorInfo(e.name, e.dtype, e.shape) for e in header.entries), header.identity)
+    infos = Header(TensorInfo(e.name, e.dtype, e.shape) for e in header.entries)
+    infos.identity = header.identity
+    return infos
 
 
 def _writable_bytes(tensor: paddle.Tensor, nbytes: int) -> np.ndarray:

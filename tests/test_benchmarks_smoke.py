@@ -12,7 +12,7 @@ from tests.conftest import REPO
 
 def test_snapshot_memory_benchmark_smoke(tmp_path):
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "benchmarks.snapshot_memory", "--model-mib", "16", "--parts", "2",
+    cmd = [sys.executable, "-m", "benchmarks.snapshot_memory", "--model-mib", "64", "--parts", "2",
            "--tensors", "4", "--work-dir", str(tmp_path), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
