@@ -391,7 +391,10 @@ def _collect(pid, r, timeout, status=None):
                 chunks.append(chunk)
         except BlockingIOError:
             pass
-        done, status = os.waitpid(pid, os.WNOHANG)
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already: its report is in the pipe
+            done, status = pid, 0
         if done:
             break
         status = None
@@ -514,8 +517,12 @@ class _Child:
         """Stop the child; False when it has already ended (then it is reaped here)."""
         if self.status is not None:
             return False
-        os.kill(self.pid, signal.SIGSTOP)
-        _, status = os.waitpid(self.pid, os.WUNTRACED)
+        try:
+            os.kill(self.pid, signal.SIGSTOP)
+            _, status = os.waitpid(self.pid, os.WUNTRACED)
+        except (ProcessLookupError, ChildProcessError):  # ended and reaped already (never ours to wait for)
+            self.status = 0
+            return False
         if os.WIFSTOPPED(status):
             return True
         self.status = status
@@ -523,7 +530,10 @@ class _Child:
 
     def cont(self) -> None:
         if self.status is None:
-            os.kill(self.pid, signal.SIGCONT)
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def _step_until_reading(child, path, ino, deadline):
