@@ -142,6 +142,18 @@ DTYPE_WHERE = [
 ]
 
 
+def _spec_of(name):
+    return SPEC_MTP if name in MTP_NAMES else SPEC
+
+
+def _open_with_bad_tensor(loader, source, spec, name, file_dtype, file_shape):
+    """Write version 2 of ``spec`` to ``source`` with ``name`` as ``file_dtype``/``file_shape`` (the
+    file holding it chosen by ``source``) and open a session; returns (session, paths written)."""
+    st = _replace(M.state(spec, version=2), name, file_dtype, file_shape)
+    paths = _write(loader, source, st, focus=name)
+    return loader.open(spec), paths
+
+
 @pytest.mark.rule("APPLY-DTYPE-MISMATCH")
 @pytest.mark.parametrize(
     "source,name,model_dtype,file_dtype",
@@ -150,13 +162,11 @@ DTYPE_WHERE = [
     + [pytest.param(*p.values[:2], None, p.values[2], marks=p.marks, id=p.id) for p in DTYPE_WHERE],
 )
 def test_dtype_mismatch_is_type_error_naming_tensor(loader, source, name, model_dtype, file_dtype):
-    spec = SPEC_MTP if name in MTP_NAMES else SPEC
+    spec = _spec_of(name)
     if model_dtype is not None:
         spec = M.spec(*((p.name, model_dtype if p.name == name else p.dtype, p.shape) for p in spec.main))
     target = spec.param(name)
-    st = _replace(M.state(spec, version=2), name, file_dtype, target.shape)
-    paths = _write(loader, source, st, focus=name)
-    session = loader.open(spec)
+    session, paths = _open_with_bad_tensor(loader, source, spec, name, file_dtype, target.shape)
     with check.raises(
         TypeError, match=re.escape(f"Type mismatch for {name}"), names=[name],
         where=f"{source} {paths}: {name} {file_dtype} into a {target.dtype} parameter",
@@ -200,13 +210,11 @@ SHAPE_WHERE = [
     + [pytest.param(*p.values[:2], None, p.values[2], marks=p.marks, id=p.id) for p in SHAPE_WHERE],
 )
 def test_shape_mismatch_is_value_error_naming_tensor(loader, source, name, model_shape, file_shape):
-    spec = SPEC_MTP if name in MTP_NAMES else SPEC
+    spec = _spec_of(name)
     if model_shape is not None:
         spec = M.spec(*((p.name, "float32", model_shape) if p.name == name else (p.name, p.dtype, p.shape) for p in spec.main))
     target = spec.param(name)
-    st = _replace(M.state(spec, version=2), name, target.dtype, file_shape)
-    paths = _write(loader, source, st, focus=name)
-    session = loader.open(spec)
+    session, paths = _open_with_bad_tensor(loader, source, spec, name, target.dtype, file_shape)
     with check.raises(
         ValueError, match=re.escape(f"Shape mismatch for {name}"), names=[name],
         where=f"{source} {paths}: {name} {list(file_shape)} into a {list(target.shape)} parameter",
@@ -230,11 +238,9 @@ BOTH = [
 @pytest.mark.rule("APPLY-DTYPE-BEFORE-SHAPE")
 @pytest.mark.parametrize("source,name,file_dtype,file_shape", BOTH)
 def test_dtype_is_checked_before_shape(loader, source, name, file_dtype, file_shape):
-    spec = SPEC_MTP if name in MTP_NAMES else SPEC
+    spec = _spec_of(name)
     target = spec.param(name)
-    st = _replace(M.state(spec, version=2), name, file_dtype, file_shape)
-    paths = _write(loader, source, st, focus=name)
-    session = loader.open(spec)
+    session, paths = _open_with_bad_tensor(loader, source, spec, name, file_dtype, file_shape)
     with check.raises(
         TypeError, match=re.escape(f"Type mismatch for {name}"), names=[name],
         where=f"{source} {paths}: {name} {file_dtype}{list(file_shape)} into {target.dtype}{list(target.shape)}",
@@ -261,12 +267,10 @@ ATOMIC = [
 @pytest.mark.rule("APPLY-VALIDATE-FIRST")
 @pytest.mark.parametrize("source,name,file_dtype,file_shape", ATOMIC)
 def test_rejected_snapshot_changes_no_parameter(loader, source, name, file_dtype, file_shape):
-    spec = SPEC_MTP if name in MTP_NAMES else SPEC
+    spec = _spec_of(name)
     target = spec.param(name)
-    st = _replace(M.state(spec, version=2), name, file_dtype, file_shape)
-    paths = _write(loader, source, st, focus=name)
+    session, paths = _open_with_bad_tensor(loader, source, spec, name, file_dtype, file_shape)
     bad = os.path.basename(paths[int(source.removeprefix("part"))] if source.startswith("part") else paths[0])
-    session = loader.open(spec)
     where = f"{source} {paths}: {name} {file_dtype}{list(file_shape)} into {target.dtype}{list(target.shape)}"
     error = TypeError if file_dtype != target.dtype else ValueError
     with check.raises(error, match=re.escape(name), names=[name, bad], where=where):

@@ -34,6 +34,7 @@ from sim.ipc_handles import Segment
 from . import apply
 from . import bucket_checks as checks
 from .dtypes import paddle_dtype
+from .host_memory import writable_bytes
 
 log = logging.getLogger("reference.buckets")
 
@@ -128,9 +129,8 @@ def _writable_bytes(tensor: paddle.Tensor, nbytes: int) -> np.ndarray:
     """A uint8 numpy view of a CPU tensor's own allocation, so one copy lands the bytes in it."""
     if nbytes == 0:
         return np.empty(0, np.uint8)
-    address = tensor.data_ptr()
-    _advise_huge_pages(address, nbytes)
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), np.uint8)
+    _advise_huge_pages(tensor.data_ptr(), nbytes)
+    return writable_bytes(tensor, nbytes)
 
 
 # Two copy threads: the trainer needs far less CPU packing a bucket than the worker needs landing it

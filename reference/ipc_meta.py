@@ -16,7 +16,6 @@ the device a handle opens on, and the trainer side).
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 
@@ -26,6 +25,7 @@ import paddle
 from sim.ipc_handles import HANDLE_SIZE, META_FIELDS, HandleError, MetaError, attach_on_device, phi_dtype_codes
 
 from .dtypes import ITEMSIZE, paddle_dtype
+from .host_memory import writable_bytes
 from .safe_pickle import load_restricted
 
 LABEL = "raw"
@@ -132,11 +132,6 @@ def plan_metas(path: str, metas: dict, device: int, params) -> list[tuple[str, t
     return planned
 
 
-def _owned_bytes(tensor: paddle.Tensor, nbytes: int) -> np.ndarray:
-    """A writable uint8 numpy view of a CPU tensor's own allocation."""
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr()), np.uint8)
-
-
 def open_tensor(name: str, meta: tuple, path: str) -> paddle.Tensor:
     """Open ``meta``'s handle on its device, check the byte range, copy the bytes once into a Paddle
     tensor this worker owns, and unmap. Errors name the file, the tensor and the field."""
@@ -155,7 +150,7 @@ def open_tensor(name: str, meta: tuple, path: str) -> paddle.Tensor:
         if size == 0:
             return paddle.empty(dims, dtype=dtype)
         flat = paddle.empty([size], dtype=paddle.uint8)
-        np.copyto(_owned_bytes(flat, size), np.frombuffer(seg.buf[offset : offset + size], np.uint8))
+        np.copyto(writable_bytes(flat, size), np.frombuffer(seg.buf[offset : offset + size], np.uint8))
     return flat.view(dtype).reshape(dims)
 
 

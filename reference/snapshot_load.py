@@ -16,7 +16,6 @@ naming the file (FILE-CHANGED-DURING-LOAD).
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -28,6 +27,7 @@ import paddle
 
 from .dtypes import ITEMSIZE, SAFETENSORS_TO_NAME, paddle_dtype
 from .errors import SnapshotFormatError, SnapshotPermissionError
+from .host_memory import writable_bytes
 from .safe_pickle import load_restricted
 
 # paddle.save adds this bookkeeping entry next to the tensors; it is not a parameter.
@@ -202,11 +202,6 @@ def read_header(path: str) -> Header:
     return infos
 
 
-def _writable_bytes(tensor: paddle.Tensor, nbytes: int) -> np.ndarray:
-    """A uint8 numpy view of a CPU tensor's own allocation (see reference.buckets)."""
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr()), np.uint8)
-
-
 def iter_safetensors(path: str, expect: tuple | None = None) -> Iterator[tuple[str, paddle.Tensor]]:
     """Yield (name, tensor) from a safetensors file, each tensor owning its memory. ``expect`` is the
     file's identity when its header was validated (``read_header(path).identity``)."""
@@ -223,7 +218,7 @@ def iter_safetensors(path: str, expect: tuple | None = None) -> Iterator[tuple[s
             tensor = paddle.empty(list(e.shape), dtype=paddle_dtype(e.dtype))
             nbytes = e.end - e.begin
             if nbytes:
-                view = _writable_bytes(tensor, nbytes)
+                view = writable_bytes(tensor, nbytes)
                 done = 0
                 while done < nbytes:
                     got = os.preadv(fd, [view[done:]], header.data_start + e.begin + done)
