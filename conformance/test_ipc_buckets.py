@@ -224,15 +224,22 @@ def test_buffer_overwritten_on_ack(loader, publisher, case):
     if case.startswith("small"):
         model, bucket = M.spec(*((f"k.{i}", "float32", (32, 4)) for i in range(4))), 512  # one 512-byte tensor per bucket
         state = M.state(model, version=VERSION)
-    else:  # a 16 MiB bucket exactly full (the copy a loader parallelizes for large buffers), then a small one
-        model, bucket = M.spec(("k.big", "uint8", (16 * MiB,)), ("k.small", "float32", (3,))), 16 * MiB
-        state = M.state(M.spec(("k.small", "float32", (3,))), version=VERSION)
-        big = np.zeros(16 * MiB, np.uint8)  # random front half, zero back half
-        big[: 8 * MiB] = np.frombuffer(np.random.default_rng(VERSION).bytes(8 * MiB), np.uint8)
-        state = {"k.big": big, **state}
+    else:  # two 16 MiB buckets exactly full (the copy a loader parallelizes for large buffers), one in
+        # each of the trainer's buffers (the holes below exist only before a buffer's first reuse), then a
+        # small one: a loader that does not await its copy thread must win the race twice to pass
+        bigs = [f"k.big{i}" for i in range(2)]
+        model = M.spec(*((n, "uint8", (16 * MiB,)) for n in bigs), ("k.small", "float32", (3,)))
+        bucket = 16 * MiB
+        state = {}
+        for i, n in enumerate(bigs):
+            big = np.zeros(16 * MiB, np.uint8)  # random front half, zero back half
+            big[: 8 * MiB] = np.frombuffer(np.random.default_rng(VERSION + i).bytes(8 * MiB), np.uint8)
+            state[n] = big
+        state.update(M.state(M.spec(("k.small", "float32", (3,))), version=VERSION))
 
-        def tamper(update):  # the zero half is never written: the reader's faults allocate its pages
-            update.writes[0] = [(o, d[: 8 * MiB]) for o, d in update.writes[0]]
+        def tamper(update):  # the zero halves are never written: the reader's faults allocate their pages
+            for k in range(len(bigs)):
+                update.writes[k] = [(o, d[: 8 * MiB]) for o, d in update.writes[k]]
 
     expected = None if case.endswith("no-expected-version") else VERSION  # then the acks carry the manifests' version
     pub, session, updates = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=bucket, wait_s=3.0,
