@@ -1,10 +1,17 @@
-"""pytest plugin: ``--impl``, capabilities, rule ids, the vacuity guard, and the report.
+"""pytest plugin: ``--impl``, capabilities, rule ids and levels, the vacuity guard, expectations and
+the report.
 
 Loaded by the repository's root conftest.py (so the option exists from any start directory).
+
+Every conformance test carries its rule, level, area and required capabilities in
+``item.user_properties``; they travel on each test report, so the results (and the JSON report, the
+table and the exit status) are built from reports alone: a ``pytest-xdist`` controller, which
+collects nothing itself, builds the same results as a serial run, and ``--junitxml`` carries the
+rule and level of every test case.
 """
 from __future__ import annotations
 
-import json
+import difflib
 import os
 import platform
 import shlex
@@ -14,20 +21,25 @@ from collections import Counter, defaultdict
 import pytest
 
 from . import SUITE_PROTOCOL, SUITE_VERSION, check, harness
+from . import expectations as expect
+from . import report as rep
 from .capabilities import CAPABILITIES
 from .registry import ImplError, available_names, resolve
-from .spec import area, rules
+from .spec import area, devices, levels, rules
 
-NOT_APPLICABLE = "not_applicable"
+NOT_APPLICABLE = rep.NOT_APPLICABLE
 ADAPTER_KEY = pytest.StashKey[object]()
 RESULTS_KEY = pytest.StashKey[dict]()
+EXPECT_KEY = pytest.StashKey[list]()
 SELF_SKIP_KEY = pytest.StashKey[str]()
+LISTING_KEY = pytest.StashKey[list]()
 # Exit status of a run that tested nothing: every selected conformance test was not applicable (or
 # skipped), or no conformance test was collected although --impl was given. pytest's own status for
 # "no tests collected"; a run that tested nothing must never read as a pass.
 NOTHING_TESTED_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED
-STATUSES = ("passed", "failed", "error", NOT_APPLICABLE, "skipped")
+STATUSES = rep.STATUSES
 CONFORMANCE_DIR = os.path.dirname(os.path.abspath(__file__))
+PROPERTY_KEYS = ("rule", "level", "area", "requires", "device")
 
 
 def pytest_addoption(parser):
@@ -36,9 +48,21 @@ def pytest_addoption(parser):
                     "module:attr, path/to/file.py:attr, or an entry point in group conformance.impls")
     group.addoption("--impl-opt", action="append", default=[], metavar="KEY=VALUE",
                     help="keyword argument for the adapter factory (repeatable)")
-    group.addoption("--conformance-report", default=None, metavar="PATH", help="write a JSON report to PATH")
+    group.addoption("--conformance-report", default=None, metavar="PATH", help="write a JSON report to PATH "
+                    "(schema: conformance/report.schema.json)")
     group.addoption("--rule", action="append", default=[], metavar="ID",
-                    help="run only the tests of this SPEC.md rule (repeatable)")
+                    help="run only the tests of this SPEC.md rule, or of every rule under an id prefix such as "
+                    "an area (--rule BKT, --rule SNAP-GPU); repeatable")
+    group.addoption("--fail-on", default="all", choices=("contract", "all"),
+                    help="which failing rules fail the run: 'contract' (behaviour FastDeploy implements or that no "
+                    "correct loader can do without) or 'all' (also 'hardening' rules); default all")
+    group.addoption("--expectations", default=None, metavar="PATH",
+                    help="TOML file of known failures (see conformance/expectations.py); an expected failure that "
+                    "passes, or an entry that matches no test, fails the run")
+    group.addoption("--update-expectations", default=None, metavar="PATH",
+                    help="write a candidate expectations file for this run's failures to PATH")
+    group.addoption("--list-rules", action="store_true", default=False,
+                    help="list the rules (id, level, area, capabilities, title) of the collected tests and exit")
 
 
 def _is_conformance(item) -> bool:
@@ -52,9 +76,21 @@ def _is_conformance(item) -> bool:
 _STATE: dict = {}
 
 
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")  # a pytest-xdist worker: the controller reports
+
+
 def pytest_configure(config):
     config.stash[RESULTS_KEY] = {}
+    config.stash[EXPECT_KEY] = []
     _STATE["config"] = config
+    _STATE["other_failures"] = 0
+    path = config.getoption("--expectations")
+    if path:
+        try:
+            config.stash[EXPECT_KEY] = expect.load(path, rules())
+        except expect.ExpectationsError as e:
+            raise pytest.UsageError(str(e)) from None
     name = config.getoption("--impl")
     if name is None:
         return
@@ -68,6 +104,9 @@ def pytest_configure(config):
         adapter, where = resolve(name, options)
     except ImplError as e:
         raise pytest.UsageError(str(e)) from None
+    serves_on = getattr(adapter, "serves_on", None)
+    if serves_on not in (None, "cpu", "gpu"):
+        raise pytest.UsageError(f"--impl {name!r}: serves_on must be 'cpu' or 'gpu', got {serves_on!r}")
     adapter._conformance_where = where
     config.stash[ADAPTER_KEY] = adapter
 
@@ -81,18 +120,40 @@ def pytest_report_header(config):
     if adapter is None:
         return None
     env = {k: v for k, v in os.environ.items() if k.startswith("CONFORMANCE_")}
-    return [
+    lines = [
         f"conformance: impl={adapter.name} {adapter.version} ({adapter._conformance_where})",
         f"conformance: suite {SUITE_VERSION}, protocol {SUITE_PROTOCOL}, {len(rules())} rules in SPEC.md",
         f"conformance: capabilities {', '.join(sorted(adapter.capabilities)) or '(none)'}",
+        f"conformance: fail on {config.getoption('--fail-on')}; expectations {config.getoption('--expectations') or 'none'}",
         f"conformance: env {env or '{}'}",
     ]
+    notes = getattr(adapter, "notes", None)
+    if notes:
+        lines += [f"conformance: note: {note}" for note in notes]
+    return lines
 
 
+def select_rules(wanted, known) -> set[str]:
+    """Rule ids named by ``--rule`` values: an exact id (that rule alone), or else an id prefix ending
+    at a dash (``BKT``, ``SNAP-GPU``). A value that names none is a usage error suggesting the closest ids or areas."""
+    chosen: set[str] = set()
+    for value in wanted:
+        # An exact id is that rule alone (SNAP-GPU-ID is not also SNAP-GPU-ID-INVALID).
+        hits = {value} if value in known else {r for r in known if r.startswith(value + "-")}
+        if not hits:
+            candidates = sorted(set(known) | {area(r) for r in known})
+            close = difflib.get_close_matches(value.upper(), candidates, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(close)}?" if close else "; see --list-rules"
+            raise pytest.UsageError(f"--rule {value!r} matches no rule in SPEC.md{hint}")
+        chosen |= hits
+    return chosen
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
     known = rules()
     conformance_items = [i for i in items if _is_conformance(i)]
-    if conformance_items and _adapter(config) is None:
+    if conformance_items and _adapter(config) is None and not config.getoption("--list-rules"):
         raise pytest.UsageError(
             "conformance tests need --impl NAME (known: " + ", ".join(available_names()) + "); "
             "there is no default implementation"
@@ -114,19 +175,60 @@ def pytest_collection_modifyitems(session, config, items):
             errors.append(f"{item.nodeid}: a conformance test cannot be marked xfail (it would hide a failure)")
     if errors:
         raise pytest.UsageError("conformance collection errors:\n  " + "\n  ".join(errors))
-    wanted = set(config.getoption("--rule"))
+    for item in conformance_items:
+        rule_id = rule_of(item)
+        requires = sorted({c for m in item.iter_markers("requires") for c in m.args})
+        item.user_properties.extend([("rule", rule_id), ("level", levels()[rule_id]), ("area", area(rule_id)),
+                                     ("requires", ",".join(requires)), ("device", devices().get(rule_id, ""))])
+    entries = config.stash[EXPECT_KEY]
+    if entries and conformance_items:
+        # Before any selection (--rule, -k): an entry for a rule this run deselects is still valid.
+        stale = expect.unmatched(entries, [(i.nodeid, rule_of(i)) for i in conformance_items])
+        if stale:
+            raise pytest.UsageError(
+                f"--expectations {config.getoption('--expectations')}: "
+                + "; ".join(f"{e.describe()} matches no conformance test" for e in stale)
+                + " (remove it, or fix the selector)")
+    if config.getoption("--list-rules"):
+        config.stash[LISTING_KEY] = _listing(conformance_items)
+    wanted = config.getoption("--rule")
     if wanted:
-        unknown = sorted(wanted - set(known))
-        if unknown:
-            raise pytest.UsageError(f"--rule: {unknown} not defined in SPEC.md")
-        keep = [i for i in items if not _is_conformance(i) or rule_of(i) in wanted]
+        chosen = select_rules(wanted, known)
+        keep = [i for i in items if not _is_conformance(i) or rule_of(i) in chosen]
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
+
+
+def _listing(items) -> list[tuple[str, str, str, str, str]]:
+    caps: dict[str, set] = defaultdict(set)
+    for item in items:
+        caps[rule_of(item)].update(c for m in item.iter_markers("requires") for c in m.args)
+    return [(rule_id, levels()[rule_id], area(rule_id), ",".join(sorted(caps[rule_id])) or "-", title)
+            for rule_id, title in rules().items() if rule_id in caps]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    if session.config.getoption("--list-rules"):
+        return True  # listed in the terminal summary; nothing runs
 
 
 def rule_of(item) -> str | None:
     mark = item.get_closest_marker("rule")
     return mark.args[0] if mark else None
+
+
+_RUN_DEVICE: list[str] = []
+
+
+def run_device() -> str:
+    """The device this run's tensors live on: 'gpu' when Paddle sees a CUDA device, else 'cpu'."""
+    if not _RUN_DEVICE:
+        import paddle
+
+        cuda = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+        _RUN_DEVICE.append("gpu" if cuda else "cpu")
+    return _RUN_DEVICE[0]
 
 
 def pytest_runtest_setup(item):
@@ -137,6 +239,11 @@ def pytest_runtest_setup(item):
     missing = sorted(needed - set(adapter.capabilities))
     if missing:
         pytest.skip(f"{NOT_APPLICABLE}: {adapter.name} does not claim {', '.join(missing)}")
+    rule_id = rule_of(item)
+    serves_on = getattr(adapter, "serves_on", None)
+    if rule_id in devices() and serves_on and serves_on != run_device():
+        pytest.skip(f"{NOT_APPLICABLE}: {rule_id} depends on the device (SPEC.md, Device: {devices()[rule_id]}); "
+                    f"it is judged for the device {adapter.name} serves on ({serves_on}), and this run is on {run_device()}")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -175,7 +282,8 @@ def pytest_runtest_call(item):
 def pytest_runtest_makereport(item, call):
     report = yield
     if call.when == "call" and SELF_SKIP_KEY in item.stash:
-        report.conformance_status = "error"  # read by _status_of (the report in the JSON and the table)
+        # read by _status_of; a plain attribute, so it survives pytest-xdist's report serialization
+        report.conformance_status = "error"
     return report
 
 
@@ -197,10 +305,11 @@ def loader(impl, tmp_path, monkeypatch):
     h.close_all()
 
 
+# -- results, from test reports ----------------------------------------------------------------------
 def _status_of(report) -> str | None:
     if report.when == "setup":
         if report.skipped:
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            reason = report.longrepr[2] if isinstance(report.longrepr, (tuple, list)) else str(report.longrepr)
             return NOT_APPLICABLE if NOT_APPLICABLE in reason else "skipped"
         return "error" if report.failed else None
     if report.when == "call":
@@ -208,7 +317,7 @@ def _status_of(report) -> str | None:
         if forced:
             return forced
         if report.skipped:
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            reason = report.longrepr[2] if isinstance(report.longrepr, (tuple, list)) else str(report.longrepr)
             return NOT_APPLICABLE if NOT_APPLICABLE in reason else "skipped"
         return "passed" if report.passed else "failed"
     return "error" if report.failed else None
@@ -216,73 +325,103 @@ def _status_of(report) -> str | None:
 
 def _message(report, status: str) -> str:
     if status in (NOT_APPLICABLE, "skipped"):
-        return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        return report.longrepr[2] if isinstance(report.longrepr, (tuple, list)) else str(report.longrepr)
     if status in ("failed", "error"):
         crash = getattr(report.longrepr, "reprcrash", None)
         return crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1]
     return ""
 
 
-def pytest_runtest_logreport(report):
-    config = _STATE.get("config")
-    info = config.stash[RESULTS_KEY].get(report.nodeid) if config else None
-    status = _status_of(report) if info else None
-    # The first non-passing phase decides (a teardown error after a pass is still an error).
-    if status is not None and info["status"] in (None, "passed"):
-        info["status"] = status
-        info["message"] = _message(report, status)
+def _record(config, nodeid: str, props: dict) -> dict:
+    """The result record of one conformance test, from its rule properties."""
+    rule_id = props["rule"]
+    entry = expect.match(config.stash.get(EXPECT_KEY, []), nodeid, rule_id)
+    return {
+        "nodeid": nodeid,
+        "rule": rule_id,
+        "area": props["area"],
+        "level": props["level"],
+        "device": props["device"] or None,
+        "title": rules().get(rule_id, ""),
+        "requires": [c for c in props["requires"].split(",") if c],
+        "status": None,  # the verdict: the actual status read through the expectations
+        "actual": None,
+        "message": "",
+        "expectation": entry.as_json() if entry else None,
+        "repro": repro_command(config, nodeid),
+        "_entry": entry,
+    }
+
+
+def _props(user_properties) -> dict | None:
+    props = {k: v for k, v in user_properties if k in PROPERTY_KEYS}
+    return props if "rule" in props and props.get("rule") in rules() else None
 
 
 def pytest_collection_finish(session):
+    # Serial runs know every selected test up front (one that never reports stays "not run").
+    # A pytest-xdist controller collects nothing: its records come from the reports.
     results = session.config.stash[RESULTS_KEY]
     for item in session.items:
-        if not _is_conformance(item):
-            continue
-        rule_id = rule_of(item)
-        if rule_id not in rules():
-            continue  # a collection error already reported as a usage error (this hook runs anyway)
-        rel = os.path.relpath(str(item.path))
-        results[item.nodeid] = {
-            "nodeid": item.nodeid,
-            "rule": rule_id,
-            "area": area(rule_id),
-            "title": rules().get(rule_id, ""),
-            "requires": sorted({c for m in item.iter_markers("requires") for c in m.args}),
-            "status": None,
-            "message": "",
-            "repro": repro_command(session.config, rel, item.name),
-        }
+        props = _props(item.user_properties) if _is_conformance(item) else None
+        if props:
+            results[item.nodeid] = _record(session.config, item.nodeid, props)
 
 
-def repro_command(config, rel_path: str, name: str) -> str:
-    """A shell command that reruns one test with the same implementation and options, from the
-    directory the suite was run in."""
+def pytest_collectreport(report):
+    if report.failed:
+        _STATE["other_failures"] = _STATE.get("other_failures", 0) + 1
+
+
+def pytest_runtest_logreport(report):
+    config = _STATE.get("config")
+    if config is None:
+        return
+    props = _props(report.user_properties)
+    if props is None:
+        if report.failed:
+            _STATE["other_failures"] = _STATE.get("other_failures", 0) + 1  # a plain test in the same run
+        return
+    results = config.stash[RESULTS_KEY]
+    info = results.get(report.nodeid)
+    if info is None:
+        info = results[report.nodeid] = _record(config, report.nodeid, props)
+    status = _status_of(report)
+    # The first non-passing phase decides (a teardown error after a pass is still an error).
+    if status is not None and info["actual"] in (None, "passed"):
+        info["actual"] = status
+        info["message"] = _message(report, status)
+        info["status"] = expect.verdict(status, info["_entry"])
+
+
+def repro_command(config, nodeid: str) -> str:
+    """A shell command that reruns one test with the same interpreter, implementation and options,
+    from the directory the suite was run in."""
+    path, sep, rest = nodeid.partition("::")
+    root = str(getattr(config, "rootpath", "") or "")
+    invoked = str(getattr(getattr(config, "invocation_params", None), "dir", "") or "")
+    if root and invoked:
+        path = os.path.relpath(os.path.join(root, path), invoked)
     args = [f"--impl={config.getoption('--impl')}"] + [f"--impl-opt={kv}" for kv in config.getoption("--impl-opt")]
-    return f"pytest {shlex.quote(f'{rel_path}::{name}')} " + " ".join(shlex.quote(a) for a in args)
+    return (f"{shlex.quote(sys.executable)} -m pytest {shlex.quote(path + sep + rest)} "
+            + " ".join(shlex.quote(a) for a in args))
+
+
+def _public(results: dict) -> dict:
+    return {k: {f: v for f, v in r.items() if not f.startswith("_")} for k, r in results.items()}
 
 
 def summarize(results) -> dict:
-    by_rule: dict[str, list[str]] = defaultdict(list)
-    for r in results.values():
-        by_rule[r["rule"]].append(r["status"] or "error")
-    order = ["error", "failed", "passed", NOT_APPLICABLE, "skipped"]
-    rule_status = {}
-    for rule_id, statuses in by_rule.items():
-        # A rule passes only if all its tests pass; one failure fails it.
-        rule_status[rule_id] = next(s for s in order if s in statuses)
-    return rule_status
+    """rule id -> its status (the first of error, failed, unexpected_pass, expected_failure, passed,
+    not_applicable, skipped among its tests)."""
+    return rep.rule_statuses(results)
 
 
 def run_summary(config, results=None) -> dict:
-    """Counts of tests and rules per status, and the reason the run tested nothing (or None)."""
+    """Counts of tests and rules per verdict, failing rules per level, and the reason the run tested
+    nothing (or None)."""
     results = config.stash.get(RESULTS_KEY, {}) if results is None else results
-    tests = Counter(r["status"] or "not_run" for r in results.values())
-    rule_counts = Counter(summarize(results).values())
-    return {
-        "tests": {s: tests[s] for s in (*STATUSES, "not_run")},
-        "rules": {s: rule_counts[s] for s in STATUSES},
-        "nothing_tested": nothing_tested(config, results),
-    }
+    return rep.summary(_public(results), config.getoption("--fail-on"), nothing_tested(config, results))
 
 
 def nothing_tested(config, results=None) -> str | None:
@@ -292,14 +431,14 @@ def nothing_tested(config, results=None) -> str | None:
     -k, -m or --rule selected none), or none of those selected reached a verdict (passed, failed,
     error): every one was not applicable to the claimed capabilities, or skipped."""
     adapter = _adapter(config)
-    if adapter is None or config.getoption("collectonly", False):
+    if adapter is None or config.getoption("collectonly", False) or config.getoption("--list-rules"):
         return None
     results = config.stash.get(RESULTS_KEY, {}) if results is None else results
     impl = config.getoption("--impl")
     if not results:
         return (f"no conformance test was collected for {adapter.name} (--impl={impl}): the paths, -k/-m "
                 "expressions or --rule selection matched none; nothing was tested")
-    counts = Counter(r["status"] for r in results.values())
+    counts = Counter(r["actual"] for r in results.values())
     if any(counts[s] for s in ("passed", "failed", "error")):
         return None
     caps = ", ".join(sorted(adapter.capabilities))
@@ -314,23 +453,40 @@ def nothing_tested(config, results=None) -> str | None:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if nothing_tested(session.config) and session.exitstatus in (pytest.ExitCode.OK, 0):
+    config = session.config
+    if (_is_worker(config) or _adapter(config) is None or config.getoption("--list-rules")
+            or config.getoption("collectonly", False)):
+        return
+    if session.exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        return  # interrupted, internal or usage error: it stands
+    results = config.stash.get(RESULTS_KEY, {})
+    if nothing_tested(config):
         session.exitstatus = NOTHING_TESTED_EXIT
+        return
+    # The verdicts decide, not pytest's count: an expected failure passes the gate, an unexpected
+    # pass fails it, and under --fail-on=contract a hardening failure is reported but does not fail.
+    failing = rep.failing_tests(results, config.getoption("--fail-on"))
+    other = _STATE.get("other_failures", 0)
+    not_run = [r for r in results.values() if r["actual"] is None]
+    failed = bool(failing or other or not_run)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED if failed else pytest.ExitCode.OK
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.getoption("--list-rules"):
+        _print_listing(terminalreporter, config.stash.get(LISTING_KEY, []))
+        return
     results = config.stash.get(RESULTS_KEY, {})
     adapter = _adapter(config)
-    if adapter is None:
+    if adapter is None or _is_worker(config):
         return
-    if exitstatus == pytest.ExitCode.USAGE_ERROR:
-        return  # the collection errors say it all; no test ran
-    rule_status = summarize(results)
+    if exitstatus == pytest.ExitCode.USAGE_ERROR or config.getoption("collectonly", False):
+        return  # the collection errors say it all, or nothing was meant to run
+    public = _public(results)
+    statuses = rep.rule_statuses(public)
     if results:
-        _print_table(terminalreporter, adapter, rule_status)
-    failing = sorted(r for r, s in rule_status.items() if s in ("failed", "error"))
-    if failing:
-        terminalreporter.write_line("failing rules: " + ", ".join(failing))
+        _print_table(terminalreporter, adapter, public, statuses)
+    _print_verdicts(terminalreporter, config, public, statuses)
     empty = nothing_tested(config, results)
     if empty:
         terminalreporter.write_line("")
@@ -338,32 +494,81 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"NOTHING TESTED: {empty}{exit_note}", red=True, bold=True)
     path = config.getoption("--conformance-report")
     if path:
-        write_report(path, config, adapter, results, rule_status)
+        rep.write(path, build_report(config, adapter, public))
         terminalreporter.write_line(f"conformance report written to {path}")
+    candidate = config.getoption("--update-expectations")
+    if candidate:
+        text = expect.candidate(list(public.values()), config.stash.get(EXPECT_KEY, []), config.getoption("--expectations"))
+        with open(candidate, "w", encoding="utf-8") as f:
+            f.write(text)
+        terminalreporter.write_line(f"candidate expectations written to {candidate} (review kinds and reasons)")
 
 
-def _print_table(terminalreporter, adapter, rule_status) -> None:
+def _print_verdicts(terminalreporter, config, results, statuses) -> None:
+    levels_of = {r["rule"]: r["level"] for r in results.values()}
+    for level in rep.LEVELS:
+        failing = sorted(r for r, s in statuses.items() if s in ("failed", "error") and levels_of[r] == level)
+        if failing:
+            note = " (reported; --fail-on=contract does not fail the run on them)" \
+                if level == "hardening" and config.getoption("--fail-on") == "contract" else ""
+            terminalreporter.write_line(f"failing {level} rules{note}: " + ", ".join(failing))
+    expected = sorted(r for r, s in statuses.items() if s == "expected_failure")
+    if expected:
+        kinds = Counter(t["expectation"]["kind"] for t in results.values() if t["status"] == "expected_failure")
+        terminalreporter.write_line(f"expected failures ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))} "
+                                    f"tests): " + ", ".join(expected))
+    unexpected = sorted(t["nodeid"] for t in results.values() if t["status"] == "unexpected_pass")
+    if unexpected:
+        terminalreporter.write_line("UNEXPECTED PASS (an expected failure now passes: remove its entry from "
+                                    f"{config.getoption('--expectations')}): " + ", ".join(unexpected), red=True)
+    causes = rep.root_causes(results)
+    if causes:
+        terminalreporter.write_line("")
+        terminalreporter.write_line("root causes (one failure explaining several rules):")
+        for c in causes:
+            terminalreporter.write_line(f"  {len(c['rules'])} rules, {c['tests']} tests: {c['example']}")
+            terminalreporter.write_line(f"    rules: {', '.join(c['rules'])}")
+
+
+def _print_listing(terminalreporter, listing) -> None:
+    """One line per rule, columns aligned, so that the list greps and diffs well."""
+    header = ("id", "level", "area", "capabilities", "title")
+    widths = [max(len(row[i]) for row in [header, *listing]) for i in range(4)]
+    terminalreporter.write_line(f"{len(listing)} rules (SPEC.md):")
+    for row in [header, *listing]:
+        terminalreporter.write_line("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+
+
+TABLE_COLUMNS = (("passed", "passed"), ("failed contract", None), ("failed hardening", None), ("error", "error"),
+                 ("expected", "expected_failure"), ("unexpected pass", "unexpected_pass"),
+                 ("not applicable", NOT_APPLICABLE), ("skipped", "skipped"))
+
+
+def _print_table(terminalreporter, adapter, results, statuses) -> None:
+    levels_of = {r["rule"]: r["level"] for r in results.values()}
     per_area: dict[str, Counter] = defaultdict(Counter)
-    for rule_id, status in rule_status.items():
-        per_area[area(rule_id)][status] += 1
+    for rule_id, status in statuses.items():
+        key = f"failed {levels_of[rule_id]}" if status == "failed" else status
+        per_area[area(rule_id)][key] += 1
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"Conformance of {adapter.name} {adapter.version}: rules by area")
-    for col in ("area", "passed", "failed", "error", "not applicable", "skipped"):
-        table.add_column(col, justify="left" if col == "area" else "right")
+    table.add_column("area")
+    for title, _ in TABLE_COLUMNS:
+        table.add_column(title, justify="right")
     total = Counter()
     for name in sorted(per_area):
         c = per_area[name]
         total.update(c)
-        table.add_row(name, *(str(c[s]) for s in STATUSES))
-    table.add_row("all", *(str(total[s]) for s in STATUSES))
-    console = Console(file=terminalreporter._tw, force_terminal=False, width=100, color_system=None)
+        table.add_row(name, *(str(c[key or title]) for title, key in TABLE_COLUMNS))
+    table.add_row("all", *(str(total[key or title]) for title, key in TABLE_COLUMNS))
+    console = Console(file=terminalreporter._tw, force_terminal=False, width=130, color_system=None)
     terminalreporter.write_line("")
     console.print(table)
 
 
-def write_report(path, config, adapter, results, rule_status) -> None:
+def build_report(config, adapter, results) -> dict:
     import importlib.metadata as md
 
     def version(dist):
@@ -372,26 +577,19 @@ def write_report(path, config, adapter, results, rule_status) -> None:
         except md.PackageNotFoundError:
             return None
 
-    report = {
-        "run_info": {
-            "implementation": adapter.name,
-            "implementation_version": adapter.version,
-            "adapter": adapter._conformance_where,
-            "capabilities": sorted(adapter.capabilities),
-            "suite_version": SUITE_VERSION,
-            "suite_protocol": SUITE_PROTOCOL,
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "versions": {d: version(d) for d in ("paddlepaddle", "paddlepaddle-gpu", "safetensors", "pyzmq", "numpy")},
-        },
-        "rules": [
-            {"id": rule_id, "title": rules().get(rule_id, ""), "status": status,
-             "tests": [r for r in results.values() if r["rule"] == rule_id]}
-            for rule_id, status in sorted(rule_status.items())
-        ],
-        "tests": list(results.values()),
-        "summary": run_summary(config, results),
+    run_info = {
+        "implementation": adapter.name,
+        "implementation_version": adapter.version,
+        "adapter": adapter._conformance_where,
+        "capabilities": sorted(adapter.capabilities),
+        "serves_on": getattr(adapter, "serves_on", None),
+        "notes": list(getattr(adapter, "notes", None) or []),
+        "suite_version": SUITE_VERSION,
+        "suite_protocol": SUITE_PROTOCOL,
+        "fail_on": config.getoption("--fail-on"),
+        "expectations": config.getoption("--expectations"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": {d: version(d) for d in ("paddlepaddle", "paddlepaddle-gpu", "safetensors", "pyzmq", "numpy")},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
+    return rep.build(run_info, results, rules(), config.getoption("--fail-on"), nothing_tested(config, results))

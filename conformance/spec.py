@@ -84,3 +84,86 @@ def proven_by(body: str) -> list[ProvenBy]:
         last = not any(rest.strip() for rest in lines[i + 1:])
         found.append(ProvenBy(text, axes, tuple(mark.group(1) for mark in marks), last))
     return found
+
+
+# -- levels -----------------------------------------------------------------------------------------
+LEVELS = ("contract", "hardening")
+DEVICES = ("cpu", "gpu")
+LEVEL_LINE = re.compile(r"^Level:\s*(\S+?)\.(?:\s+(.*))?$")
+DEVICE_LINE = re.compile(r"^Device:\s*(\S+?)\.(?:\s+(.*))?$")
+
+
+class RuleLevel(NamedTuple):
+    level: str  # "contract" | "hardening"
+    reason: str  # the sentence after "Level: LEVEL."
+    device: str | None  # the device the effect shows on ("cpu" | "gpu"), None when not device-dependent
+    device_reason: str  # the text after "Device: DEVICE." ("" without a Device line)
+
+
+def parse_level(rule_id: str, body: str) -> RuleLevel:
+    """A rule body's ``Level:`` line (its first non-blank line: ``Level: contract|hardening. WHY``)
+    and the optional ``Device: cpu|gpu. WHY`` line right after it. ValueError naming the rule when
+    the Level line is missing, not first, repeated, of an unknown level or without a reason, or a
+    Device line is anywhere else, repeated, of an unknown device or without a reason."""
+    lines = [line.strip() for line in body.splitlines()]
+    nonblank = [(i, line) for i, line in enumerate(lines) if line]
+    level_at = [i for i, line in nonblank if line.startswith("Level:")]
+    device_at = [i for i, line in nonblank if line.startswith("Device:")]
+    if not level_at:
+        raise ValueError(f"SPEC rule {rule_id}: no 'Level: contract|hardening. <why>' line "
+                         "(it must be the first line of the rule's body)")
+    if len(level_at) > 1:
+        raise ValueError(f"SPEC rule {rule_id}: {len(level_at)} 'Level:' lines; exactly one is allowed")
+    first = nonblank[0][0]
+    if level_at[0] != first:
+        raise ValueError(f"SPEC rule {rule_id}: the 'Level:' line must be the first line of the rule's body")
+    m = LEVEL_LINE.match(lines[first])
+    if not m:
+        raise ValueError(f"SPEC rule {rule_id}: malformed level line {lines[first]!r}; "
+                         "expected 'Level: contract|hardening. <why>'")
+    level, reason = m.group(1), (m.group(2) or "").strip()
+    if level not in LEVELS:
+        raise ValueError(f"SPEC rule {rule_id}: unknown level {level!r} in {lines[first]!r}; expected one of {list(LEVELS)}")
+    if not reason:
+        raise ValueError(f"SPEC rule {rule_id}: the level line {lines[first]!r} gives no reason after the level")
+    device, device_reason = None, ""
+    if device_at:
+        if len(device_at) > 1:
+            raise ValueError(f"SPEC rule {rule_id}: {len(device_at)} 'Device:' lines; at most one is allowed")
+        if len(nonblank) < 2 or device_at[0] != nonblank[1][0] or device_at[0] != first + 1:
+            raise ValueError(f"SPEC rule {rule_id}: the 'Device:' line must come right after the 'Level:' line")
+        d = DEVICE_LINE.match(lines[device_at[0]])
+        if not d:
+            raise ValueError(f"SPEC rule {rule_id}: malformed device line {lines[device_at[0]]!r}; "
+                             "expected 'Device: cpu|gpu. <why>'")
+        device, device_reason = d.group(1), (d.group(2) or "").strip()
+        if device not in DEVICES:
+            raise ValueError(f"SPEC rule {rule_id}: unknown device {device!r}; expected one of {list(DEVICES)}")
+        if not device_reason:
+            raise ValueError(f"SPEC rule {rule_id}: the device line gives no reason after the device")
+    return RuleLevel(level, reason, device, device_reason)
+
+
+@functools.lru_cache(maxsize=None)
+def rule_levels(path: str = SPEC_PATH) -> dict[str, RuleLevel]:
+    """rule id -> its RuleLevel, for every rule of SPEC.md, in document order; ValueError naming the
+    first rule whose Level or Device line is missing or malformed."""
+    return {rule_id: parse_level(rule_id, body) for rule_id, body in rule_bodies(path).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def levels(path: str = SPEC_PATH) -> dict[str, str]:
+    """rule id -> "contract" | "hardening"."""
+    return {rule_id: r.level for rule_id, r in rule_levels(path).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def level_reasons(path: str = SPEC_PATH) -> dict[str, str]:
+    """rule id -> the reason given for its level."""
+    return {rule_id: r.reason for rule_id, r in rule_levels(path).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def devices(path: str = SPEC_PATH) -> dict[str, str]:
+    """rule id -> the device its effect shows on ("cpu" | "gpu"), only for rules with a Device line."""
+    return {rule_id: r.device for rule_id, r in rule_levels(path).items() if r.device is not None}

@@ -332,7 +332,8 @@ def test_missing_capability_is_not_applicable_never_passed(runs):
     # The table counts it under "not applicable" for its area.
     row = next(line for line in run.output.splitlines() if re.match(r"\W*LEVEL\W", line))
     counts = [int(c) for c in re.findall(r"\d+", row)]
-    assert counts == [0, 0, 0, 1, 0], f"LEVEL row (passed, failed, error, n/a, skipped): {row!r}"
+    assert counts == [0, 0, 0, 0, 0, 0, 1, 0], \
+        f"LEVEL row (passed, failed contract, failed hardening, error, expected, unexpected pass, n/a, skipped): {row!r}"
 
 
 def test_vacuous_tests_fail(runs):
@@ -366,7 +367,8 @@ def test_self_skip_from_the_body_is_an_error(runs):
     assert "fake cannot label parts" in own_na["tests"][0]["message"], own_na
     row = next(line for line in runs["file"].output.splitlines() if re.match(r"\W*PART\W", line))
     counts = [int(c) for c in re.findall(r"\d+", row)]
-    assert counts == [0, 0, 2, 1, 0], f"PART row (passed, failed, error, n/a, skipped): {row!r}"
+    assert counts == [0, 0, 0, 2, 0, 0, 1, 0], \
+        f"PART row (passed, failed contract, failed hardening, error, expected, unexpected pass, n/a, skipped): {row!r}"
 
 
 # -- a run that tests nothing fails ---------------------------------------------------------------
@@ -434,7 +436,7 @@ def test_report_fields(runs):
     assert {"paddlepaddle", "safetensors", "numpy"} <= set(info["versions"]), info["versions"]
     assert info["versions"]["numpy"] == np.__version__
     for rule in report["rules"]:
-        assert set(rule) == {"id", "title", "status", "tests"}, rule
+        assert set(rule) == {"id", "title", "area", "level", "device", "status", "expectation", "tests"}, rule
         assert rule["title"] == rules()[rule["id"]]
         for test in rule["tests"]:
             assert {"nodeid", "rule", "status", "message", "repro"} <= set(test), test
@@ -449,13 +451,16 @@ def test_report_fields(runs):
 def test_report_summary_counts_tests_and_rules_per_status(runs):
     report = runs["file"].report
     summary = report["summary"]
-    assert set(summary) == {"tests", "rules", "nothing_tested"}, summary
-    tests = {s: 0 for s in ("passed", "failed", "error", "not_applicable", "skipped", "not_run")}
+    assert set(summary) == {"tests", "rules", "rules_failing_by_level", "fail_on", "nothing_tested"}, summary
+    tests = {s: 0 for s in ("passed", "failed", "error", "not_applicable", "skipped", "expected_failure",
+                            "unexpected_pass", "not_run")}
     for test in report["tests"]:
         tests[test["status"] or "not_run"] += 1
     assert summary["tests"] == tests, summary
-    assert summary["tests"] == {"passed": 1, "failed": 3, "error": 2, "not_applicable": 2, "skipped": 0, "not_run": 0}, summary
-    rules_by_status = {s: 0 for s in ("passed", "failed", "error", "not_applicable", "skipped")}
+    assert summary["tests"] == {"passed": 1, "failed": 3, "error": 2, "not_applicable": 2, "skipped": 0,
+                                "expected_failure": 0, "unexpected_pass": 0, "not_run": 0}, summary
+    rules_by_status = {s: 0 for s in ("passed", "failed", "error", "not_applicable", "skipped", "expected_failure",
+                                      "unexpected_pass")}
     for rule in report["rules"]:
         rules_by_status[rule["status"]] += 1
     assert summary["rules"] == rules_by_status, summary
@@ -464,7 +469,8 @@ def test_report_summary_counts_tests_and_rules_per_status(runs):
 
 def test_repro_is_a_runnable_command(runs, sandbox):
     test = _rule(runs["file"].report, "SNAP-NAME-SINGLE")["tests"][0]
-    assert test["repro"] == "pytest test_sandbox.py::test_fails --impl=fake_adapter.py:FakeAdapter", test["repro"]
+    assert test["repro"] == f"{sys.executable} -m pytest test_sandbox.py::test_fails --impl=fake_adapter.py:FakeAdapter", \
+        test["repro"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(sandbox), REPO]))
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     proc = subprocess.run(test["repro"], shell=True, cwd=sandbox, env=env, capture_output=True, text=True, timeout=120)
@@ -478,12 +484,14 @@ def test_repro_carries_impl_options(tmp_path):
 
     class Config:
         options = {"--impl": "tests.mutants:mutant", "--impl-opt": ["name=x y", "source=a.py"]}
+        rootpath = tmp_path
+        invocation_params = type("Params", (), {"dir": tmp_path / "conformance"})
 
         def getoption(self, name):
             return self.options[name]
 
-    command = repro_command(Config(), "conformance/test_a.py", "test_b[p-1]")
-    assert command == ("pytest 'conformance/test_a.py::test_b[p-1]' --impl=tests.mutants:mutant "
+    command = repro_command(Config(), "conformance/test_a.py::test_b[p-1]")
+    assert command == (f"{sys.executable} -m pytest 'test_a.py::test_b[p-1]' --impl=tests.mutants:mutant "
                        "'--impl-opt=name=x y' --impl-opt=source=a.py"), command
 
 

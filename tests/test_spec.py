@@ -4,6 +4,9 @@ Each rule's body carries exactly one line, its last,
 ``Proven by: boundaries: ...; paths: ...; faults: ...; aftermath: ....`` with all four axes, in that
 order, non-empty (``n/a (reason)`` where an axis does not apply; see docs/testing-guide.md §8), and
 cites its origin. Every rule is cited by a conformance test, and every rule a test cites exists.
+Every rule's first line is ``Level: contract|hardening. <why>``, optionally followed right away by
+``Device: cpu|gpu. <why>`` (see SPEC.md § Levels); ``conformance.spec.levels()`` parses them and fails
+loudly on a missing or malformed one.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import re
 
 import pytest
 
-from conformance.spec import AXES, HEADING, RULE_HEADING, SPEC_PATH, proven_by, rule_bodies, rules
+from conformance.spec import (AXES, DEVICES, HEADING, LEVELS, RULE_HEADING, SPEC_PATH, devices, level_reasons, levels,
+                               proven_by, rule_bodies, rule_levels, rules)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFORMANCE = os.path.join(REPO, "conformance")
@@ -169,3 +173,105 @@ def test_rule_body_stops_at_any_heading_but_not_inside_code(tmp_path):
                     "### `A-TWO` second\nbody two\n## Next section\nnot A-TWO's\n")
     bodies = rule_bodies(str(path))
     assert bodies == {"A-ONE": "line 1\n```\n### `A-FAKE` in a fence\n```\nline 2", "A-TWO": "body two"}, bodies
+
+
+# -- levels ---------------------------------------------------------------------------------------
+def test_every_rule_has_exactly_one_level_line_first_with_a_reason():
+    """Read from the text, apart from the parser: one ``Level:`` line per rule, its first line, with a
+    known level and a reason; a ``Device:`` line only right after it, naming a known device."""
+    problems = []
+    level_line = re.compile(r"^Level: (" + "|".join(LEVELS) + r")\. \S")
+    device_line = re.compile(r"^Device: (" + "|".join(DEVICES) + r")\. \S")
+    for rule_id, body in rule_bodies().items():
+        lines = [line for line in body.splitlines() if line.strip()]
+        found = [line for line in lines if line.startswith("Level:")]
+        if len(found) != 1:
+            problems.append(f"{rule_id}: {len(found)} 'Level:' lines")
+        if not level_line.match(lines[0]):
+            problems.append(f"{rule_id}: first line {lines[0]!r} is not 'Level: contract|hardening. <why>'")
+        for i, line in enumerate(lines):
+            if line.startswith("Device:") and (i != 1 or not device_line.match(line)):
+                problems.append(f"{rule_id}: {line!r} is not a 'Device: cpu|gpu. <why>' line right after the level")
+    assert not problems, f"{len(problems)} problem(s) in SPEC.md:\n  " + "\n  ".join(problems)
+
+
+def test_levels_parse_for_every_rule():
+    parsed = rule_levels()
+    assert list(parsed) == list(rules())
+    assert set(levels().values()) == set(LEVELS), levels()  # both levels in use, no other
+    assert all(reason for reason in level_reasons().values())
+    assert set(devices().values()) <= set(DEVICES)
+    assert list(levels()) == list(level_reasons()) == list(rules())
+
+
+def test_known_device_dependence():
+    """FILE-DETACHED is the known device-dependent rule: on CPU paddle.load's safetensors result is a
+    view of the file's mmap, on a GPU a copy on the device."""
+    assert devices().get("FILE-DETACHED") == "cpu"
+    assert "FILE-CHANGED-DURING-LOAD" not in devices()  # paddle.load reads through a mapping on every device
+
+
+def test_spec_documents_the_levels():
+    with open(SPEC_PATH, encoding="utf-8") as f:
+        text = f.read()
+    assert "\n## Levels\n" in text
+    for word in ("`Level: contract.`", "`Level: hardening.`", "`Device:`", "--fail-on=contract|all"):
+        assert word in text, f"SPEC.md § Levels does not mention {word}"
+
+
+GOOD_LEVEL = "Level: contract. FastDeploy does it."
+GOOD_DEVICE = "Device: cpu. On a GPU the load copies."
+
+
+def _levels_spec(tmp_path, first_lines: str) -> str:
+    """A two-rule SPEC whose first rule starts with ``first_lines``; the second is well-formed."""
+    path = tmp_path / "SPEC.md"
+    path.write_text("# Rules\n\n## Levels\n\nLevel: prose, not a rule.\n\n## Area (`X`)\n\n"
+                    "### `X-ONE` a rule\n" + first_lines + "\nText. Origin: here.\n" + GOOD_LINE + "\n\n"
+                    "### `X-TWO` another\nLevel: hardening. A message.\nOrigin: there.\n" + GOOD_LINE + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("first_lines,want", [
+    pytest.param(GOOD_LEVEL, ("contract", "FastDeploy does it.", None), id="level"),
+    pytest.param("\n" + GOOD_LEVEL, ("contract", "FastDeploy does it.", None), id="after-a-blank-line"),
+    pytest.param(GOOD_LEVEL + "\n" + GOOD_DEVICE, ("contract", "FastDeploy does it.", "cpu"), id="level-and-device"),
+    pytest.param("Level: hardening. Names the file.\nDevice: gpu. Only there.", ("hardening", "Names the file.", "gpu"),
+                 id="hardening-gpu"),
+])
+def test_level_parser_accepts(tmp_path, first_lines, want):
+    path = _levels_spec(tmp_path, first_lines)
+    assert levels(path) == {"X-ONE": want[0], "X-TWO": "hardening"}
+    assert level_reasons(path) == {"X-ONE": want[1], "X-TWO": "A message."}
+    assert devices(path) == ({"X-ONE": want[2]} if want[2] else {})
+    assert rule_bodies(path)["X-ONE"].endswith(GOOD_LINE)  # the Proven by line stays last
+
+
+@pytest.mark.parametrize("first_lines,fragment", [
+    pytest.param("", "no 'Level:", id="missing"),
+    pytest.param("level: contract. Lower case.", "no 'Level:", id="lower-case"),
+    pytest.param("Text first.\n" + GOOD_LEVEL, "must be the first line", id="not-first"),
+    pytest.param("Level: optional. Whatever.", "unknown level 'optional'", id="unknown-level"),
+    pytest.param("Level: Contract. Capitalised.", "unknown level 'Contract'", id="capitalised-level"),
+    pytest.param("Level: contract.", "no reason", id="no-reason"),
+    pytest.param("Level: contract.   ", "no reason", id="blank-reason"),
+    pytest.param("Level: contract", "malformed level line", id="no-period"),
+    pytest.param("Level: contract, because.", "malformed level line", id="comma"),
+    pytest.param(GOOD_LEVEL + "\nLevel: hardening. Twice.", "2 'Level:' lines", id="duplicate"),
+    pytest.param(GOOD_LEVEL + "\n" + GOOD_LEVEL, "2 'Level:' lines", id="duplicate-same"),
+    pytest.param(GOOD_DEVICE, "no 'Level:", id="device-without-level"),
+    pytest.param(GOOD_DEVICE + "\n" + GOOD_LEVEL, "must be the first line", id="device-before-level"),
+    pytest.param(GOOD_LEVEL + "\nMore text.\n" + GOOD_DEVICE, "right after the 'Level:' line", id="device-not-next"),
+    pytest.param(GOOD_LEVEL + "\n\n" + GOOD_DEVICE, "right after the 'Level:' line", id="device-after-blank"),
+    pytest.param(GOOD_LEVEL + "\nDevice: tpu. Elsewhere.", "unknown device 'tpu'", id="unknown-device"),
+    pytest.param(GOOD_LEVEL + "\nDevice: cpu.", "no reason after the device", id="device-no-reason"),
+    pytest.param(GOOD_LEVEL + "\nDevice: cpu", "malformed device line", id="device-no-period"),
+    pytest.param(GOOD_LEVEL + "\n" + GOOD_DEVICE + "\n" + GOOD_DEVICE, "2 'Device:' lines", id="device-twice"),
+])
+def test_level_parser_rejects(tmp_path, first_lines, fragment):
+    path = _levels_spec(tmp_path, first_lines)
+    for parse in (rule_levels, levels, level_reasons, devices):
+        with pytest.raises(ValueError) as e:
+            parse(path)
+        assert "X-ONE" in str(e.value) and fragment in str(e.value), str(e.value)
+    assert rules(path) == {"X-ONE": "a rule", "X-TWO": "another"}  # rules() does not read levels
