@@ -1,172 +1,272 @@
-"""Worked example: a conformance adapter for a hypothetical loader called ``mine``.
+"""Worked example: a small snapshot loader (``MineLoader``, standing for yours) and its adapter.
 
-``MineLoader`` stands for your implementation (it loads the single-file snapshot
-``model_state.tp{rank}.{gpu}.pdparams``, a safetensors file, with a small reader of its own);
-``MineSession``/``MineAdapter`` are the adapter. It passes every rule that applies to what it claims
-(``snapshot.single``, ``trace``, ``status``). Run:
+``MineLoader`` loads FastDeploy ``ipc_snapshot`` files written as safetensors: the part files
+``model_state.tp{rank}.{id}.part{N}.pdparams``, else the single file ``model_state.tp{rank}.{id}.pdparams``,
+else the legacy file ``model_state.tp0{id}.pdparams``. It is written from SPEC.md and
+conformance/adapter.py only, in three steps per update:
+
+1. plan: which files (one directory listing; a candidate that is not a regular file is an error);
+2. check: every file's header, against the file's size and against the parameters, before any
+   parameter changes (a bad tensor anywhere changes nothing);
+3. load: file by file, read the whole file through a descriptor (never mapped), make sure it is still
+   the file whose header was checked, and copy each tensor into its parameter.
+
+``MineSession`` / ``MineAdapter`` at the end are the adapter. docs/adapters.md walks through it. Run:
 
     pytest conformance --impl=docs/example_adapter.py:MineAdapter
 """
-import ctypes
+from __future__ import annotations
+
 import json
+import logging
 import math
 import os
+import stat
 
+import numpy as np
 import paddle
 
-from conformance.adapter import LoaderConfig, LoadEvent, observe_paddle
+from conformance.adapter import LoaderConfig, LoadEvent, UnsupportedLoadPath, observe_paddle
+
+log = logging.getLogger("mine")
+
+# safetensors dtype -> (Paddle dtype, numpy dtype of the same item size that carries the bytes).
+# numpy has no bfloat16 or fp8: bf16 bytes travel as uint16, fp8 bytes as uint8, and the Paddle
+# tensor is viewed as the right dtype afterwards (docs/paddle-recipes.md).
+DTYPES = {
+    "BOOL": (paddle.bool, np.bool_), "U8": (paddle.uint8, np.uint8), "I8": (paddle.int8, np.int8),
+    "I16": (paddle.int16, np.int16), "I32": (paddle.int32, np.int32), "I64": (paddle.int64, np.int64),
+    "F16": (paddle.float16, np.float16), "BF16": (paddle.bfloat16, np.uint16),
+    "F32": (paddle.float32, np.float32), "F64": (paddle.float64, np.float64),
+    "F8_E4M3": (paddle.float8_e4m3fn, np.uint8), "F8_E5M2": (paddle.float8_e5m2, np.uint8),
+}
 
 
-def _non_negative_int(text: str, variable: str, what: str) -> int:
+# -- who this worker is (read once, when the loader is created) -------------------------------
+def _index(text: str, variable: str) -> int:
     value = text.strip()  # whitespace around an entry is not part of it
-    if not (value.isascii() and value.isdigit()):  # int() would take "-1", " 1_0" and non-ASCII digits
-        raise ValueError(f"{variable}: {what} {text!r} is not a non-negative integer")
+    if not (value.isascii() and value.isdigit()):  # int() would take "-1", "1_0" and non-ASCII digits
+        raise ValueError(f"{variable}: {text!r} is not a non-negative integer")
     return int(value)
 
 
 def physical_gpu_id() -> int:
-    """The physical GPU id: the ``FLAGS_selected_gpus``-th entry of ``CUDA_VISIBLE_DEVICES``. A bad
-    value is an error naming the variable at fault, never a bare ``int()`` or ``IndexError``."""
+    """The ``FLAGS_selected_gpus``-th entry of ``CUDA_VISIBLE_DEVICES`` (each unset reads "0"); a bad
+    value raises an error naming the variable at fault, never a bare int() or IndexError."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
+    index = _index(os.environ.get("FLAGS_selected_gpus", "0"), "FLAGS_selected_gpus")
     entries = visible.split(",")
-    index = _non_negative_int(os.environ.get("FLAGS_selected_gpus", "0"), "FLAGS_selected_gpus", "selection")
     if index >= len(entries):
-        raise IndexError(f"FLAGS_selected_gpus={index} is out of range: CUDA_VISIBLE_DEVICES={visible!r} has {len(entries)} entries")
-    return _non_negative_int(entries[index], "CUDA_VISIBLE_DEVICES", f"entry {index} (selected by FLAGS_selected_gpus)")
+        raise IndexError(f"FLAGS_selected_gpus={index} is out of range: "
+                         f"CUDA_VISIBLE_DEVICES={visible!r} has {len(entries)} entries")
+    return _index(entries[index], f"CUDA_VISIBLE_DEVICES (entry {index})")
 
 
-# safetensors dtype -> (Paddle dtype, bytes per item)
-DTYPES = {
-    "BF16": ("bfloat16", 2), "F16": ("float16", 2), "F32": ("float32", 4), "F64": ("float64", 8),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
-    "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
-}
+# -- 1. plan: which files -----------------------------------------------------------------------
+def plan(model_dir: str, rank: int, gpu: int) -> list[tuple[str, str]]:
+    """(trace label, path) of every file to load, in order: the first level that exists wins."""
+    base, legacy = f"model_state.tp{rank}.{gpu}", f"model_state.tp0{gpu}"
+    names = os.listdir(model_dir) if os.path.isdir(model_dir) else []
+    prefix, suffix = base + ".part", ".pdparams"
+    parts, invalid = [], []
+    for name in names:  # what glob("{base}.part*.pdparams") matches, parsed from the basename only
+        if name.startswith(prefix) and name.endswith(suffix) and len(name) >= len(prefix + suffix):
+            digits = name[len(prefix):-len(suffix)]
+            if digits.isascii() and digits.isdigit():
+                parts.append((int(digits), name))
+            else:
+                invalid.append(name)
+    if invalid:  # one warning naming each ignored file once
+        log.warning("ignoring part files whose index is not a number: %s", ", ".join(sorted(invalid)))
+    if parts:
+        chosen = [(f"snapshot-part{index}", name) for index, name in sorted(parts)]  # numeric order
+    elif base + suffix in names:
+        chosen = [("snapshot", base + suffix)]
+    elif legacy + suffix in names:
+        chosen = [("snapshot", legacy + suffix)]
+    else:
+        raise FileNotFoundError(f"No snapshot found for {base}: checked {prefix}*{suffix}, {base}{suffix} and "
+                                f"{legacy}{suffix} in the model directory {model_dir}")
+    sources = [(label, os.path.join(model_dir, name)) for label, name in chosen]
+    for _, path in sources:
+        # A directory, FIFO or device here is an error, never a reason to fall through to a lower
+        # level (stale weights). os.stat follows symlinks and, unlike open(), never blocks on a FIFO.
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise ValueError(f"{path}: a dangling symlink, not a snapshot file") from None
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path}: not a regular file ({stat.filemode(mode)}); refusing to load another level")
+    return sources
 
 
-def read_snapshot(path: str) -> dict:
-    """Every tensor of a safetensors file, each in memory of its own. The file is read once through
-    a descriptor (never mapped: a trainer truncating it would kill a reader of a mapping with SIGBUS),
-    closed before returning, and rejected if it changed while it was read."""
+# -- 2. check: headers --------------------------------------------------------------------------
+def _open(path: str) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY)
     except PermissionError:
-        raise PermissionError(f"{path}: permission denied; the snapshot file cannot be opened for reading") from None
+        raise PermissionError(f"{path}: permission denied (cannot open it for reading: fix its mode)") from None
+
+
+def _identity(fd: int) -> tuple:
+    """What tells one version of a file from another: a rewrite changes the size or the times."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _unique(pairs):
+    names = [k for k, _ in pairs]
+    if len(names) != len(set(names)):
+        raise ValueError(f"a name appears twice: {sorted(k for k in set(names) if names.count(k) > 1)}")
+    return dict(pairs)
+
+
+def read_header(path: str) -> tuple[list, tuple]:
+    """([(name, dtype, shape, begin, end)], file identity) of a safetensors file, with every check the
+    safetensors library makes; offsets are from the start of the file. ValueError names the file."""
+    fd = _open(path)
     try:
-        before = os.fstat(fd)
-        data = bytearray()
-        while chunk := os.read(fd, 1 << 20):
-            data += chunk
-        after = os.fstat(fd)
+        ident = _identity(fd)
+        size = ident[2]
+        if size == 0:
+            raise ValueError(f"{path}: the file is empty (0 bytes)")
+        if size < 8:
+            raise ValueError(f"{path}: truncated: expects at least 8 bytes (the header length), file has {size}")
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        if 8 + n > size:
+            raise ValueError(f"{path}: truncated: the header length {n} expects {8 + n} bytes, file has {size}")
+        raw = os.pread(fd, n, 8)
     finally:
         os.close(fd)
-    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
-        raise ValueError(f"{path}: the file changed while it was read; write it completely, then update again")
-    return parse_safetensors(path, data)
-
-
-def parse_safetensors(path: str, data: bytearray) -> dict:
-    """Tensors from the bytes of a safetensors file, validated as strictly as the safetensors
-    library does; a bad file is a ValueError naming it (and the sizes, when it is too short)."""
-    size = len(data)
-    if size == 0:
-        raise ValueError(f"{path}: file is empty (0 bytes), expected a safetensors snapshot")
-    if size < 8:
-        raise ValueError(f"{path}: truncated: {size} bytes cannot hold the 8-byte header length")
-    n = int.from_bytes(data[:8], "little")
-    if 8 + n > size:
-        raise ValueError(f"{path}: truncated or corrupt: header length {n} expects {8 + n} bytes, file has {size}")
     try:
-        header = json.loads(bytes(data[8:8 + n]))
-    except ValueError as e:  # also UnicodeDecodeError
+        header = json.loads(raw, object_pairs_hook=_unique)
+    except ValueError as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
         raise ValueError(f"{path}: not a valid safetensors file: the JSON header does not parse ({e})") from None
     if not isinstance(header, dict):
-        raise ValueError(f"{path}: not a valid safetensors file: the header is {type(header).__name__}, not an object")
-    header.pop("__metadata__", None)
+        raise ValueError(f"{path}: not a valid safetensors file: the header is not a JSON object")
+    meta = header.pop("__metadata__", {})
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise ValueError(f"{path}: not a valid safetensors file: __metadata__ must map strings to strings")
     entries = []
     for name, info in header.items():
-        info = info if isinstance(info, dict) else {}
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not (isinstance(info, dict) and {"dtype", "shape", "data_offsets"} <= info.keys()):
+            raise ValueError(f"{path}: tensor {name!r} needs dtype, shape and data_offsets, got {info!r:.80}")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if dtype not in DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has dtype {dtype!r}, not one of {sorted(DTYPES)}")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise ValueError(f"{path}: tensor {name!r} has shape {shape!r}, expected a list of integers >= 0")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise ValueError(f"{path}: tensor {name!r} has data_offsets {offsets!r}, expected [begin, end]")
-        nbytes = math.prod(shape) * DTYPES[dtype][1]
+        nbytes = math.prod(shape) * np.dtype(DTYPES[dtype][1]).itemsize
         if offsets[1] - offsets[0] != nbytes:
-            raise ValueError(f"{path}: tensor {name!r} has data_offsets {offsets} ({offsets[1] - offsets[0]} bytes); "
-                             f"{dtype}{shape} is {nbytes} bytes")
-        entries.append((offsets[0], offsets[1], name, dtype, shape))
-    entries.sort()
-    end = 0
-    for begin, stop, name, _, _ in entries:  # contiguous from 0: no overlap, no gap
+            raise ValueError(f"{path}: tensor {name!r}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
+                             f"{dtype} x {shape} needs {nbytes}")
+        entries.append((name, dtype, shape, 8 + n + offsets[0], 8 + n + offsets[1]))
+    entries.sort(key=lambda e: (e[3], e[4]))
+    end = 8 + n
+    for name, _, _, begin, stop in entries:  # the tensors tile the data: no overlap, no gap
         if begin != end:
-            raise ValueError(f"{path}: tensor {name!r} starts at byte {begin} of the data, expected {end} "
-                             "(tensors must cover the data contiguously)")
+            raise ValueError(f"{path}: not a valid safetensors file: tensor {name!r} starts at byte {begin}, "
+                             f"expected {end} (offsets overlap or leave a gap)")
         end = stop
-    if 8 + n + end != size:
-        raise ValueError(f"{path}: {'truncated' if size < 8 + n + end else 'trailing bytes after the data'}: "
-                         f"the header expects {8 + n + end} bytes, file has {size}")
+    if end != size:  # too short, or trailing bytes (safetensors rejects both)
+        what = "truncated" if end > size else "trailing bytes"
+        raise ValueError(f"{path}: {what}: expects {end} bytes, file has {size}")
     if not entries:
-        raise ValueError(f"{path}: no parameter found in the snapshot (it holds no tensors)")
-    source = (ctypes.c_char * size).from_buffer(data)
-    tensors = {}
-    for begin, stop, name, dtype, shape in entries:
-        tensor = paddle.empty(shape, dtype=DTYPES[dtype][0])  # memory of its own, then one copy into it
-        if stop > begin:
-            ctypes.memmove(tensor.data_ptr(), ctypes.addressof(source) + 8 + n + begin, stop - begin)
-        tensors[name] = tensor
-    del source  # (a live ctypes view would keep ``data`` from being freed)
-    return tensors
+        raise ValueError(f"{path}: no parameter found: the file holds no tensors")
+    return entries, ident
+
+
+def check_against(params: dict, entries: list, path: str) -> None:
+    """Dtype first (TypeError), then shape (ValueError), naming the tensor and the file. Names the
+    model does not have are ignored."""
+    for name, dtype, shape, _, _ in entries:
+        param = params.get(name)
+        if param is None:
+            continue
+        want = DTYPES[dtype][0]
+        if param.dtype != want:
+            raise TypeError(f"Type mismatch for {name}: {want} in {path}, the parameter is {param.dtype}")
+        if list(param.shape) != shape:
+            raise ValueError(f"Shape mismatch for {name}: {shape} in {path}, the parameter is {list(param.shape)}")
+
+
+# -- 3. load: one file at a time --------------------------------------------------------------
+def read_tensors(path: str, entries: list, ident: tuple, wanted):
+    """Yield (name, tensor) for the names in ``wanted``, each tensor in memory of its own. The whole
+    file is read first, through a descriptor (a mapping would SIGBUS if the trainer truncated it),
+    and closed; it must be the very file whose header was checked, unchanged until the read ended."""
+    fd = _open(path)
+    try:
+        if _identity(fd) != ident:
+            raise ValueError(f"{path}: the file changed after its header was checked; write it, then update again")
+        data = bytearray(ident[2])
+        view, done = memoryview(data), 0
+        while done < len(data):
+            got = os.preadv(fd, [view[done:]], done)
+            if got == 0:
+                raise ValueError(f"{path}: the file changed during load (it shrank while being read)")
+            done += got
+        view.release()
+        if _identity(fd) != ident:
+            raise ValueError(f"{path}: the file changed during load; write it, then update again")
+    finally:
+        os.close(fd)
+    for name, dtype, shape, begin, _ in entries:
+        if name in wanted:
+            want, carrier = DTYPES[dtype]
+            array = np.frombuffer(data, carrier, count=math.prod(shape), offset=begin).reshape(shape)
+            tensor = paddle.to_tensor(array)  # a copy: the tensor owns its memory (uint16 arrives as bfloat16)
+            yield name, (tensor if tensor.dtype == want else tensor.view(want))  # fp8: uint8 bytes, viewed
 
 
 class MineLoader:
     """The implementation under test (yours would live in its own package)."""
 
-    def __init__(self, models, model_dir):
-        self.params = {name: p for model in models for name, p in model.state_dict().items()}
+    def __init__(self, models, model_dir: str):
+        self.params = {}
+        for model in models:  # main model first, then MTP models: one flat name space
+            for name, param in model.state_dict().items():
+                if name in self.params:
+                    raise ValueError(f"parameter {name!r} appears in two models")
+                self.params[name] = param
         self.model_dir = model_dir
-        # Worker identity, read once when the loader is created, the way production reads it: global
-        # rank and physical GPU id. The loader keeps it even if the environment changes later.
-        self.rank = paddle.distributed.get_rank()
+        self.rank = paddle.distributed.get_rank()  # identity: read now, kept for the loader's life
         self.gpu = physical_gpu_id()
-        self.state = "CLEARED"  # a plain attribute: status() may read it from another thread
-        self.applied = []
+        self.state = "CLEARED"  # a plain attribute: status() reads it from any thread, at once
+        self.applied: list[tuple[str, str]] = []  # (label, path) of the last update, in order
 
-    def reload(self):
+    def reload(self) -> None:
         self.state, self.applied = "UPDATING", []  # stays UPDATING if anything below raises
-        base = f"model_state.tp{self.rank}.{self.gpu}"
-        path = os.path.join(self.model_dir, base + ".pdparams")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"No snapshot found for {base}: checked {path} (model directory {self.model_dir})")
-        incoming = read_snapshot(path)
-        # Validate everything before touching any parameter: a rejected update changes nothing.
-        for name, target in self.params.items():
-            tensor = incoming.get(name)
-            if tensor is None:
-                continue
-            if tensor.dtype != target.dtype:
-                raise TypeError(f"Type mismatch for {name}: {tensor.dtype} vs {target.dtype} (from {path})")
-            if tensor.shape != target.shape:
-                raise ValueError(f"Shape mismatch for {name}: {tensor.shape} vs {target.shape} (from {path})")
-        missing = sorted(set(self.params) - set(incoming))
+        sources = plan(self.model_dir, self.rank, self.gpu)
+        headers = [read_header(path) for _, path in sources]
+        for (_, path), (entries, _) in zip(sources, headers):
+            check_against(self.params, entries, path)  # every file, before any parameter changes
+        loaded = set()
+        for (label, path), (entries, ident) in zip(sources, headers):  # one file in memory at a time
+            with paddle.no_grad():
+                for name, tensor in read_tensors(path, entries, ident, self.params):
+                    paddle.assign(tensor, output=self.params[name])  # a copy; a later part overwrites
+                    loaded.add(name)
+            self.applied.append((label, path))
+        missing = sorted(set(self.params) - loaded)
         if missing:
-            raise RuntimeError(f"{path} lacks {', '.join(missing)}")
-        for name, target in self.params.items():  # names the model does not have are ignored
-            incoming[name]._share_buffer_to(target)
-        self.applied.append(path)
+            raise RuntimeError(f"{len(missing)} parameter(s) missing from the snapshot: {', '.join(missing)}")
         self.state = "NORMAL"
 
-    def drop(self):
+    def drop(self) -> None:
         self.state = "CLEARING"
-        for p in self.params.values():
-            p._clear_data()
-        self.applied = []
+        for param in self.params.values():
+            param._clear_data()  # the parameter stays, its memory is released
         self.state = "CLEARED"
 
 
+# -- the adapter --------------------------------------------------------------------------------
 class MineSession:
     def __init__(self, models, config: LoaderConfig):
+        if config.load_strategy != "ipc_snapshot":  # (not reached: the capabilities say so already)
+            raise UnsupportedLoadPath(f"mine loads ipc_snapshot only, not {config.load_strategy}")
         self.loader = MineLoader(models, config.model_dir)  # captures only: nothing is loaded yet
 
     def update(self):
@@ -179,19 +279,19 @@ class MineSession:
         return observe_paddle(self.loader.params)
 
     def trace(self):
-        return [LoadEvent("snapshot", path) for path in self.loader.applied]
+        return [LoadEvent(label, path) for label, path in self.loader.applied]
 
     def status(self):
         return self.loader.state
 
     def close(self):
-        pass
+        pass  # nothing is held between calls
 
 
 class MineAdapter:
     name = "mine"
-    version = "0.2"
-    capabilities = frozenset({"snapshot.single", "trace", "status"})
+    version = "0.3"
+    capabilities = frozenset({"snapshot.parts", "snapshot.single", "snapshot.legacy", "trace", "status", "mtp"})
 
     def open(self, models, config: LoaderConfig) -> MineSession:
         return MineSession(models, config)
