@@ -71,6 +71,11 @@ class LoaderSession(Protocol):
 
 @runtime_checkable
 class LoaderAdapter(Protocol):
+    """Required: ``name``, ``version``, ``capabilities``, ``open``. Optional attributes the suite reads:
+    ``serves_on`` ("cpu" | "gpu": rules with a ``Device:`` line in SPEC.md are judged only on a run on
+    that device), ``snapshot_formats`` ({"legacy": "safetensors" | "paddle.save"}: the format of the
+    legacy tp0{id} file the suite writes for it) and ``notes`` (strings for the report's header)."""
+
     name: str
     version: str
     capabilities: frozenset[str]

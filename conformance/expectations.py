@@ -11,7 +11,8 @@
 A selector is exact: ``id`` is a pytest node id, ``glob`` an explicit ``fnmatch`` pattern on node ids,
 ``rule`` every test of one SPEC rule. The file is strict, because a lax one hides regressions:
 an unknown key, kind or rule, a missing reason, or an entry that matches no collected conformance test
-is an error. A test an entry covers that fails is an *expected failure*; one that passes is an
+is an error (checked for the files a run collects: a run of one module is not told about entries for
+others). A test an entry covers that fails is an *expected failure*; one that passes is an
 *unexpected pass* and fails the run, except for kind ``flaky`` (either outcome is accepted).
 """
 from __future__ import annotations
@@ -121,6 +122,16 @@ def match(entries: list[Expectation], nodeid: str, rule: str | None) -> Expectat
 def unmatched(entries: list[Expectation], tests: list[tuple[str, str | None]]) -> list[Expectation]:
     """Entries that cover none of ``tests`` ((nodeid, rule) pairs)."""
     return [e for e in entries if not any(e.matches(n, r) for n, r in tests)]
+
+
+def checkable(entries: list[Expectation], files: set[str], whole_suite: bool) -> list[Expectation]:
+    """The entries a run that collected tests of ``files`` can hold to matching something: an ``id``
+    or ``glob`` whose file part names a collected file; a ``rule`` entry only when ``whole_suite``."""
+    def file_collected(pattern: str) -> bool:
+        file_part = pattern.partition("::")[0]
+        return any(fnmatch.fnmatchcase(f, file_part) for f in files)
+
+    return [e for e in entries if (whole_suite if e.selector == "rule" else file_collected(e.pattern))]
 
 
 def verdict(status: str, entry: Expectation | None) -> str:

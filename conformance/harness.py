@@ -81,6 +81,11 @@ class Loader:
         os.makedirs(self.shared_dir, exist_ok=True)
         self._monkeypatch = monkeypatch
         self._sessions: list[RecordedSession] = []
+        # The legacy tp0{id} file is written in the format the loader's era reads (optional adapter
+        # attribute ``snapshot_formats``, e.g. {"legacy": "paddle.save"}; default safetensors).
+        from fixtures import snapshot
+
+        snapshot.set_legacy_format(dict(getattr(adapter, "snapshot_formats", None) or {}).get("legacy", "safetensors"))
 
     def open(self, model_spec, *, strategy="ipc_snapshot", worker: Worker | None = None, model_dir=None, options=None):
         worker = worker or Worker()

@@ -182,8 +182,12 @@ def pytest_collection_modifyitems(session, config, items):
                                      ("requires", ",".join(requires)), ("device", devices().get(rule_id, ""))])
     entries = config.stash[EXPECT_KEY]
     if entries and conformance_items:
-        # Before any selection (--rule, -k): an entry for a rule this run deselects is still valid.
-        stale = expect.unmatched(entries, [(i.nodeid, rule_of(i)) for i in conformance_items])
+        # Before any selection (--rule, -k): an entry for a rule this run deselects is still valid. An
+        # entry is checked only where this run can tell: an id or glob when its file was collected, a rule
+        # entry when every rule's tests were (a run of some files is not a run of the suite).
+        stale = expect.unmatched(expect.checkable(entries, {i.nodeid.partition("::")[0] for i in conformance_items},
+                                                  {rule_of(i) for i in conformance_items} >= set(known)),
+                                 [(i.nodeid, rule_of(i)) for i in conformance_items])
         if stale:
             raise pytest.UsageError(
                 f"--expectations {config.getoption('--expectations')}: "
@@ -284,7 +288,29 @@ def pytest_runtest_makereport(item, call):
     if call.when == "call" and SELF_SKIP_KEY in item.stash:
         # read by _status_of; a plain attribute, so it survives pytest-xdist's report serialization
         report.conformance_status = "error"
+    props = _props(item.user_properties)
+    entry = expect.match(item.config.stash.get(EXPECT_KEY, []), item.nodeid, props["rule"]) if props else None
+    if entry is not None:
+        _apply_expectation(report, entry)
     return report
+
+
+def _apply_expectation(report, entry) -> None:
+    """Show a covered test to pytest as xfail does (strict): an expected failure is reported
+    ``xfailed``, an expected failure that passes fails. What the test actually did is kept on the
+    report (``conformance_actual``, ``conformance_message``) for the results."""
+    status = _status_of(report)
+    if status in ("failed", "error"):
+        report.conformance_actual = status
+        report.conformance_message = _message(report, status)
+        report.outcome = "skipped"
+        report.wasxfail = f"expected failure ({entry.kind}): {entry.reason}"
+    elif status == "passed" and report.when == "call" and entry.kind != "flaky":
+        report.conformance_actual = "passed"
+        report.conformance_message = ""
+        report.outcome = "failed"
+        report.longrepr = (f"[XPASS(strict)] {report.nodeid}: an expected failure ({entry.kind}: {entry.reason}; "
+                           f"{entry.describe()}) passed; remove the entry from the expectations file")
 
 
 @pytest.fixture
@@ -386,11 +412,12 @@ def pytest_runtest_logreport(report):
     info = results.get(report.nodeid)
     if info is None:
         info = results[report.nodeid] = _record(config, report.nodeid, props)
-    status = _status_of(report)
+    actual = getattr(report, "conformance_actual", None)  # set where an expectation covered the test
+    status = actual or _status_of(report)
     # The first non-passing phase decides (a teardown error after a pass is still an error).
     if status is not None and info["actual"] in (None, "passed"):
         info["actual"] = status
-        info["message"] = _message(report, status)
+        info["message"] = report.conformance_message if actual else _message(report, status)
         info["status"] = expect.verdict(status, info["_entry"])
 
 

@@ -100,6 +100,21 @@ class RuleLevel(NamedTuple):
     device_reason: str  # the text after "Device: DEVICE." ("" without a Device line)
 
 
+def _tagged(rule_id: str, line: str, pattern, what: str, allowed) -> tuple[str, str]:
+    """(value, reason) of a ``Level:``/``Device:`` line; ValueError naming the rule when the line is
+    malformed, its value unknown or its reason missing."""
+    m = pattern.match(line)
+    if not m:
+        raise ValueError(f"SPEC rule {rule_id}: malformed {what} line {line!r}; "
+                         f"expected '{what.capitalize()}: {'|'.join(allowed)}. <why>'")
+    value, reason = m.group(1), (m.group(2) or "").strip()
+    if value not in allowed:
+        raise ValueError(f"SPEC rule {rule_id}: unknown {what} {value!r} in {line!r}; expected one of {list(allowed)}")
+    if not reason:
+        raise ValueError(f"SPEC rule {rule_id}: the {what} line {line!r} gives no reason after the {what}")
+    return value, reason
+
+
 def parse_level(rule_id: str, body: str) -> RuleLevel:
     """A rule body's ``Level:`` line (its first non-blank line: ``Level: contract|hardening. WHY``)
     and the optional ``Device: cpu|gpu. WHY`` line right after it. ValueError naming the rule when
@@ -117,30 +132,14 @@ def parse_level(rule_id: str, body: str) -> RuleLevel:
     first = nonblank[0][0]
     if level_at[0] != first:
         raise ValueError(f"SPEC rule {rule_id}: the 'Level:' line must be the first line of the rule's body")
-    m = LEVEL_LINE.match(lines[first])
-    if not m:
-        raise ValueError(f"SPEC rule {rule_id}: malformed level line {lines[first]!r}; "
-                         "expected 'Level: contract|hardening. <why>'")
-    level, reason = m.group(1), (m.group(2) or "").strip()
-    if level not in LEVELS:
-        raise ValueError(f"SPEC rule {rule_id}: unknown level {level!r} in {lines[first]!r}; expected one of {list(LEVELS)}")
-    if not reason:
-        raise ValueError(f"SPEC rule {rule_id}: the level line {lines[first]!r} gives no reason after the level")
+    level, reason = _tagged(rule_id, lines[first], LEVEL_LINE, "level", LEVELS)
     device, device_reason = None, ""
     if device_at:
         if len(device_at) > 1:
             raise ValueError(f"SPEC rule {rule_id}: {len(device_at)} 'Device:' lines; at most one is allowed")
         if len(nonblank) < 2 or device_at[0] != nonblank[1][0] or device_at[0] != first + 1:
             raise ValueError(f"SPEC rule {rule_id}: the 'Device:' line must come right after the 'Level:' line")
-        d = DEVICE_LINE.match(lines[device_at[0]])
-        if not d:
-            raise ValueError(f"SPEC rule {rule_id}: malformed device line {lines[device_at[0]]!r}; "
-                             "expected 'Device: cpu|gpu. <why>'")
-        device, device_reason = d.group(1), (d.group(2) or "").strip()
-        if device not in DEVICES:
-            raise ValueError(f"SPEC rule {rule_id}: unknown device {device!r}; expected one of {list(DEVICES)}")
-        if not device_reason:
-            raise ValueError(f"SPEC rule {rule_id}: the device line gives no reason after the device")
+        device, device_reason = _tagged(rule_id, lines[device_at[0]], DEVICE_LINE, "device", DEVICES)
     return RuleLevel(level, reason, device, device_reason)
 
 

@@ -50,7 +50,7 @@ def _write(loader, source, st, focus=(), nparts=3):
     if source == "single":
         return [S.write_safetensors(S.single_path(loader.model_dir, 0, 0), st)]
     if source == "legacy":
-        return [S.write_safetensors(S.legacy_path(loader.model_dir, 0), st)]
+        return [S.write_legacy(loader.model_dir, 0, st)]
     if source == "shared":
         return [S.write_pickle_fallback(f"{loader.shared_dir}/{S.base_name(0, 0)}{S.PDPARAMS}", st)]
     if source == "parts":
@@ -106,7 +106,7 @@ PICKLABLE = M.ModelSpec(tuple(p for p in ALL_DTYPES.main if not p.dtype.startswi
 @pytest.mark.rule("APPLY-ROUNDTRIP-DTYPES")
 @pytest.mark.parametrize("source", [case("single"), case("parts"), case("legacy"), case("shared")])
 def test_every_dtype_round_trips_bit_exact(loader, source):
-    spec = PICKLABLE if source == "shared" else ALL_DTYPES
+    spec = PICKLABLE if S.writes_pickle(source) else ALL_DTYPES
     want = M.state(spec, version=3)
     paths = _write(loader, source, want)
     session = loader.open(spec)
@@ -305,7 +305,7 @@ EXTRAS_PICKLABLE = M.ModelSpec(tuple(p for p in EXTRAS.main if not p.dtype.start
 )
 def test_unknown_names_are_ignored(loader, source, layout):
     want = M.state(SPEC, version=1)
-    extras = M.state(EXTRAS_PICKLABLE if source == "shared" else EXTRAS, version=5)
+    extras = M.state(EXTRAS_PICKLABLE if S.writes_pickle(source) else EXTRAS, version=5)
     paths = _write(loader, source, {**want, **extras}, focus=list(extras) if layout == "own-part" else ())
     session = loader.open(SPEC)
     session.update()

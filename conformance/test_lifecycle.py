@@ -50,7 +50,7 @@ def _write(loader, source, st):
     if kind == "single":
         return [S.write_safetensors(S.single_path(loader.model_dir, 0, 0), st)]
     if kind == "legacy":
-        return [S.write_safetensors(S.legacy_path(loader.model_dir, 0), st)]
+        return [S.write_legacy(loader.model_dir, 0, st)]
     if kind == "shared":
         return [S.write_pickle_fallback(os.path.join(loader.shared_dir, S.base_name(0, 0) + S.PDPARAMS), st)]
     return S.write_parts(loader.model_dir, 0, 0, dict(enumerate(S.split(st, min(int(k or 2), len(st))))))
@@ -98,7 +98,7 @@ def _missing(loader, source, spec, version):
 
 def _corrupt(loader, source, spec, version):
     paths = _write(loader, source, M.state(spec, version=version))
-    if source.startswith("shared"):
+    if S.writes_pickle(source.partition(":")[0]):
         with open(paths[-1], "r+b") as f:
             f.write(b"\x80\x02not a pickle at all")
     else:

@@ -118,7 +118,7 @@ def _write_foreign_higher_levels(loader):
         S.write_safetensors(S.single_path(loader.model_dir, rank, gpu), decoy)
         S.write_parts(loader.model_dir, rank, gpu, {0: decoy})
     S.write_safetensors(os.path.join(loader.model_dir, f"model_state.tp{RANK}{GPU}{S.PDPARAMS}"), decoy)
-    S.write_safetensors(S.legacy_path(loader.model_dir, 1), decoy)  # tp01: the ordinal's legacy file
+    S.write_legacy(loader.model_dir, 1, decoy)  # tp01: the ordinal's legacy file
 
 
 @pytest.mark.rule("LEVEL-LEGACY-THIRD")

@@ -222,15 +222,23 @@ _INVALID_IDS = [
 ]
 
 
+_ID_LEVELS = [pytest.param("single", marks=pytest.mark.requires("snapshot.single"), id="single"),
+              # The legacy tp0{id} file is keyed by the same id (the only level before FastDeploy #6852).
+              pytest.param("legacy", marks=pytest.mark.requires("snapshot.legacy"), id="legacy")]
+
+
 @pytest.mark.rule("SNAP-GPU-ID-INVALID")
-@pytest.mark.requires("snapshot.single")
+@pytest.mark.parametrize("level", _ID_LEVELS)
 @pytest.mark.parametrize("visible,selected,culprit,loads", _INVALID, ids=_INVALID_IDS)
-def test_invalid_gpu_identity_is_a_clear_error(loader, monkeypatch, visible, selected, culprit, loads):
+def test_invalid_gpu_identity_is_a_clear_error(loader, monkeypatch, visible, selected, culprit, loads, level):
     """Files exist for every id a tolerant reading could produce, so a loader that guesses loads
     something; the rule wants the error, naming the variable, before any parameter is loaded.
-    ``None`` is a variable left unset."""
+    ``None`` is a variable left unset. On the single-file level, and on the legacy level alone."""
     for gpu in (0, 1, 2, 3, 5, 7, 12):
-        S.write_safetensors(S.single_path(loader.model_dir, 0, gpu), M.state(SPEC, version=100 + gpu))
+        if level == "single":
+            S.write_safetensors(S.single_path(loader.model_dir, 0, gpu), M.state(SPEC, version=100 + gpu))
+        else:
+            S.write_legacy(loader.model_dir, gpu, M.state(SPEC, version=100 + gpu))
     unset = [var for var, value in (("CUDA_VISIBLE_DEVICES", visible), ("FLAGS_selected_gpus", selected)) if value is None]
     if unset:
         real_set = harness.set_worker_env

@@ -17,7 +17,7 @@ end = text.find("\n[", start + 1)
 table = '''[tool.mutmut]
 source_paths = ["conformance/expectations.py", "conformance/report.py"]
 also_copy = ["conformance/", "reference/", "fixtures/", "sim/", "tests/", "conftest.py", "SPEC.md"]
-pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-k", "parser or match_exactly or candidate or cause_key or precedence or rule_takes or typo_is or empty_file or load_reads or in_process"]
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-k", "parser or match_exactly or candidate or cause_key or precedence or rule_takes or typo_is or empty_file or load_reads or in_process or checkable"]
 pytest_add_cli_args_test_selection = ["tests/test_plugin_gate.py"]
 '''
 open("pyproject.toml", "w").write(text[:start] + table + (text[end:] if end != -1 else ""))

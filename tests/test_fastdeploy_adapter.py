@@ -1,12 +1,30 @@
-"""``--impl=fastdeploy`` against the FastDeploy stand-in (tests/fd_standin): which rules FastDeploy's
-DynamicWeightManager fails, and why; plus the adapter's own mechanics (stubs, status cell, identity).
+"""``--impl=fastdeploy`` on every generation of FastDeploy's DynamicWeightManager.
 
-The pin below is the honest result of the whole suite. When a new conformance module lands, rerun
-``pytest conformance --impl=fastdeploy --impl-opt source=tests/fd_standin/dynamic_weight_manager.py``
-and extend it; a rule that fails because of the adapter (not FastDeploy) is an adapter bug to fix.
+Each generation has a stand-in in ``tests/fd_standins/<generation>/`` (written from the contract and the
+facts of that generation: its module-level imports, constructor, methods, file formats, status writes and
+known bugs) with an ``expectations.toml`` beside it: every test that generation fails, with its kind
+(bug: a FastDeploy defect; never: stricter than FastDeploy promises; flaky: either outcome) and reason.
+The real files of each generation (fetched from PaddlePaddle/FastDeploy) fail exactly the same tests; the
+stand-ins stand for them here, where FastDeploy cannot be fetched.
+
+* ``test_generation_fails_exactly_its_expectations``: one conformance run per generation, gated by the
+  plugin with ``--expectations`` (strict: an unexpected failure, an expected failure that passes or an
+  entry matching no test fails the run); green, a ``bug`` is a contract rule and a ``never`` a hardening
+  one (SPEC.md levels), every other test passes or is not applicable for a capability the adapter does
+  not claim (or the device). ``test_a_new_regression_turns_the_gate_red``: a regressed stand-in under
+  the same file fails the run.
+* ``test_adapter_derives_the_generation``: the calling convention, levels, formats and capabilities the
+  adapter reads from each class, and the reasons it prints for what it does not claim.
+* The adapter's mechanics: stubs, usage errors, the status cell, worker identity, ``/shared_ipc_meta``.
+
+When a conformance rule changes, rerun ``pytest conformance --impl=fastdeploy --impl-opt
+source=tests/fd_standins/<generation>/dynamic_weight_manager.py --update-expectations PATH`` and review the
+candidate; a failure caused by the adapter (not FastDeploy) is an adapter bug to fix, never an entry.
 """
 from __future__ import annotations
 
+import ast
+import concurrent.futures
 import importlib.util
 import os
 import subprocess
@@ -16,111 +34,218 @@ import pytest
 
 from conformance.harness import Loader, Worker
 from conformance.impls import fastdeploy as fd
+from conformance.registry import ImplError
+from conformance.spec import levels as spec_levels
 from fixtures import models as M
 from fixtures import snapshot as S
 from tests.conftest import REPO, run_conformance
 
 # Module fixtures run whole pytest subprocesses; their setup counts against the first test's timeout.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
-STANDIN = os.path.join(REPO, "tests", "fd_standin", "dynamic_weight_manager.py")
-STANDIN_REL = os.path.relpath(STANDIN, REPO)
+STANDINS = os.path.join(REPO, "tests", "fd_standins")
+GENERATIONS = ("dwm0", "ep", "rsync_tp0", "parts", "gdr")
+KINDS = ("notimpl", "bug", "never", "flaky")
+KIND_LEVEL = {"bug": "contract", "never": "hardening"}  # notimpl / flaky: either level
+FLAKY_ONLY: dict[str, set] = {}  # gen -> rules whose failures are all flaky (they may pass): none today
 
-# Rule -> why FastDeploy fails it (fd-spec = /work/shared/research/fastdeploy-spec.md).
-EXPECTED_FAILING = {
-    # _get_gpu_id is a bare int(CUDA_VISIBLE_DEVICES.split(",")[int(FLAGS_selected_gpus)]): the
-    # ValueError/IndexError names neither variable (fd-spec rule 12).
-    "SNAP-GPU-ID-INVALID": "bare int()/IndexError naming no variable",
-    # The part index regex is searched on the full path: in .../ckpt.part7.run/ every part is index 7,
-    # labelled snapshot-part7, and order falls back to glob order (fd-spec rule 6).
-    "PART-INDEX-BASENAME": "index parsed from the full path",
-    # finalize_update's RuntimeError("Model Parameter update verification failed") names no parameter;
-    # the names only go to the log (fd-spec §2.7).
-    "APPLY-MISSING-FAILS": "verification error names no parameter",
-    # ValueError(f"No parameter found in state dict {state_dict}") prints "{}", never the file (rule 9).
-    "FILE-NO-TENSORS": "empty-file error names no file",
-    # paddle.load(path, safetensors=True) raises safetensors' SafetensorError (not a ValueError) with
-    # no file name, and FastDeploy does not wrap it (fd-spec §3.1, §6.5).
-    "FILE-ZERO-BYTES": "SafetensorError, no file name",
-    "FILE-TRUNCATED": "SafetensorError, no file name",
-    "FILE-CORRUPT-HEADER": "SafetensorError, no file name",
-    # paddle.load(path, safetensors=True) returns views of the file's mmap (Paddle 3.3.1) and
-    # _update_model_from_state adopts them with _share_buffer_to: the served weights stay backed by
-    # the snapshot file, so rewriting it in place changes them (and truncating it is a SIGBUS).
-    "FILE-DETACHED": "adopts paddle.load's mmap views of the file",
-    # The same views keep every snapshot file mapped after the update.
-    "FILE-RELEASED": "snapshot files stay mapped through the adopted views",
-    # paddle.load reports a mode-000 file as FileNotFoundError ("No such file or directory").
-    "FILE-UNREADABLE": "permission denied reported as a missing file",
-    # A truncation mid-load gives safetensors' "incomplete metadata" naming no file; a rewrite in place
-    # mid-load ends NORMAL with weights of neither version (views of the file again).
-    "FILE-CHANGED-DURING-LOAD": "no change detection; truncation error names no file",
-    # The same full-path regex as PART-INDEX-BASENAME: under .../ckpt.part7.run/ every part is labelled part7.
-    "PART-LABEL-INDEX": "labels parsed from the full path",
-    # Its regex \.part(\d+)\. accepts part1.5 as part 1, and \d matches non-ASCII digits (U+0661): a
-    # digits-only grammar (the #6909 review) rejects both.
-    "PART-INVALID-IGNORED": "part grammar accepts part1.5 and non-ASCII digits",
-    # os.path.exists is false for a dangling symlink at the single-file name, so it falls through to the
-    # stale legacy file and reports success; a directory gives "No parameter found in state dict {}"
-    # naming no file; a bad middle part leaves part 0 applied (no rollback, fd-spec rule 17).
-    "LEVEL-CANDIDATE-NOT-FILE": "falls through a dangling symlink to a stale level",
-    # Capture logs param.place, which Paddle refuses for an unallocated zero-element parameter; and
-    # paddle.load(safetensors=True) cannot view a 0-byte tensor, so [0,4] vs [4,0] raises a Paddle error,
-    # not "Shape mismatch for ...".
-    "APPLY-ROUNDTRIP-DTYPES": "zero-element parameters cannot be captured",
-    "APPLY-SHAPE-MISMATCH": "zero-element shape mismatch raises a Paddle error",
-    # No rollback (fd-spec rule 17): a mismatch in part 2 leaves parts 0-1 applied. Stricter than the
-    # contract, which documents the partial update.
-    "APPLY-VALIDATE-FIRST": "applies part by part with no rollback",
+
+def standin(gen: str) -> str:
+    return os.path.join(STANDINS, gen, "dynamic_weight_manager.py")
+
+
+ALL_LEVELS = {"parts": "safetensors", "single": "safetensors", "legacy": "safetensors", "shared": "paddle.save"}
+ALL_SNAPSHOT = {"snapshot.parts", "snapshot.single", "snapshot.legacy", "snapshot.shared_fallback"}
+# What the adapter must read from each generation's class (fd-spec §0, §1.4, §3.1 and the real files).
+FACTS = {
+    "dwm0": dict(init=("fd_config", "model"), runner_finalizes=False, levels={"legacy": "paddle.save"},
+                 caps={"snapshot.legacy", "trace", "status"}),
+    "ep": dict(init=("fd_config", "models"), runner_finalizes=True, levels={"legacy": "paddle.save"},
+               caps={"snapshot.legacy", "trace", "status", "mtp"}),
+    "rsync_tp0": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels={"legacy": "safetensors"},
+                      caps={"snapshot.legacy", "trace", "status", "mtp"}),
+    "parts": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels=ALL_LEVELS,
+                  caps=ALL_SNAPSHOT | {"trace", "status", "mtp"}),
+    "gdr": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels=ALL_LEVELS,
+                caps=ALL_SNAPSHOT | {"trace", "status", "mtp"}),
+}
+_TYPING_OLD = "from typing import Any, Dict"
+_BASE = {"import os", "import time", "from multiprocessing.shared_memory import SharedMemory", "import numpy as np",
+         "import paddle", "from paddleformers.utils.log import logger", "from fastdeploy.config import FDConfig"}
+_PARTS = _BASE | {"import gc", "import glob", "import re", "import yaml", "from typing import Any, Dict, List",
+                  "from fastdeploy.inter_communicator import KVCacheStatus, ModelWeightsStatus"}
+# Module-level imports of each real generation's file: its stand-in imports the same, so that the
+# adapter's stubs are exercised (yaml and fastdeploy.envs stopped the adapter before).
+IMPORTS = {
+    "dwm0": _BASE | {_TYPING_OLD, "from paddle import nn"},
+    "ep": _BASE | {"from typing import Any, Dict, List", "from fastdeploy.inter_communicator import ModelWeightsStatus"},
+    "rsync_tp0": _BASE | {"import io", "from typing import Any, Dict, List",
+                          "from fastdeploy.inter_communicator import KVCacheStatus, ModelWeightsStatus"},
+    "parts": _PARTS,
+    "gdr": (_PARTS - {"from typing import Any, Dict, List"})
+    | {"import asyncio", "from typing import Any, Dict, Iterable, List, Optional, Tuple", "from fastdeploy import envs"},
 }
 
 
+# -- the conformance run of every generation ---------------------------------------------------------
+def expectations_path(gen: str) -> str:
+    return os.path.join(STANDINS, gen, "expectations.toml")
+
+
 @pytest.fixture(scope="module")
-def standin_report(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fastdeploy") / "report.json"
-    return run_conformance(["--impl=fastdeploy", f"--impl-opt=source={STANDIN_REL}"], path)
+def reports(tmp_path_factory):
+    """gen -> (exit code, report, output): one conformance subprocess per generation, two at a time, each
+    gated by its expectations file; plus "regression": the parts stand-in with its part order broken,
+    gated by the same file."""
+    root = tmp_path_factory.mktemp("fastdeploy")
+    source = open(standin("parts"), encoding="utf-8").read()
+    sort = "        parts.sort(key=lambda entry: entry[0])"
+    assert source.count(sort) == 1, "the parts stand-in no longer sorts its parts this way; update the regression"
+    broken = root / "regressed_dynamic_weight_manager.py"
+    broken.write_text(source.replace(sort, "        parts.sort(key=lambda entry: str(entry[0]))  # regression"))
+
+    def run(job):
+        name, path, gen = job
+        return name, run_conformance(["--impl=fastdeploy", f"--impl-opt=source={path}",
+                                      f"--expectations={expectations_path(gen)}"], root / f"{name}.json", timeout=600)
+
+    jobs = [(gen, os.path.relpath(standin(gen), REPO), gen) for gen in GENERATIONS]
+    jobs.append(("regression", str(broken), "parts"))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(run, jobs))
 
 
-def test_standin_fails_exactly_the_pinned_rules(standin_report):
-    code, report, output = standin_report
-    assert report is not None, f"no report (exit {code}):\n{output[-3000:]}"
-    status = {r["id"]: r["status"] for r in report["rules"]}
-    failing = {r for r, s in status.items() if s in ("failed", "error")}
-    assert failing == set(EXPECTED_FAILING), (
-        f"unexpectedly failing: {sorted(failing - set(EXPECTED_FAILING))}; "
-        f"unexpectedly not failing: { {r: status.get(r) for r in sorted(set(EXPECTED_FAILING) - failing)} }\n"
-        f"{output[-3000:]}"
-    )
-    assert code == 1, f"exit {code}"
+def pinned_failures(report: dict) -> dict[str, tuple[str, str]]:
+    """Rule -> (kind, reason) for every rule with a test that failed as expected (flaky entries aside);
+    a rule pinned with two kinds or reasons is an error."""
+    pinned: dict[str, set] = {}
+    for test in report["tests"]:
+        entry = test["expectation"]
+        if entry is not None and entry["kind"] != "flaky" and test["actual"] in ("failed", "error"):
+            pinned.setdefault(test["rule"], set()).add((entry["kind"], entry["reason"]))
+    several = {rule: sorted(p) for rule, p in pinned.items() if len(p) > 1}
+    assert not several, f"rules pinned with several kinds or reasons: {several}"
+    return {rule: next(iter(p)) for rule, p in pinned.items()}
 
 
-def test_unclaimed_capabilities_are_not_applicable_and_the_rest_pass(standin_report):
-    _, report, output = standin_report
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_generation_fails_exactly_its_expectations(reports, gen):
+    """Gated by its expectations file the run is green: every failure is expected, no expected failure
+    passes (the plugin's strict rules), every entry matches a test; and each entry's kind fits its rule's
+    level (bug: a contract rule; never: hardening)."""
+    code, report, output = reports[gen]
+    assert report is not None, f"{gen}: no report (exit {code}):\n{output[-3000:]}"
     claimed = set(report["run_info"]["capabilities"])
-    assert claimed == set(fd.FastDeployAdapter.capabilities)
-    assert "snapshot.shared_fallback" not in claimed and "ipc.meta" not in claimed
-    assert report["run_info"]["implementation"] == "fastdeploy"
-    fallback_tests = [t for t in report["tests"] if "snapshot.shared_fallback" in t["requires"]]
-    assert fallback_tests, "no conformance test needs snapshot.shared_fallback any more; revisit this pin"
-    wrong = {}
-    for t in report["tests"]:
-        if set(t["requires"]) - claimed:
-            if t["status"] != "not_applicable":
-                wrong[t["nodeid"]] = t["status"]
-        elif t["rule"] not in EXPECTED_FAILING and t["status"] != "passed":
-            wrong[t["nodeid"]] = f"{t['status']}: {t['message'][:300]}"
-    assert not wrong, f"tests with the wrong status: {wrong}"
-    for rule in report["rules"]:
-        if rule["id"] in EXPECTED_FAILING:
-            continue
-        applicable = any(not set(t["requires"]) - claimed for t in rule["tests"])
-        want = "passed" if applicable else "not_applicable"
-        assert rule["status"] == want, f"{rule['id']}: {rule['status']}, expected {want}"
+    assert claimed == FACTS[gen]["caps"], f"{gen}: claims {sorted(claimed)}, expected {sorted(FACTS[gen]['caps'])}"
+    assert code == 0, f"{gen}: exit {code} with {expectations_path(gen)}:\n{output[-3000:]}"
+    known_levels = spec_levels()
+    wrong = []
+    for test in report["tests"]:
+        status, entry = test["status"], test["expectation"]
+        where = f"{test['nodeid']} ({test['actual']})"
+        if status == "not_applicable":
+            missing = set(test["requires"]) - claimed
+            if not missing and "depends on the device" not in test["message"] and "safetensors damage" not in test["message"]:
+                wrong.append(f"{where}: not applicable although every capability it needs is claimed: {test['message'][:200]}")
+        elif status not in ("passed", "expected_failure"):
+            wrong.append(f"{where}: verdict {status}: {test['message'][:200]}")
+        if entry is not None and entry["kind"] in KIND_LEVEL and known_levels.get(test["rule"]) != KIND_LEVEL[entry["kind"]]:
+            wrong.append(f"{where}: kind {entry['kind']} on a {known_levels.get(test['rule'])} rule")
+    assert not wrong, f"{gen} ({standin(gen)}):\n  " + "\n  ".join(wrong)
+    pinned = pinned_failures(report)
+    failing_rules = {r["id"] for r in report["rules"] if r["status"] == "expected_failure"}
+    assert set(pinned) == failing_rules - FLAKY_ONLY.get(gen, set()), \
+        f"{gen}: pinned {sorted(pinned)}, failing {sorted(failing_rules)}"
+    assert report["summary"]["tests"]["expected_failure"] >= len(pinned) > 0, report["summary"]
 
 
-# -- adapter mechanics ------------------------------------------------------------------------------
+def test_a_new_regression_turns_the_gate_red(reports):
+    """The parts stand-in sorting its part indices as strings (part10 before part2), under the parts
+    expectations file: the run fails, on PART-ORDER-NUMERIC, and nothing else changes."""
+    code, report, output = reports["regression"]
+    assert report is not None and code == 1, f"exit {code}:\n{output[-3000:]}"
+    unexpected = {r["id"] for r in report["rules"] if r["status"] in ("failed", "error", "unexpected_pass")}
+    assert "PART-ORDER-NUMERIC" in unexpected, f"the regression was not caught: {sorted(unexpected)}"
+    _, good, _ = reports["parts"]
+    good_status = {r["id"]: r["status"] for r in good["rules"]}
+    others = {r["id"]: (good_status.get(r["id"]), r["status"]) for r in report["rules"]
+              if r["id"] not in unexpected and r["status"] != good_status.get(r["id"])}
+    assert not others, f"rules that changed beyond the regression: {others}"
+    assert "failing contract rules: " in output and "PART-ORDER-NUMERIC" in output, output[-2000:]
+
+
+# -- what the adapter reads from each class --------------------------------------------------------
+@pytest.fixture
+def adapters(monkeypatch):
+    """Build adapters in this process; stub modules and loaded sources are removed after."""
+    before = set(sys.modules)
+    monkeypatch.delenv(fd.SOURCE_ENV, raising=False)
+    yield lambda path: fd.FastDeployAdapter(path)
+    for name in set(sys.modules) - before:
+        if getattr(sys.modules[name], "__conformance_stub__", False) or name.startswith("_conformance_fastdeploy_dwm_"):
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_adapter_derives_the_generation(adapters, gen):
+    adapter = adapters(standin(gen))
+    g, want = adapter.generation, FACTS[gen]
+    got = dict(init=g.init_params, runner_finalizes=g.runner_finalizes, levels=g.levels, caps=set(adapter.capabilities))
+    assert got == want, f"{gen}: derived {got}, expected {want}"
+    assert list(g.levels) == [lvl for lvl in ("parts", "single", "legacy", "shared") if lvl in want["levels"]], \
+        f"{gen}: levels found in the order {list(g.levels)}, expected FastDeploy's priority order"
+    assert adapter.snapshot_formats == {"legacy": want["levels"]["legacy"]}, f"{gen}: {adapter.snapshot_formats}"
+    version = adapter.version
+    assert standin(gen) in version and "sha256" in version, version
+    for capability, why in g.not_claimed.items():
+        assert capability not in adapter.capabilities and f"{capability} ({why}" in version, (capability, version)
+    assert "ipc.meta" in g.not_claimed and "_new_shared_cuda" in g.not_claimed["ipc.meta"], g.not_claimed
+    if "shared" not in want["levels"]:  # the tp0 fallback behind `except FileNotFoundError` (fd-spec §3.1)
+        assert any("{shared_dir}/model_state.tp0{id}.pdparams is read only after paddle.load raises FileNotFoundError" in n
+                   for n in g.notes), g.notes
+
+
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_standin_imports_what_its_generation_imports(gen):
+    tree = ast.parse(open(standin(gen), encoding="utf-8").read())
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found |= {f"import {a.name}" + (f" as {a.asname}" if a.asname else "") for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            found.add(f"from {node.module} import {', '.join(a.name for a in node.names)}")
+    assert found == IMPORTS[gen], f"{gen}: stand-in imports {sorted(found ^ IMPORTS[gen])} differently from the real file"
+
+
+def test_every_generation_loads_without_yaml_fastdeploy_or_paddleformers():
+    """yaml (#6852 on) and fastdeploy.envs (GDR) stopped the adapter before: with them unimportable,
+    every generation loads on stubs."""
+    script = (
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('yaml', 'fastdeploy', 'paddleformers', 'checkpoint_transfer'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r} (blocked)')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "for m in [m for m in sys.modules if m.split('.')[0] in ('yaml',)]: del sys.modules[m]\n"
+        "from conformance.impls.fastdeploy import FastDeployAdapter\n"
+        f"for gen in {GENERATIONS!r}:\n"
+        f"    a = FastDeployAdapter({STANDINS!r} + '/' + gen + '/dynamic_weight_manager.py')\n"
+        "    print(gen, sorted(a.capabilities))\n"
+        "print('yaml stub', getattr(sys.modules.get('yaml'), '__conformance_stub__', False))\n"
+        "print('envs stub', getattr(sys.modules.get('fastdeploy.envs'), '__conformance_stub__', False))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-3000:]}"
+    for gen in GENERATIONS:
+        assert f"{gen} {sorted(FACTS[gen]['caps'])}" in proc.stdout, f"{gen} not loaded on stubs:\n{out[-3000:]}"
+    assert "yaml stub True" in proc.stdout and "envs stub True" in proc.stdout, out[-3000:]
+
+
+# -- usage errors ----------------------------------------------------------------------------------
 def test_stubs_are_installed_only_for_modules_that_do_not_import():
-    importable = {"paddleformers", "paddleformers.utils", "paddleformers.utils.log", "fastdeploy", "fastdeploy.config"}
+    importable = {"paddleformers", "paddleformers.utils", "paddleformers.utils.log", "fastdeploy", "fastdeploy.config", "yaml"}
 
     def importer(name):
         if name in importable:
@@ -130,22 +255,34 @@ def test_stubs_are_installed_only_for_modules_that_do_not_import():
     modules: dict = {}
     installed = fd.install_stubs(modules, importer)
     assert set(installed) == {
+        "fastdeploy.envs",
         "fastdeploy.inter_communicator",
         "fastdeploy.model_executor",
         "fastdeploy.model_executor.layers",
         "fastdeploy.model_executor.layers.moe",
         "fastdeploy.model_executor.layers.moe.ep",
+        "fastdeploy.model_executor.load_weight_utils",
         "checkpoint_transfer",
+        "checkpoint_transfer.core",
+        "checkpoint_transfer.transfer",
+        "checkpoint_transfer.config",
     }, installed
     assert set(modules) == set(installed), "a module that imports was replaced"
     status = modules["fastdeploy.inter_communicator"].ModelWeightsStatus
     assert (status.NORMAL, status.UPDATING, status.CLEARING, status.CLEARED) == (0, 1, -1, -2)
     assert modules["fastdeploy.model_executor.layers.moe"].ep is modules["fastdeploy.model_executor.layers.moe.ep"]
+    assert modules["checkpoint_transfer"].core is modules["checkpoint_transfer.core"]
+    assert modules["fastdeploy.envs"].FD_USE_GDR_CHECKPOINT_TRANSFER is False
     with pytest.raises(RuntimeError, match="conformance stub"):
         modules["fastdeploy.model_executor.layers.moe.ep"].DeepEPBufferManager.recreate_buffer()
-    # Present modules (real or already stubbed) are left alone.
+    with pytest.raises(RuntimeError, match="conformance stub"):
+        modules["checkpoint_transfer.config"].TransferConfig()
+    # Present modules (real or already stubbed) are left alone; an absent yaml is stubbed too.
     assert fd.install_stubs(modules, importer) == []
     assert fd.install_stubs({}, lambda name: object()) == []
+    no_yaml: dict = {}
+    fd.install_stubs(no_yaml, lambda name: (_ for _ in ()).throw(ModuleNotFoundError(name)))
+    assert issubclass(no_yaml["yaml"].YAMLError, Exception) and no_yaml["yaml"].__conformance_stub__
 
 
 def _env_without_fastdeploy_source():
@@ -154,86 +291,101 @@ def _env_without_fastdeploy_source():
     return env
 
 
+def _conformance(*args, timeout=120):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=REPO, env=_env_without_fastdeploy_source(), capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 @pytest.mark.skipif(importlib.util.find_spec("fastdeploy") is not None, reason="fastdeploy is installed here")
 def test_no_source_and_no_fastdeploy_is_a_usage_error():
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider", "--impl=fastdeploy"],
-        cwd=REPO, env=_env_without_fastdeploy_source(), capture_output=True, text=True, timeout=120,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 4, f"exit {proc.returncode}:\n{output[-2000:]}"
+    code, output = _conformance("--impl=fastdeploy")
+    assert code == 4, f"exit {code}:\n{output[-2000:]}"
     assert "FastDeploy is not installed" in output and "--impl-opt source=PATH" in output and fd.SOURCE_ENV in output, output
 
 
 def test_missing_source_file_is_a_usage_error(tmp_path):
     missing = tmp_path / "nowhere" / "dynamic_weight_manager.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider", "--impl=fastdeploy",
-         f"--impl-opt=source={missing}"],
-        cwd=REPO, env=_env_without_fastdeploy_source(), capture_output=True, text=True, timeout=120,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 4 and f"source file {missing} does not exist" in output, output[-2000:]
+    code, output = _conformance("--impl=fastdeploy", f"--impl-opt=source={missing}")
+    assert code == 4 and f"source file {missing} does not exist" in output, output[-2000:]
 
 
-@pytest.fixture
-def fd_adapter(monkeypatch):
-    """The adapter on the stand-in, taken from the environment variable; its stubs are removed after."""
-    before = set(sys.modules)
-    monkeypatch.setenv(fd.SOURCE_ENV, STANDIN)
-    adapter = fd.FastDeployAdapter()
-    yield adapter
-    for name in set(sys.modules) - before:
-        if getattr(sys.modules[name], "__conformance_stub__", False) or name.startswith("_conformance_fastdeploy_dwm_"):
-            del sys.modules[name]
+def test_a_class_whose_snapshot_load_cannot_run_is_a_usage_error(tmp_path):
+    """DWM-0 @00fe65a reads ``self.model_config.model``, which it never sets: every ipc_snapshot load
+    raises AttributeError. That is one cause, reported as a usage error, never as failed rules."""
+    text = open(standin("dwm0"), encoding="utf-8").read()
+    assert text.count("self.parallel_config.model_name_or_path") == 1, "the dwm0 stand-in changed; revisit this test"
+    broken = tmp_path / "dynamic_weight_manager.py"
+    broken.write_text(text.replace("self.parallel_config.model_name_or_path", "self.model_config.model"), encoding="utf-8")
+    code, output = _conformance("--impl=fastdeploy", f"--impl-opt=source={broken}")
+    assert code == 4, f"exit {code} (expected a usage error, 4):\n{output[-2000:]}"
+    assert "has no attribute 'model_config'" in output and "before it looks for any file" in output, output[-2000:]
+    assert " failed" not in output and "FAILED" not in output, f"reported as failed rules:\n{output[-2000:]}"
 
 
+def test_unknown_constructor_parameter_is_a_usage_error(adapters, tmp_path):
+    text = open(standin("ep"), encoding="utf-8").read()
+    source = tmp_path / "dynamic_weight_manager.py"
+    source.write_text(text.replace("def __init__(self, fd_config: FDConfig, models):",
+                                   "def __init__(self, fd_config: FDConfig, models, engine_queue):"), encoding="utf-8")
+    with pytest.raises(ImplError, match=r"cannot supply \['engine_queue'\]"):
+        adapters(str(source))
+
+
+def test_gdr_flag_is_a_usage_error(adapters, monkeypatch):
+    monkeypatch.setenv("FD_USE_GDR_CHECKPOINT_TRANSFER", "1")
+    with pytest.raises(ImplError, match="FD_USE_GDR_CHECKPOINT_TRANSFER is set"):
+        adapters(standin("gdr"))
+
+
+# -- sessions ------------------------------------------------------------------------------------------
 SPEC = M.spec(("embed.weight", "float32", (4, 4)), ("norm.bias", "float16", (4,)))
+TOP_LEVEL = {"dwm0": "legacy", "gdr": "single"}
 
 
-def test_source_from_environment(fd_adapter):
-    assert fd_adapter.source == STANDIN
-    assert STANDIN in fd_adapter.version and "sha256" in fd_adapter.version
-    assert fd_adapter.dwm_class.__name__ == "DynamicWeightManager"
-
-
-def test_status_cell_follows_fastdeploy_writes(fd_adapter, tmp_path, monkeypatch):
-    loader = Loader(fd_adapter, tmp_path, monkeypatch)
-    path = S.write_safetensors(S.single_path(loader.model_dir, 0, 0), M.state(SPEC, version=1))
+@pytest.mark.parametrize("gen", ["dwm0", "gdr"])  # finalized inside update_parameters / by the runner
+def test_status_cell_follows_fastdeploy_writes(adapters, tmp_path, monkeypatch, gen):
+    adapter = adapters(standin(gen))
+    loader = Loader(adapter, tmp_path, monkeypatch)
+    level = TOP_LEVEL[gen]
+    [path] = S.write_level(level, loader.model_dir, loader.shared_dir, 0, 0, M.state(SPEC, version=1))
     session = loader.open(SPEC)
     inner = session._inner
     cell = f"/dev/shm/model_weights_status.{inner.pid}"
     assert os.path.exists(cell), cell
     assert session.status() == "CLEARED", "a fresh session has nothing loaded"
     session.update()
-    assert session.status() == "NORMAL" and inner.manager.first_load is False
+    assert session.status() == "NORMAL" and inner.manager.first_load is False, (gen, session.status())
 
     writes = []
     real_write = inner.manager._update_shared_status
     inner.manager._update_shared_status = lambda pid, value: (writes.append((pid, value)), real_write(pid, value))[1]
     session.clear()
-    assert session.status() == "CLEARED" and writes == [(inner.pid, -2)], writes  # FastDeploy's clear_parameters
+    assert session.status() == "CLEARED" and writes == [(inner.pid, -2)], (gen, writes)  # FastDeploy's clear_parameters
 
     S.corrupt_header(path)
     with pytest.raises(Exception):
         session.update()
-    assert session.status() == "UPDATING", "a failed update must not read NORMAL"
+    assert session.status() == "UPDATING", f"{gen}: a failed update must not read NORMAL"
 
     v2 = M.state(SPEC, version=2)
-    S.write_safetensors(path, v2)
+    S.write_level(level, loader.model_dir, loader.shared_dir, 0, 0, v2)
     writes.clear()
     session.clear()
     session.update()
-    assert writes == [(inner.pid, -2), (inner.pid, 0)], f"NORMAL must come from finalize_update: {writes}"
+    assert writes == [(inner.pid, -2), (inner.pid, 0)], f"{gen}: NORMAL must come from FastDeploy's finalize: {writes}"
     assert session.status() == "NORMAL"
-    assert [(e.label, os.path.basename(e.source)) for e in session.trace()] == [("snapshot", os.path.basename(path))]
+    got = session.observe()
+    assert all(got[n].data == v2[n].tobytes() for n in v2), f"{gen}: {path} version 2 not loaded"
+    assert [(e.label, os.path.basename(e.source)) for e in session.trace()] == [("snapshot", os.path.basename(path))], \
+        session.trace()
     loader.close_all()
     assert not os.path.exists(cell), f"{cell} not unlinked at close"
 
 
-def test_each_session_keeps_its_worker_identity(fd_adapter, tmp_path, monkeypatch):
+def test_each_session_keeps_its_worker_identity(adapters, tmp_path, monkeypatch):
     """Two workers opened before either loads: each still loads its own file (its own process env)."""
-    loader = Loader(fd_adapter, tmp_path, monkeypatch)
+    loader = Loader(adapters(standin("gdr")), tmp_path, monkeypatch)
     v_a, v_b = M.state(SPEC, version=1), M.state(SPEC, version=2)
     S.write_safetensors(S.single_path(loader.model_dir, 1, 234), v_a)
     S.write_safetensors(S.single_path(loader.model_dir, 12, 34), v_b)
@@ -245,4 +397,27 @@ def test_each_session_keeps_its_worker_identity(fd_adapter, tmp_path, monkeypatc
         got = session.observe()
         assert all(got[n].data == want[n].tobytes() for n in want), f"worker {session._inner.env}: wrong shard"
     assert os.environ["PADDLE_TRAINER_ID"] == "12", "the environment outside a call is left as the suite set it"
+    loader.close_all()
+
+
+def test_shared_ipc_meta_is_redirected_to_the_shared_dir(adapters, tmp_path, monkeypatch):
+    """FastDeploy's hard-coded /shared_ipc_meta reads the test's shared_dir, and its messages name it."""
+    exists = os.path.exists
+    assert fd.map_shared("/shared_ipc_meta/ipc_metas_3", "/x/s") == "/x/s/ipc_metas_3"
+    assert fd.map_shared("/shared_ipc_meta", "/x/s") == "/x/s"
+    for untouched in ("/shared_ipc_metadata/a", "/data/shared_ipc_meta/a", "shared_ipc_meta/a", b"/shared_ipc_meta/a"):
+        assert fd.map_shared(untouched, "/x/s") == untouched, untouched
+    loader = Loader(adapters(standin("gdr")), tmp_path, monkeypatch)
+    session = loader.open(SPEC)
+    with pytest.raises(FileNotFoundError) as info:
+        session.update()
+    fallback = os.path.join(loader.shared_dir, "model_state.tp0.0.pdparams")
+    message = str(info.value)  # (the suite's shared_dir is itself named .../shared_ipc_meta)
+    assert fallback in message and " /shared_ipc_meta/" not in message, f"{message!r} must name {fallback}"
+    want = M.state(SPEC, version=4)
+    S.write_pickle_fallback(fallback, want)
+    session.update()
+    assert all(session.observe()[n].data == want[n].tobytes() for n in want), f"{fallback} not loaded"
+    assert [e.source for e in session.trace()] == [fallback], session.trace()
+    assert os.path.exists is exists, "os.path.exists is still patched after the call"
     loader.close_all()

@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USAGE_ERROR = 4
 
 CONTRACT = next(r for r, level in levels().items() if level == "contract")
-HARD_A, HARD_B = [r for r, level in levels().items() if level == "hardening"][:2]
+HARD_A, HARD_B, HARD_C = [r for r, level in levels().items() if level == "hardening"][:3]
 PASSING = next(r for r, level in levels().items() if level == "contract" and r != CONTRACT)
 DEVICE_RULE = next(iter(devices()))
 
@@ -103,6 +103,10 @@ EXPECTATIONS = {
     "unexpected_pass": [*ALL_FAILURES, {"rule": PASSING, "kind": "bug", "reason": "thought broken"}],
     "flaky_pass": [*ALL_FAILURES, {"rule": PASSING, "kind": "flaky", "reason": "sometimes"}],
     "stale": [*ALL_FAILURES, {"id": "test_gate.py::test_gone", "kind": "bug", "reason": "renamed"}],
+    # Entries for a module this run does not collect, and a rule entry in a run of part of the suite.
+    "other_module": [*ALL_FAILURES, {"id": "test_other.py::test_x", "kind": "bug", "reason": "elsewhere"},
+                     {"glob": "test_oth*.py::*", "kind": "bug", "reason": "elsewhere"},
+                     {"rule": HARD_C, "kind": "never", "reason": "not in this sandbox"}],
     "no_reason": [{"rule": CONTRACT, "kind": "bug"}],
 }
 
@@ -135,6 +139,7 @@ def runs(sandbox, tmp_path_factory):
         "flaky_pass": impl + ["--expectations=flaky_pass.toml"],
         "stale": impl + ["--expectations=stale.toml"],
         "stale_deselected": impl + ["--expectations=all.toml", "--rule", PASSING],
+        "other_module": impl + ["--expectations=other_module.toml"],
         "no_reason": impl + ["--expectations=no_reason.toml"],
         "missing_file": impl + ["--expectations=nowhere.toml"],
         "gpu": ["test_gate.py", "--impl=fake_adapter:GpuAdapter", "--rule", DEVICE_RULE],
@@ -219,6 +224,20 @@ def test_an_entry_matching_nothing_is_an_error(runs):
     # An entry for a rule this run deselects still matches a collected test: no error.
     run = runs["stale_deselected"]
     assert run.code == 0 and set(_rule_status(run.report)) == {PASSING}, run.output[-2000:]
+    # Entries for modules the run did not collect, or a rule entry in a run of part of the suite: unchecked.
+    run = runs["other_module"]
+    assert run.code == 0, run.output[-2000:]
+
+
+def test_checkable_entries_are_those_a_run_can_judge():
+    entries = expect.parse(
+        "[[expect]]\nid = 'a.py::t'\nkind = 'bug'\nreason = 'r'\n"
+        "[[expect]]\nglob = 'b*.py::t*'\nkind = 'bug'\nreason = 'r'\n"
+        "[[expect]]\nrule = 'A-ONE'\nkind = 'bug'\nreason = 'r'\n", "c.toml", KNOWN)
+    assert [e.index for e in expect.checkable(entries, {"a.py"}, False)] == [1]
+    assert [e.index for e in expect.checkable(entries, {"bee.py"}, False)] == [2]
+    assert [e.index for e in expect.checkable(entries, {"a.py", "b.py"}, True)] == [1, 2, 3]
+    assert expect.checkable(entries, {"c.py"}, False) == []
 
 
 def test_a_malformed_or_missing_file_is_a_usage_error_naming_it(runs):

@@ -1,4 +1,4 @@
-"""Stand-in for ``fastdeploy/rl/dynamic_weight_manager.py`` (class ``DynamicWeightManager``).
+"""Stand-in for ``fastdeploy/rl/dynamic_weight_manager.py``, the #6852 generation (DWM-A before GDR).
 
 FastDeploy cannot be imported here (it needs paddle-gpu and its own package tree), so this module
 re-creates the class *from the behavioural contract* in /work/shared/research/fastdeploy-spec.md
@@ -7,18 +7,28 @@ re-creates the class *from the behavioural contract* in /work/shared/research/fa
 names, exception types and messages are the contract's, so ``--impl=fastdeploy`` drives it exactly
 as it would drive the real file.
 
+What makes this generation (PR #6852 and its cherry-picks #6909/#6910, with rsync from #6052/#7042):
+  * ``DynamicWeightManager(fd_config, models, local_rank)``; ``finalize_update(pid)`` is the runner's;
+  * ipc_snapshot levels: ``model_state.tp{rank}.{id}.part{N}.pdparams`` (numeric order), the single
+    ``model_state.tp{rank}.{id}.pdparams``, the legacy ``model_state.tp0{id}.pdparams`` (all read with
+    ``paddle.load(..., safetensors=True)``), then ``/shared_ipc_meta/model_state.tp{rank}.{id}.pdparams``
+    (a ``paddle.save`` pickle);
+  * module-level imports: gc, glob, os, re, time, SharedMemory, typing, numpy, paddle, **yaml** (rsync's
+    version.yaml), paddleformers' logger, ``fastdeploy.config`` and ``fastdeploy.inter_communicator``.
+
 It keeps FastDeploy's known quirks on purpose, because the conformance suite must report them:
-  * the part index regex is searched on the *full path*, not the basename (fd-spec rule 6);
+  * the part index regex is searched on the *full path*, not the basename (fd-spec rule 6), and
+    ``\d`` accepts non-ASCII digits and ``part1.5`` (rule 8);
   * nothing is validated before applying: each tensor is checked as it is adopted, and an error
     leaves earlier tensors replaced (rules 15-17);
   * ``int(CUDA_VISIBLE_DEVICES.split(",")[int(FLAGS_selected_gpus)])`` with no message of its own
     (rule 12);
   * ``/shared_ipc_meta`` is hard-coded for the snapshot fallback and the ipc metas (§3.1, §3.3);
-  * empty/corrupt files surface as whatever ``paddle.load`` raises, and an empty state dict's
-    error does not name the file (rule 9); update verification names no parameter (§2.7);
+  * levels are chosen by ``os.path.exists`` (a dangling symlink falls through); empty/corrupt files
+    surface as whatever ``paddle.load`` raises, and an empty state dict's error does not name the file
+    (rule 9); update verification names no parameter (§2.7); the fallback pickle is unpickled as is;
+  * capture logs each parameter's place, and zero-element parameters are never "initialized";
   * diagnostics go to paddleformers' ``logger`` (one warning for invalid part names).
-
-It imports the same modules FastDeploy's file does, so the adapter's stub modules are exercised.
 """
 import gc
 import glob
@@ -26,10 +36,11 @@ import os
 import re
 import time
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import numpy as np
 import paddle
+import yaml
 from paddleformers.utils.log import logger
 
 from fastdeploy.config import FDConfig
@@ -58,7 +69,7 @@ class DynamicWeightManager:
         self.meta_src_id = self._get_gpu_id()
         self.first_load = True
         self.ipc_path = f"{SHARED_IPC_DIR}/ipc_metas_{self.meta_src_id}"
-        self.model_list = models if isinstance(models, list) else [models]
+        self.model_list = models if isinstance(models, List) else [models]
         self._capture_model_state()
         self.rdma_handle = None
         # The first load happens here; finalize_update then skips the status write (fd-spec rule 32).
@@ -380,8 +391,6 @@ class DynamicWeightManager:
 
     def read_model_version_from_file(self):
         """``step`` from ``{model_dir}/version.yaml`` as a string, or None (logged) when unreadable."""
-        import yaml  # FastDeploy imports it at module level; only this rsync helper needs it
-
         path = os.path.join(self.fd_config.model_config.model, "version.yaml")
         try:
             with open(path, encoding="utf-8") as f:

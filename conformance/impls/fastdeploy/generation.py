@@ -1,0 +1,245 @@
+"""What a given ``DynamicWeightManager`` is: its calling convention and the paths it can be driven on.
+
+FastDeploy's class changed shape across generations (fd-spec §0, §1.4, §3.1): DWM-0 takes
+``(fd_config, model)`` and finalizes inside ``update_parameters``; DWM-EP takes ``(fd_config, models)``
+and leaves ``finalize_update`` to the runner; from the rsync era on it takes ``(fd_config, models,
+local_rank)``; before #6852 ``ipc_snapshot`` reads only ``model_state.tp0{id}.pdparams`` (a ``paddle.save``
+pickle, later safetensors), after it parts, the single file, the legacy file and the shared fallback.
+Nothing here is keyed to a version: every fact is read from the class.
+
+* Calling convention, from the signatures: constructor parameters are passed by name (``fd_config``,
+  ``model`` or ``models``, ``local_rank``); a class with ``finalize_update`` is finished by the runner after
+  ``update_parameters(pid)``, one without it finishes inside ``update_parameters`` (DWM-0's
+  ``_finalize_update``).
+* ipc_snapshot levels and their formats, by a dry run (``probe_levels``): the constructor runs on a
+  one-parameter lazy model in empty scratch directories (rank 1, physical GPU 7, so that every level's
+  name is distinct), in the same ``worker_world`` as a session. Every path it looks up (``glob``,
+  ``os.path.exists``, ``paddle.load``) is a candidate; each candidate is then created as an empty file
+  and the constructor run again: if it calls ``paddle.load`` on that file, the level is readable, and
+  ``safetensors=True`` or its absence gives the format (the load is stopped there). A last run makes
+  ``paddle.load`` raise ``FileNotFoundError`` for a missing file, which Paddle never does (it raises
+  ValueError), to find fallbacks that only such an error would reach.
+* ``ipc.meta`` is never claimed: every generation opens metas with ``LoDTensor._new_shared_cuda``
+  (its ``_convert_ipc_meta_to_tensor`` source, read with ``inspect.getsource``), which a CPU Paddle lacks,
+  and the suite's trainer stand-in exports ``/dev/shm`` segments, not CUDA allocations, in any case.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+from conformance.registry import ImplError
+
+from .world import fd_config, worker_world
+
+PROBE_RANK, PROBE_GPU = 1, 7
+PROBE_ENV = {"PADDLE_TRAINER_ID": str(PROBE_RANK), "PADDLE_TRAINERS_NUM": str(PROBE_RANK + 1),
+             "CUDA_VISIBLE_DEVICES": str(PROBE_GPU), "FLAGS_selected_gpus": "0"}
+LEVEL_CAPABILITY = {"parts": "snapshot.parts", "single": "snapshot.single", "legacy": "snapshot.legacy",
+                    "shared": "snapshot.shared_fallback"}
+# The format in which the suite writes each level (the legacy file: either, see fixtures.snapshot).
+SUITE_FORMATS = {"parts": ("safetensors",), "single": ("safetensors",), "legacy": ("safetensors", "paddle.save"),
+                 "shared": ("paddle.save",)}
+CONSTRUCTOR_PARAMS = ("fd_config", "model", "models", "local_rank")
+
+
+@dataclass(frozen=True)
+class Generation:
+    init_params: tuple[str, ...]  # constructor parameters after self, in order
+    runner_finalizes: bool  # the runner calls finalize_update(pid) after update_parameters(pid)
+    levels: dict  # level -> format, in the order the class looks for them
+    capabilities: frozenset
+    not_claimed: dict = field(default_factory=dict)  # capability -> why not
+    notes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        levels = ", ".join(f"{lvl} ({fmt})" for lvl, fmt in self.levels.items()) or "none"
+        text = f"DynamicWeightManager({', '.join(self.init_params)}); ipc_snapshot levels: {levels}"
+        if self.not_claimed:
+            text += "; not claimed: " + "; ".join(f"{c} ({why})" for c, why in self.not_claimed.items())
+        if self.notes:
+            text += "; " + "; ".join(self.notes)
+        return text
+
+
+class _Hit(Exception):
+    """The probe stops the constructor at its first load of an existing file."""
+
+    def __init__(self, path, configs):
+        super().__init__(path)
+        self.path, self.configs = path, dict(configs)
+
+
+def init_params(cls) -> tuple[str, ...]:
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    unknown = [p.name for p in params if p.name not in CONSTRUCTOR_PARAMS and p.default is inspect.Parameter.empty
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if unknown or not {"fd_config"} <= {p.name for p in params} or not {"model", "models"} & {p.name for p in params}:
+        raise ImplError(f"--impl=fastdeploy: DynamicWeightManager.__init__{inspect.signature(cls.__init__)}: the adapter "
+                        f"passes {', '.join(CONSTRUCTOR_PARAMS)} by name and cannot supply {unknown or 'fd_config and model(s)'}")
+    return tuple(p.name for p in params if p.name in CONSTRUCTOR_PARAMS)
+
+
+def constructor_kwargs(params, config, models: list, local_rank: int) -> dict:
+    """Arguments by name: a single model alone, several as a list (main first), as the runner passes them."""
+    values = {"fd_config": config, "local_rank": local_rank,
+              "model": models[0], "models": models[0] if len(models) == 1 else list(models)}
+    return {name: values[name] for name in params}
+
+
+def _tiny_model():
+    import paddle
+
+    with paddle.LazyGuard():
+        return paddle.nn.Linear(2, 2, bias_attr=False)
+
+
+class _Probe:
+    def __init__(self, cls, params, root):
+        self.cls, self.params = cls, params
+        self.model_dir, self.shared_dir = os.path.join(root, "model"), os.path.join(root, "shared")
+
+    def run(self, present=None, missing_is_fnf=False):
+        """Construct once; returns (lookups, hit or None, other error or None)."""
+        for d in (self.model_dir, self.shared_dir):
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d)
+        if present:
+            os.makedirs(os.path.dirname(present), exist_ok=True)
+            open(present, "wb").close()
+        lookups = []
+
+        def hook(path, configs, real_load):
+            if os.path.lexists(path):
+                raise _Hit(path, configs)
+            if missing_is_fnf:
+                raise FileNotFoundError(path)
+            return real_load(path, **configs)
+
+        kwargs = constructor_kwargs(self.params, fd_config("ipc_snapshot", self.model_dir, {}, 0), [_tiny_model()], 0)
+        # The dry run's log lines (parameters, "loading part ...") would read as a real load: muted.
+        logger = getattr(sys.modules.get(self.cls.__module__), "logger", None)
+        muted = isinstance(logger, logging.Logger) and not logger.disabled
+        if muted:
+            logger.disabled = True
+        try:
+            with worker_world(PROBE_ENV, self.shared_dir, load_hook=hook, watch=lambda how, p: lookups.append((how, p))):
+                self.cls(**kwargs)
+        except _Hit as hit:
+            return lookups, hit, None
+        except Exception as e:  # noqa: BLE001 - every way the dry run ends is information
+            return lookups, None, e
+        finally:
+            if muted:
+                logger.disabled = False
+        return lookups, None, None
+
+    def level_of(self, path) -> str | None:
+        base = f"model_state.tp{PROBE_RANK}.{PROBE_GPU}"
+        return {
+            os.path.join(self.model_dir, f"{base}.part0.pdparams"): "parts",
+            os.path.join(self.model_dir, f"{base}.pdparams"): "single",
+            os.path.join(self.model_dir, f"model_state.tp0{PROBE_GPU}.pdparams"): "legacy",
+            os.path.join(self.shared_dir, f"{base}.pdparams"): "shared",
+        }.get(path)
+
+    def describe(self, path) -> str:
+        for d, name in ((self.model_dir, "{model_dir}"), (self.shared_dir, "{shared_dir}")):
+            if path.startswith(d + os.sep):
+                rest = path[len(d):].replace(f"tp{PROBE_RANK}.{PROBE_GPU}", "tp{rank}.{id}")
+                return name + rest.replace(f"tp0{PROBE_GPU}", "tp0{id}")
+        return path
+
+
+def _candidates(lookups, root) -> list[str]:
+    """Paths looked up under the probe's scratch directory (the only place it creates files)."""
+    out = []
+    for how, path in lookups:
+        if not isinstance(path, str) or not path.startswith(root + os.sep):
+            continue
+        if how == "glob":
+            if path.count("*") != 1:
+                continue
+            path = path.replace("*", "0")  # e.g. {base}.part*.pdparams -> {base}.part0.pdparams
+        if path not in out:
+            out.append(path)
+    return out
+
+
+def probe_levels(cls, params) -> tuple[dict, list[str]]:
+    """(level -> format, notes) for the ipc_snapshot levels the class reads (module docstring)."""
+    levels, notes = {}, []
+    with tempfile.TemporaryDirectory(prefix="fd-conformance-probe-") as root:
+        probe = _Probe(cls, params, root)
+        lookups, hit, error = probe.run()
+        candidates = _candidates(lookups, root)
+        if not candidates:
+            what = f"fails before it looks for any file ({type(error).__name__}: {error})" if error else "looks for no file"
+            raise ImplError(f"--impl=fastdeploy: cannot drive this DynamicWeightManager: its ipc_snapshot load {what}, so "
+                            f"no snapshot level can be tested; and ipc is out of reach too: {_ipc_reason(cls)}")
+        for path in candidates:
+            _, hit, _ = probe.run(present=path)
+            if hit is None or hit.path != path:
+                continue
+            level = probe.level_of(path)
+            fmt = "safetensors" if hit.configs.get("safetensors") else "paddle.save"
+            if level is None:
+                notes.append(f"also reads {probe.describe(path)} ({fmt}), not a level of the suite")
+            elif level not in levels:
+                levels[level] = fmt
+        fnf_lookups, _, _ = probe.run(missing_is_fnf=True)
+        for path in _candidates(fnf_lookups, root):
+            if path not in candidates:
+                notes.append(f"{probe.describe(path)} is read only after paddle.load raises FileNotFoundError for a "
+                             "missing file, which Paddle never does (it raises ValueError): unreachable")
+    return levels, notes
+
+
+def _ipc_reason(cls) -> str:
+    convert = getattr(cls, "_convert_ipc_meta_to_tensor", None)
+    try:
+        source = inspect.getsource(convert) if convert is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    if "_new_shared_cuda" in source:
+        return ("its ipc path opens each meta with paddle-gpu's LoDTensor._new_shared_cuda (CUDA IPC), and the "
+                "suite's trainer stand-in shares /dev/shm segments")
+    return "its ipc path is not one the suite's CPU trainer stand-in can feed"
+
+
+def derive(cls) -> Generation:
+    params = init_params(cls)
+    if hasattr(cls, "finalize_update"):
+        runner_finalizes = True
+    elif hasattr(cls, "_finalize_update"):
+        runner_finalizes = False  # DWM-0: update_parameters(pid) ends with self._finalize_update(pid)
+    else:
+        raise ImplError("--impl=fastdeploy: DynamicWeightManager has neither finalize_update nor _finalize_update")
+    levels, notes = probe_levels(cls, params)
+    capabilities, not_claimed = set(), {}
+    for level, capability in LEVEL_CAPABILITY.items():
+        if level not in levels:
+            not_claimed[capability] = "no such level"
+        elif levels[level] not in SUITE_FORMATS[level]:
+            not_claimed[capability] = f"read as {levels[level]}, the suite writes {' or '.join(SUITE_FORMATS[level])}"
+        else:
+            capabilities.add(capability)
+    if not capabilities:
+        raise ImplError(f"--impl=fastdeploy: this DynamicWeightManager reads no ipc_snapshot level the suite can write "
+                        f"(levels found: {levels or 'none'}; {'; '.join(notes) or 'no other lookup'})")
+    if "models" in params:
+        capabilities.add("mtp")  # a list of models is accepted: [main, mtp...]
+    else:
+        not_claimed["mtp"] = "the constructor takes one model"
+    if hasattr(cls, "_update_model_from_state"):
+        capabilities.add("trace")
+    if hasattr(cls, "_update_shared_status"):
+        capabilities.add("status")
+    not_claimed["ipc.meta"] = _ipc_reason(cls)
+    not_claimed["ipc.buckets"] = "FastDeploy has no bucket path (fd-spec §3.7)"
+    return Generation(params, runner_finalizes, levels, frozenset(capabilities), not_claimed, tuple(notes))

@@ -1,0 +1,133 @@
+"""The world as a FastDeploy worker sees it, around each call the adapter makes into FastDeploy.
+
+* Identity. Each FastDeploy worker is its own process, so a session keeps the environment it was opened
+  with (rank and GPU variables) and reinstates it for the call; Paddle's cached parallel env is dropped
+  so that ``paddle.distributed.get_rank()`` reads it.
+* ``/shared_ipc_meta``. FastDeploy hard-codes it (the snapshot fallback ``/shared_ipc_meta/{base}.pdparams``
+  and ``ipc_path = /shared_ipc_meta/ipc_metas_{id}``). For the call, ``os.path.exists``, ``glob.glob`` and
+  ``paddle.load`` map a path under it to the same path under the test's ``LoaderConfig.shared_dir``; no
+  other path changes. An exception leaving the call has the same mapping applied to its message, so it
+  names the file the suite wrote (FastDeploy's message names the directory it read, which in production
+  is that file).
+* Barriers. DWM-0 calls ``paddle.distributed.barrier()`` whenever the world size is above 1; the suite
+  runs one worker at a time with no process group, so for the call a barrier returns at once, as if the
+  other ranks had arrived.
+* Loads. ``load_hook(path, configs, real_load)`` sees every ``paddle.load`` (after mapping) and decides
+  what it returns; ``watch(how, path)`` is told of every lookup (``exists``, ``glob``, ``load``).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob as glob_module
+import os
+import re
+import types
+
+SHARED_IPC_DIR = "/shared_ipc_meta"
+WORKER_ENV = ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "CUDA_VISIBLE_DEVICES", "FLAGS_selected_gpus")
+
+
+def map_shared(path, shared_dir: str):
+    """``path`` with a leading ``/shared_ipc_meta`` replaced by ``shared_dir``; anything else unchanged."""
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(text, str):
+        return path
+    if text == SHARED_IPC_DIR:
+        return shared_dir
+    if text.startswith(SHARED_IPC_DIR + "/"):
+        return os.path.join(shared_dir, text[len(SHARED_IPC_DIR) + 1:])
+    return path
+
+
+# FastDeploy's own mention of the directory: not the tail of a longer path (the suite's shared_dir is
+# itself named .../shared_ipc_meta, and a message naming a mapped path must stay as it is).
+_MENTION = re.compile(r"(?<![\w.\-/])" + re.escape(SHARED_IPC_DIR) + r"(?=/)")
+
+
+def _map_message(error: BaseException, shared_dir: str) -> None:
+    if not isinstance(error, Exception):
+        return
+    target = shared_dir.rstrip("/")
+    if any(isinstance(a, str) and _MENTION.search(a) for a in error.args):
+        error.args = tuple(_MENTION.sub(lambda _m: target, a) if isinstance(a, str) else a for a in error.args)
+    if isinstance(error, OSError) and isinstance(error.filename, str):
+        error.filename = map_shared(error.filename, shared_dir)
+
+
+def _apply_env(values: dict) -> None:
+    from paddle.distributed import parallel
+
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    parallel._global_parallel_env = None  # paddle.distributed.get_rank() re-reads the env
+
+
+@contextlib.contextmanager
+def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None):
+    """Patch the process for one call into FastDeploy (see the module docstring); undo it after."""
+    import paddle
+
+    saved_env = {k: os.environ.get(k) for k in WORKER_ENV}
+    real = {"exists": os.path.exists, "glob": glob_module.glob, "load": paddle.load,
+            "barrier": paddle.distributed.barrier}
+
+    loading = []  # non-empty while paddle.load runs: its own lookups are not FastDeploy's
+
+    def note(how, path):
+        if watch is not None and not loading:
+            watch(how, os.fspath(path) if isinstance(path, (str, os.PathLike)) else path)
+
+    def exists(path):
+        path = map_shared(path, shared_dir)
+        note("exists", path)
+        return real["exists"](path)
+
+    def glob(pathname, **kwargs):
+        pathname = map_shared(pathname, shared_dir)
+        note("glob", pathname)
+        return real["glob"](pathname, **kwargs)
+
+    def load(path, **configs):
+        path = map_shared(path, shared_dir)
+        note("load", path)
+        loading.append(path)
+        try:
+            if load_hook is None:
+                return real["load"](path, **configs)
+            return load_hook(path, configs, real["load"])
+        finally:
+            loading.pop()
+
+    def barrier(*args, **kwargs):
+        return None
+
+    _apply_env(env)
+    os.path.exists, glob_module.glob, paddle.load, paddle.distributed.barrier = exists, glob, load, barrier
+    try:
+        yield
+    except BaseException as e:
+        _map_message(e, shared_dir)
+        raise
+    finally:
+        os.path.exists, glob_module.glob = real["exists"], real["glob"]
+        paddle.load, paddle.distributed.barrier = real["load"], real["barrier"]
+        _apply_env(saved_env)
+
+
+def fd_config(load_strategy: str, model_dir: str, options, pid: int) -> types.SimpleNamespace:
+    """The parts of FDConfig that any generation reads: one worker, TP 1, no EP. The model directory
+    is both ``model_config.model`` and DWM-0's ``parallel_config.model_name_or_path``."""
+    ns = types.SimpleNamespace
+    return ns(
+        load_config=ns(load_strategy=load_strategy, dynamic_load_weight=True, rsync_config=dict(options).get("rsync_config")),
+        parallel_config=ns(
+            tensor_parallel_rank=0, tensor_parallel_size=1, enable_expert_parallel=False,
+            local_data_parallel_id=0, expert_parallel_rank=0, tp_group=None, ep_group=None,
+            local_engine_worker_queue_port=pid, shutdown_comm_group_if_worker_idle=False,
+            model_name_or_path=model_dir,
+        ),
+        model_config=ns(model=model_dir),
+    )
