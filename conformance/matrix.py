@@ -68,7 +68,7 @@ ALWAYS_COUNTED = {"passed", "failed-contract", "failed-hardening", "error", "exp
 
 MAX_MESSAGE = 400  # characters of one test message in a tooltip
 MAX_MESSAGES = 4  # test messages in one tooltip
-SHORT_VERSION = 56  # characters of a version in a column heading
+SHORT_VERSION = 72  # characters of a column heading's version
 RULE_WIDTH, IMPL_WIDTH = 420, 180  # pixels of the rule column and of each implementation's
 
 
@@ -244,15 +244,16 @@ def cell_tooltip(cls: str, rule: Rule | None, report: Report) -> str:
     return "\n".join(lines)
 
 
-_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][^\s\\/()\[\]]+)*[\\/]([^\s\\/()\[\]]+)")
+# A path, kept to its last directory and file name (stand-ins of several generations share a file name).
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][^\s\\/()\[\]]+)*?((?:[\\/][^\s\\/()\[\]]+)?[\\/][^\s\\/()\[\]]+)(?=[\s()\[\]]|$)")
 _HEX = re.compile(r"\b([0-9a-fA-F]{8})[0-9a-fA-F]{4,}\b")
 
 
 def short_version(version: str, limit: int = SHORT_VERSION) -> str:
     """A version for a column heading: its first ``;``-separated part (the rest describes it), paths cut
-    to their file name, long hashes to 8 digits, the whole to ``limit`` characters. The full one goes
+    to their last directory and file name, long hashes to 8 digits, the whole to ``limit`` characters. The full one goes
     in the heading's title attribute."""
-    s = _PATH.sub(lambda m: m.group(1), version.split(";", 1)[0].strip())
+    s = _PATH.sub(lambda m: m.group(1).lstrip("/\\"), version.split(";", 1)[0].strip())
     s = _HEX.sub(lambda m: m.group(1), s)
     s = re.sub(r"\s+", " ", s)
     return _clip(s, limit) if s else "?"

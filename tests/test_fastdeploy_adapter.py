@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import concurrent.futures
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -421,3 +422,33 @@ def test_shared_ipc_meta_is_redirected_to_the_shared_dir(adapters, tmp_path, mon
     assert [e.source for e in session.trace()] == [fallback], session.trace()
     assert os.path.exists is exists, "os.path.exists is still patched after the call"
     loader.close_all()
+
+
+def test_matrix_shows_the_reference_and_every_generation_side_by_side(reports, reference_report, tmp_path):
+    """The compliance page of the reference, every stand-in (gated by its expectations) and the
+    regressed one: a column each, the expected failures as such, the regression a contract failure."""
+    from conformance import matrix
+    from tests.test_matrix import Page
+
+    names = ["reference", *GENERATIONS, "regression"]
+    runs = {"reference": reference_report, **reports}
+    paths = []
+    for name in names:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(runs[name][1]))
+        paths.append(str(path))
+    out = tmp_path / "matrix.html"
+    assert matrix.main([*paths, "-o", str(out)]) == 0
+    page = Page(out.read_text(encoding="utf-8"))
+    assert [page.heads[j]["name"] for j in range(len(names))] == ["reference"] + ["fastdeploy"] * (len(names) - 1)
+    for j, gen in enumerate(GENERATIONS, 1):
+        assert f"{gen}/dynamic_weight_manager.py" in page.heads[j]["version"], (gen, page.heads[j])
+    for j, name in enumerate(names):
+        report = runs[name][1]
+        for rule in report["rules"]:
+            cell = page.cells[(rule["id"], j)]
+            want = {"passed": "passed", "expected_failure": "expected-failure", "not_applicable": "not-applicable",
+                    "failed": f"failed-{rule['level']}"}[rule["status"]]
+            assert cell["class"] == [want], f"{name} {rule['id']}: {rule['status']} shown as {cell['class']}"
+    assert page.cells[("PART-ORDER-NUMERIC", len(names) - 1)]["text"].strip() == "FAILED (contract)"
+    assert page.cells[("PART-ORDER-NUMERIC", names.index("parts"))]["text"].strip() == "passed"

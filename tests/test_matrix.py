@@ -262,7 +262,7 @@ def test_column_headings_name_the_implementation_and_shorten_the_version(page):
     _, p = page
     new, old = p.heads[0], p.heads[1]
     assert new["name"] == "fastdeploy"
-    assert new["version"] == "source dynamic_weight_manager.py (sha256 3523bac3)"
+    assert new["version"] == "source to/dynamic_weight_manager.py (sha256 3523bac3)"
     assert NEW["run_info"]["implementation_version"] in new["title"]
     assert "snapshot.single, status" in new["title"]
     assert (old["name"], old["version"]) == ("reference", "0.1.0")
@@ -328,7 +328,7 @@ def test_todays_real_report_format(tmp_path):
                    "LEVEL-CANDIDATE-NOT-FILE": ("failed-unknown", "failed (level ?)")}
     assert p.areas == ["APPLY", "BKT", "LEVEL"]
     assert {h["level"] for h in p.rule_heads.values()} == {"?"}
-    assert p.heads[0]["version"] == "source dynamic_weight_manager.py (sha256 3523bac3)"
+    assert p.heads[0]["version"] == "source fd_standin/dynamic_weight_manager.py (sha256 3523bac3)"
     assert "does not match" in p.cells[("APPLY-MISSING-FAILS", 0)]["title"]
 
 
@@ -394,9 +394,13 @@ def test_command_line(tmp_path):
 def test_short_version():
     assert matrix.short_version("0.1.0") == "0.1.0"
     assert matrix.short_version("") == "?"
-    assert matrix.short_version("source C:\\a\\b\\x.py (sha256 0123456789abcdef)") == "source x.py (sha256 01234567)"
+    assert matrix.short_version("source C:\\a\\b\\x.py (sha256 0123456789abcdef)") == "source b\\x.py (sha256 01234567)"
     assert matrix.short_version("source /a/b/x.py (sha256 6f874b0ac123); DynamicWeightManager(fd_config); "
-                                "levels: parts") == "source x.py (sha256 6f874b0a)"
+                                "levels: parts") == "source b/x.py (sha256 6f874b0a)"
+    # stand-ins of several generations share a file name: the directory tells them apart
+    assert matrix.short_version("source /r/tests/fd_standins/dwm0/dynamic_weight_manager.py (sha256 733f055b1234)") \
+        == "source dwm0/dynamic_weight_manager.py (sha256 733f055b)"
+    assert matrix.short_version("source /x.py") == "source x.py"
     long = matrix.short_version("x" * 200)
     assert len(long) == matrix.SHORT_VERSION and long.endswith("…")
 
