@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Mutation testing of the CI-gate code (conformance/expectations.py, conformance/report.py) with its
-# in-process tests in tests/test_plugin_gate.py. mutmut 3 reads one [tool.mutmut] table, and the
+# Mutation testing of the CI-gate code (conformance/expectations.py, conformance/report.py,
+# conformance/matrix.py) with its in-process tests (tests/test_gate_units.py, tests/test_matrix.py). mutmut 3 reads one [tool.mutmut] table, and the
 # project's own mutates reference/, so this runs in a scratch copy with its own table.
 #   mutation/gate.sh [SCRATCH_DIR]     (default /tmp/mutgate; needs mutmut in the active venv)
 set -euo pipefail
@@ -15,10 +15,10 @@ text = open("pyproject.toml").read()
 start = text.index("[tool.mutmut]")
 end = text.find("\n[", start + 1)
 table = '''[tool.mutmut]
-source_paths = ["conformance/expectations.py", "conformance/report.py"]
+source_paths = ["conformance/expectations.py", "conformance/report.py", "conformance/matrix.py"]
 also_copy = ["conformance/", "reference/", "fixtures/", "sim/", "tests/", "conftest.py", "SPEC.md"]
-pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-k", "parser or match_exactly or candidate or cause_key or precedence or rule_takes or typo_is or empty_file or load_reads or in_process or checkable"]
-pytest_add_cli_args_test_selection = ["tests/test_plugin_gate.py"]
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-k", "not real_browser"]
+pytest_add_cli_args_test_selection = ["tests/test_gate_units.py", "tests/test_matrix.py"]
 '''
 open("pyproject.toml", "w").write(text[:start] + table + (text[end:] if end != -1 else ""))
 PY
