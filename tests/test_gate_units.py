@@ -5,6 +5,8 @@ mutation/gate.sh can run them under mutmut (which sees only this process)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -14,6 +16,7 @@ from conformance import report as rep
 from conformance.plugin import select_rules
 from conformance.spec import area, rules
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KNOWN = {"A-ONE": "", "A-TWO": "", "B-ONE": ""}  # a SPEC of three rules
 
 
@@ -26,6 +29,8 @@ def test_checkable_entries_are_those_a_run_can_judge():
     assert [e.index for e in expect.checkable(entries, {"bee.py"}, False)] == [2]
     assert [e.index for e in expect.checkable(entries, {"a.py", "b.py"}, True)] == [1, 2, 3]
     assert expect.checkable(entries, {"c.py"}, False) == []
+    in_class = expect.parse("[[expect]]\nid = 'a.py::TestK::test_x'\nkind = 'bug'\nreason = 'r'\n", "c.toml", KNOWN)
+    assert expect.checkable(in_class, {"a.py"}, False) == in_class, "the file part ends at the first '::'"
 
 
 
@@ -122,6 +127,18 @@ def test_load_reads_the_file_and_names_it(tmp_path):
     path.write_text("[[expect]]\nrule = 'A-ONE'\nkind = 'bug'\n")
     with pytest.raises(expect.ExpectationsError, match=f"^{path}: entry 1 .*a reason is required"):
         expect.load(str(path), KNOWN)
+
+
+def test_load_reads_utf8_whatever_the_locale(tmp_path):
+    """The file is UTF-8, in this process and under an ASCII locale (a machine whose default is not UTF-8)."""
+    path = tmp_path / "e.toml"
+    path.write_bytes("[[expect]]\nrule = 'A-ONE'\nkind = 'bug'\nreason = 'café – ü'\n".encode("utf-8"))
+    assert expect.load(str(path), KNOWN)[0].reason == "café – ü"
+    # (a child that imports the module still runs mutmut's active mutant: MUTANT_UNDER_TEST is inherited)
+    code = "import sys; from conformance import expectations as e; print(ascii(e.load(sys.argv[1], {'A-ONE'})[0].reason))"
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"})
+    assert (proc.returncode, proc.stdout) == (0, ascii("café – ü") + "\n"), f"under an ASCII locale: {proc.stderr[-2000:]}"
 
 
 def _rec(nodeid, rule, level, actual, status=None, expectation=None, message=""):
