@@ -12,6 +12,11 @@ What the rules observe from outside (docs/adapters.md, "What the rules need from
 ``status()`` is called from another thread while ``update()``/``clear()`` run; memory rules call
 ``update()`` in a forked child of the test process (no threads or held locks between calls); after a
 call returns, no descriptor, mapping, shared-memory segment or thread of the session is left.
+
+Optional session methods, each behind its capability: ``digest()`` (``digest.model``: the model digest
+of the parameters as landed, ``{"model": {alg: hex}, "tensors": {name: {alg: hex}}}`` with ``xxh3`` and
+``md5``, SPEC.md § DIGEST) and ``debug_digest(tensor)`` (``digest.debug``: FastDeploy's debug digest
+line of a Paddle tensor or numpy array).
 """
 from __future__ import annotations
 

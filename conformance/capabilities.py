@@ -15,6 +15,10 @@ CAPABILITIES = {
     "trace": "session.trace() returns the sources applied in order, with their labels",
     "status": "session.status() returns the ModelWeightsStatus name",
     "mtp": "several models (main + MTP) captured and loaded by one session",
+    "digest.model": "session.digest() returns the model digest of the parameters as landed (SPEC DIGEST): "
+    '{"model": {"xxh3": HEX, "md5": HEX}, "tensors": {name: {"xxh3": HEX, "md5": HEX}}}',
+    "digest.debug": "session.debug_digest(tensor) returns FastDeploy's debug digest line of a Paddle tensor or numpy "
+    "array: shape=[..], dtype=.., nbytes=.., md5=.., sum=..",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from conformance.adapter import LoaderConfig, LoadEvent, Observed, observe_paddle
 
 from . import __version__
+from . import digest as _digest
 from .manager import WeightManager
 
 
@@ -32,6 +33,12 @@ class ReferenceSession:
     def status(self) -> str:
         return self.manager.status.name
 
+    def digest(self) -> dict:
+        return self.manager.digest().as_dict()
+
+    def debug_digest(self, tensor) -> str:
+        return _digest.format_debug_digest(_digest.debug_digest(tensor))
+
     def close(self) -> None:
         """Nothing to release: every path frees its files, mappings, sockets and threads before
         ``update()`` returns (FILE-RELEASED, IPC-NO-LEAK, BKT-NO-LEAK)."""
@@ -51,6 +58,8 @@ class ReferenceAdapter:
             "trace",
             "status",
             "mtp",
+            "digest.model",
+            "digest.debug",
         }
     )
     session_class = ReferenceSession

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import paddle
 
 from . import apply, identity
+from . import digest as _digest
 from .status import Status
 
 log = logging.getLogger("reference.manager")
@@ -128,3 +129,16 @@ class WeightManager:
                 + ", ".join(missing)
             )
         self.status = Status.NORMAL
+
+    # -- digest ------------------------------------------------------------------------------
+    def digest(self, algorithms=_digest.DEFAULT_ALGORITHMS) -> _digest.ModelDigest:
+        """The model digest of every parameter as it landed (SPEC DIGEST-MODEL-LANDED), computed
+        afresh from the parameters' memory on every call; a parameter not loaded is an error
+        (DIGEST-MODEL-INCOMPLETE), never a digest of part of the model."""
+        missing = apply.unloaded(self.params)
+        if missing:
+            raise RuntimeError(
+                f"cannot digest the model: {len(missing)} parameter(s) not loaded (status {self.status.name}): "
+                + ", ".join(missing)
+            )
+        return _digest.model_digest(self.params.items(), algorithms)
