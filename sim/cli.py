@@ -2,17 +2,20 @@
 
 One spawned trainer per rank publishes deterministic weights (``fixtures.models.state(spec, seed +
 rank, version)``); one reference ``WeightManager`` per rank, in this process, receives them through
-``ipc_bucket`` (or the ``ipc`` meta file with ``--path meta``). After each version every parameter's
-sha256 as landed is compared with the sha256 the trainer reports for what it sent, and the run ends
-with a per-tensor table and the throughput.
+``ipc_bucket`` (or the ``ipc`` meta file with ``--path meta``). After each version the model digest
+of what landed (``WeightManager.digest()``: XXH3-128 and MD5 per tensor and for the model, SPEC.md §
+DIGEST) is compared with the digest the trainer computed of what it sent, and the run ends with a
+per-tensor table, the model digests of both ends and the throughput.
 ``--kill-trainer-at K`` SIGKILLs rank 0's trainer while it packs bucket K of the first version, to show
-the worker's timeout error. Exit status: 0 all tensors OK, 1 a mismatch, 2 an update failed.
+the worker's timeout error. Exit status: 0 every digest equal, 1 a difference, 2 an update failed or
+a usage error, 130/143 interrupted by SIGINT/SIGTERM (trainers stopped, segments and the run's
+directory removed; ``--hold-at PHASE`` pauses at a phase so that a signal can be put there).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
+import math
 import multiprocessing
 import os
 import shutil
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import protocol
+from . import interrupt, protocol
 from .trainer import TrainerConfig, sweep_segments, trainer_main
 
 MiB = 1 << 20
@@ -65,16 +68,13 @@ def model_spec(model_mib: float, layers: int = 2):
     return spec(*params)
 
 
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def landed_bytes(param) -> bytes:
-    return b"" if 0 in param.shape else param.numpy().tobytes()
+NOT_SENT, NOT_LANDED = "(not sent)", "(not landed)"
 
 
 @dataclass
 class TensorCheck:
+    """One tensor's digests from both ends: ``sent``/``landed`` XXH3-128, ``sent_md5``/``landed_md5``."""
+
     rank: int
     version: int
     name: str
@@ -82,10 +82,26 @@ class TensorCheck:
     shape: tuple
     sent: str
     landed: str
+    sent_md5: str = ""
+    landed_md5: str = ""
 
     @property
     def ok(self) -> bool:
-        return self.sent == self.landed
+        return self.sent == self.landed and self.sent_md5 == self.landed_md5
+
+
+@dataclass
+class ModelCheck:
+    """The whole-model digests of one rank's update, as the trainer sent it and as it landed."""
+
+    rank: int
+    version: int
+    sent: dict  # algorithm -> hex
+    landed: dict
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.sent) and self.sent == self.landed
 
 
 @dataclass
@@ -94,6 +110,7 @@ class VersionResult:
     nbytes: int = 0
     seconds: float = 0.0
     checks: list[TensorCheck] = field(default_factory=list)
+    models: list[ModelCheck] = field(default_factory=list)
     errors: dict[int, BaseException] = field(default_factory=dict)  # rank -> the update's exception
 
     @property
@@ -129,11 +146,13 @@ class Roundtrip:
     def __init__(self, *, ranks: int = 2, model=None, model_mib: float = 64, bucket_bytes: int = 16 * MiB,
                  versions=(1, 2, 3), path: str = "bucket", timeout_s: float = 5.0, seed: int = 0,
                  kill_at: int | None = None, fast_fill: bool = False, verify: bool | tuple[int, ...] = True,
-                 progress=None):
+                 progress=None, hold_at: tuple | None = None):
         if path not in ("bucket", "meta"):
             raise ValueError(f"path must be 'bucket' or 'meta', got {path!r}")
         if kill_at is not None and path != "bucket":
             raise ValueError("--kill-trainer-at needs the bucket path")
+        self.hold_at = hold_at  # ("ready",), ("verify",), ("bucket", k), ("end",): see --hold-at
+        self.phase = "starting"
         self.ranks, self.path, self.timeout_s, self.seed = ranks, path, timeout_s, seed
         self.model = model if model is not None else model_spec(model_mib)
         self.bucket_bytes = bucket_bytes
@@ -160,28 +179,37 @@ class Roundtrip:
     def __enter__(self):
         try:
             self.start()
-        except BaseException:
+        except BaseException as e:
             self.close()
+            if isinstance(e, interrupt.Interrupted):
+                e.phase = self.phase
             raise
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         self.close()
+        if isinstance(exc, interrupt.Interrupted):
+            exc.phase = self.phase  # for the message: what the signal interrupted
 
     def start(self) -> None:
         from fixtures.models import build_models
         from reference.manager import WeightManager
 
         mp = multiprocessing.get_context("spawn")
+        self.phase = "starting the trainers"
         for rank in range(self.ranks):
             kill = (self.versions[0], self.kill_at) if rank == 0 and self.kill_at is not None else None
+            hold = (self.versions[0], *self.hold_at) if rank == 0 and self.hold_at and self.hold_at[0] in ("bucket", "end") else None
             cfg = TrainerConfig(rank=rank, model=self.model, endpoint=self.endpoint(rank), status=f"ipc://{self.dir}/status.sock",
                                 versions=self.versions, bucket_bytes=self.bucket_bytes, seed=self.seed + rank, path=self.path,
                                 shared_dir=self.shared_dir, gpu_id=rank, timeout_s=max(30.0, 4 * self.timeout_s),
-                                kill_at=kill, fast_fill=self.fast_fill, report_hashes=self.verify)
+                                kill_at=kill, fast_fill=self.fast_fill, report_digests=self.verify, hold_at=hold)
             proc = mp.Process(target=trainer_main, args=(cfg,), name=f"sim-trainer-{rank}", daemon=True)
-            proc.start()
-            self.procs.append(proc)
+            # A trainer started is a trainer recorded (so that close() stops it), and it starts with
+            # SIGINT/SIGTERM blocked until its own handlers are set.
+            with interrupt.shielded(), interrupt.blocked():
+                proc.start()
+                self.procs.append(proc)
         for rank in range(self.ranks):
             with worker_identity(rank, self.ranks):
                 if self.path == "bucket":
@@ -248,41 +276,67 @@ class Roundtrip:
                 self._tick(self.model.nbytes)
 
     def run_version(self, version: int) -> VersionResult:
-        """One update on every rank, concurrently; then (if ``verify``) every tensor compared."""
+        """One update on every rank, concurrently; then (if ``verify``) the digests of both ends compared."""
         result = VersionResult(version)
+        self.phase = f"waiting for the trainers of version {version}"
         self._wait_status("ready", version, range(self.ranks))
+        if self.hold_at == ("ready",) and version == self.versions[0]:
+            interrupt.hold("ready", "orchestrator, every trainer ready")
         for manager in self.managers:  # clear first, outside the timed span: clearing is not transfer
             if manager.status.name != "CLEARED":
                 manager.clear()
+        self.phase = f"transfer of version {version}"
         start = time.perf_counter()
-        with ThreadPoolExecutor(self.ranks) as pool:
+        pool = ThreadPoolExecutor(self.ranks, thread_name_prefix="sim-update")
+        try:
             futures = {rank: pool.submit(self._update, rank, version) for rank in range(self.ranks)}
             for rank, fut in futures.items():
                 try:
                     fut.result()
-                except BaseException as e:
+                except Exception as e:  # the update's own failure; an interruption goes on up
                     result.errors[rank] = e
+        finally:
+            # Interrupted: the updates still running wait on trainers that close() is about to stop;
+            # never wait for them here (interrupt.exit_process does not either).
+            pool.shutdown(wait=not interrupt.pending(), cancel_futures=True)
         result.seconds = time.perf_counter() - start
         ok_ranks = [r for r in range(self.ranks) if r not in result.errors]
         result.nbytes = self.model.nbytes * len(ok_ranks)
         self._wait_status("sent", version, ok_ranks)
         if self.verify is True or version in (self.verify or ()):
-            result.checks = self.compare(version, ok_ranks)
+            self.phase = f"verification of version {version}"
+            result.checks, result.models = self.compare(version, ok_ranks)
         return result
 
-    def compare(self, version: int, ranks) -> list[TensorCheck]:
-        """sha256 of every parameter as landed vs as the trainer sent it (its ``sent`` report)."""
-        checks = []
+    def compare(self, version: int, ranks) -> tuple[list[TensorCheck], list[ModelCheck]]:
+        """The model digest of what landed (``WeightManager.digest()``) against the one the trainer
+        computed of what it sent (its ``sent`` report), tensor by tensor and whole."""
+        checks, models = [], []
         for rank in ranks:
-            sent = next(m["hashes"] for m in self.messages
+            sent = next(m["digest"] for m in self.messages
                         if m.get("type") == "sent" and m.get("rank") == rank and m.get("version") == version)
-            params = self.managers[rank].params
+            landed = self.managers[rank].digest().as_dict()
+            if self.hold_at == ("verify",) and version == self.versions[0]:
+                interrupt.hold("verify", f"orchestrator, rank {rank} digested")
             for p in self.model.all_params:
-                checks.append(TensorCheck(rank, version, p.name, p.dtype, p.shape, sent.get(p.name, "(not sent)"),
-                                          sha256(landed_bytes(params[p.name]))))
-        return checks
+                s, d = sent["tensors"].get(p.name, {}), landed["tensors"].get(p.name, {})
+                checks.append(TensorCheck(rank, version, p.name, p.dtype, p.shape, s.get("xxh3", NOT_SENT),
+                                          d.get("xxh3", NOT_LANDED), s.get("md5", NOT_SENT), d.get("md5", NOT_LANDED)))
+            for name in sorted(set(sent["tensors"]) - {p.name for p in self.model.all_params}):
+                checks.append(TensorCheck(rank, version, name, "?", (), sent["tensors"][name].get("xxh3", ""), NOT_LANDED))
+            models.append(ModelCheck(rank, version, dict(sent["model"]), dict(landed["model"])))
+        return checks, models
 
     def close(self) -> None:
+        with interrupt.shielded():  # a signal now is raised once everything is released
+            self._close()
+
+    def _close(self) -> None:
+        if interrupt.pending():
+            # Updates still running fail as their trainers go; the run reports the interruption instead.
+            import logging
+
+            logging.disable(logging.CRITICAL)
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()  # SIGTERM: the trainer unwinds and unlinks its segments
@@ -318,31 +372,45 @@ def run_roundtrip(*, versions: int = 3, progress=None, **kwargs) -> list[Version
 
 
 def _short(h: str) -> str:
-    return h[:16]
+    return h[:12]
 
 
 def render(results: list[VersionResult], console, model, ranks: int) -> int:
+    """Per-tensor and per-model digests of both ends, throughput; the exit status (0, 1 a digest
+    differs, 2 an update failed)."""
     from rich.table import Table
 
     status = 0
     last = results[-1]
-    rows = [c for r in results for c in r.checks if not c.ok] + [c for c in last.checks if c.ok]
-    table = Table(title=f"Sent vs landed, version {last.version}" + (" (and every mismatch)" if any(not c.ok for r in results for c in r.checks) else ""))
-    for col in ("rank", "v", "tensor", "dtype", "shape", "sent sha256", "landed sha256", "result"):
+    bad = [c for r in results for c in r.checks if not c.ok]
+    rows = bad + [c for c in last.checks if c.ok]
+    table = Table(title=f"Tensor digests sent vs landed, version {last.version}" + (" (and every mismatch)" if bad else ""))
+    for col in ("rank", "v", "tensor", "dtype", "shape", "sent xxh3", "landed xxh3", "md5", "result"):
         table.add_column(col, justify="right" if col in ("rank", "v") else "left", no_wrap=True)
     for c in sorted(rows, key=lambda c: (c.version, c.rank)):
         table.add_row(str(c.rank), str(c.version), c.name, c.dtype, "x".join(map(str, c.shape)) or "()", _short(c.sent),
-                      _short(c.landed), "OK" if c.ok else "[bold red]MISMATCH[/]")
+                      _short(c.landed), "equal" if c.sent_md5 == c.landed_md5 else "[bold red]differs[/]",
+                      "OK" if c.ok else "[bold red]MISMATCH[/]")
     if rows:
         console.print(table)
+    bad_models = [m for r in results for m in r.models if not m.ok]
+    models = bad_models + [m for m in last.models if m.ok]
+    if models:
+        mt = Table(title=f"Model digests sent vs landed, version {last.version}" + (" (and every mismatch)" if bad_models else ""))
+        for col in ("rank", "v", "sent xxh3", "landed xxh3", "sent md5", "landed md5", "result"):
+            mt.add_column(col, justify="right" if col in ("rank", "v") else "left", no_wrap=True)
+        for m in sorted(models, key=lambda m: (m.version, m.rank)):
+            mt.add_row(str(m.rank), str(m.version), *(_short(d.get(alg, "-")) for alg in ("xxh3", "md5") for d in (m.sent, m.landed)),
+                       "OK" if m.ok else "[bold red]MISMATCH[/]")
+        console.print(mt)
     summary = Table(title="Throughput per version (all ranks' bytes / wall time of the concurrent updates)")
-    for col in ("version", "ranks ok", "tensors OK", "bytes", "seconds", "GB/s"):
+    for col in ("version", "ranks ok", "tensors OK", "models OK", "bytes", "seconds", "GB/s"):
         summary.add_column(col, justify="right")
     for r in results:
-        ok = sum(c.ok for c in r.checks)
-        summary.add_row(str(r.version), f"{ranks - len(r.errors)}/{ranks}", f"{ok}/{len(r.checks)}", f"{r.nbytes:,}",
-                        f"{r.seconds:.3f}", f"{r.gbps:.2f}")
-        if ok != len(r.checks):
+        ok, models_ok = sum(c.ok for c in r.checks), sum(m.ok for m in r.models)
+        summary.add_row(str(r.version), f"{ranks - len(r.errors)}/{ranks}", f"{ok}/{len(r.checks)}",
+                        f"{models_ok}/{len(r.models)}", f"{r.nbytes:,}", f"{r.seconds:.3f}", f"{r.gbps:.2f}")
+        if ok != len(r.checks) or models_ok != len(r.models):
             status = 1
     console.print(summary)
     for r in results:
@@ -357,13 +425,81 @@ def render(results: list[VersionResult], console, model, ranks: int) -> int:
     return status
 
 
+HOLD_PHASES = ("ready", "bucket:K", "end", "verify")
+
+
+def _hold_phase(text: str) -> tuple:
+    """``--hold-at``: ready | bucket:K | end | verify -> ("ready",), ("bucket", K), ("end",), ("verify",)."""
+    kind, sep, k = text.partition(":")
+    if kind == "bucket" and sep and k.isdigit():
+        return ("bucket", int(k))
+    if not sep and kind in ("ready", "end", "verify"):
+        return (kind,)
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(HOLD_PHASES)} (K a bucket index)")
+
+
+def _usage_problems(args, model, bucket_bytes: int | None) -> list[str]:
+    """What makes no sense in these arguments, each naming the option and the value (empty: fine)."""
+    problems = []
+    for opt, value in (("--ranks", args.ranks), ("--versions", args.versions)):
+        if value < 1:
+            problems.append(f"{opt} {value}: must be at least 1")
+    for opt, value in (("--model-mib", args.model_mib), ("--bucket-mib", args.bucket_mib), ("--timeout-s", args.timeout_s)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            problems.append(f"{opt} {value}: must be a positive finite number")
+    if args.path == "meta":
+        problems += [f"{opt} applies to the bucket path only (--path meta)" for opt, given in
+                     (("--bucket-mib", args.bucket_mib is not None), ("--kill-trainer-at", args.kill_trainer_at is not None),
+                      ("--hold-at " + ":".join(map(str, args.hold_at or ())), bool(args.hold_at) and args.hold_at[0] in ("bucket", "end")))
+                     if given]
+    if args.kill_trainer_at is not None and args.hold_at:
+        problems.append("--kill-trainer-at and --hold-at exclude each other (the trainer that holds is the one killed)")
+    if problems or model is None:
+        return problems
+    if bucket_bytes is not None:
+        requested = int(args.bucket_mib * MiB)
+        if requested < protocol.ALIGN:
+            return [f"--bucket-mib {args.bucket_mib:g} is {requested} bytes, less than the {protocol.ALIGN}-byte alignment "
+                    "of every entry: no tensor fits"]
+        buckets = len(protocol.plan_layout([(p.name, p.nbytes) for p in model.all_params], bucket_bytes))
+        for opt, k in (("--kill-trainer-at", args.kill_trainer_at),
+                       ("--hold-at bucket:K", args.hold_at[1] if args.hold_at and args.hold_at[0] == "bucket" else None)):
+            if k is not None and not 0 <= k < buckets:
+                problems.append(f"{opt} {k}: version 1 has {buckets} bucket(s) of {bucket_bytes / MiB:g} MiB, numbered 0..{buckets - 1}")
+    problems += _resource_problems(model, args.ranks, bucket_bytes)
+    return problems
+
+
+def _resource_problems(model, ranks: int, bucket_bytes: int | None) -> list[str]:
+    """A run that cannot fit: each trainer's two buckets (or, on the meta path, its whole model) in
+    /dev/shm; each rank's model twice in memory (the trainer's state, the worker's parameters)."""
+    import psutil
+
+    from .ipc_handles import SHM_DIR
+
+    GiB = 1 << 30
+    shm = ranks * (2 * bucket_bytes if bucket_bytes is not None else model.nbytes)
+    shm_free = shutil.disk_usage(SHM_DIR).free
+    ram = 2 * ranks * model.nbytes + shm
+    ram_free = psutil.virtual_memory().available
+    problems = []
+    if shm > shm_free:
+        problems.append(f"{ranks} rank(s) need {shm / GiB:.1f} GiB of {SHM_DIR}; {shm_free / GiB:.1f} GiB is free")
+    if ram > ram_free:
+        problems.append(f"a {model.nbytes / GiB:.1f} GiB model on {ranks} rank(s) needs about {ram / GiB:.1f} GiB of memory; "
+                        f"{ram_free / GiB:.1f} GiB is available")
+    return problems
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sim", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    rt = sub.add_parser("roundtrip", help="trainers publish, reference workers receive, tensors compared")
+    rt = sub.add_parser("roundtrip", help="trainers publish, reference workers receive, digests compared",
+                        epilog="exit status: 0 every digest equal, 1 a digest differs, 2 an update failed or a usage "
+                               "error, 130 SIGINT, 143 SIGTERM")
     rt.add_argument("--ranks", type=int, default=2)
     rt.add_argument("--model-mib", type=float, default=64)
-    rt.add_argument("--bucket-mib", type=float, default=16)
+    rt.add_argument("--bucket-mib", type=float, default=None, help="bucket size (bucket path; default 16)")
     rt.add_argument("--versions", type=int, default=3)
     rt.add_argument("--path", choices=("bucket", "meta"), default="bucket",
                     help="bucket: ipc_bucket over ZMQ; meta: the ipc_metas_{gpu} file of 7-field metas")
@@ -371,29 +507,53 @@ def main(argv=None) -> int:
     rt.add_argument("--seed", type=int, default=0)
     rt.add_argument("--kill-trainer-at", type=int, metavar="BUCKET", default=None,
                     help="SIGKILL rank 0's trainer while it packs this bucket of the first version")
+    rt.add_argument("--hold-at", type=_hold_phase, metavar="PHASE", default=None,
+                    help="pause version 1 at PHASE until a signal arrives (or 120 s pass), saying so on stderr: ready "
+                         "(every trainer ready, no update started), bucket:K (rank 0's trainer, before bucket K), end "
+                         "(rank 0's trainer, after the last bucket), verify (while digests are compared)")
     rt.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    if args.ranks < 1 or args.versions < 1 or args.model_mib <= 0 or args.bucket_mib <= 0:
-        parser.error("--ranks, --versions, --model-mib and --bucket-mib must be positive")
+    problems = _usage_problems(args, None, None)
+    if problems:
+        parser.error("; ".join(problems))
+    if args.path == "bucket" and args.bucket_mib is None:
+        args.bucket_mib = 16.0
+    model = model_spec(args.model_mib)
+    bucket_bytes = protocol.align_up(int(args.bucket_mib * MiB)) if args.path == "bucket" else None
+    problems = _usage_problems(args, model, bucket_bytes)
+    if problems:
+        parser.error("; ".join(problems))
 
     import logging
 
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")  # before Paddle's
+    interrupt.install()
+    try:
+        import paddle  # noqa: F401  (imported here: it sets a SIGTERM handler of its own, replaced below)
+
+        interrupt.install()
+        return _roundtrip(args, model, bucket_bytes)
+    except interrupt.Interrupted as e:
+        where = getattr(e, "phase", None)  # unset: no trainer was running (start-up, the report)
+        print(f"roundtrip {e}" + (f" during {where}: trainers stopped, their shared memory and the run's directory "
+                                  "removed" if where else ""), file=sys.stderr, flush=True)
+        return e.exit_status
+
+
+def _roundtrip(args, model, bucket_bytes) -> int:
     from rich.console import Console
     from tqdm import tqdm
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    console = Console(width=None if sys.stdout.isatty() else 130)
-    model = model_spec(args.model_mib)
-    bucket_bytes = protocol.align_up(int(args.bucket_mib * MiB))
+    console = Console(width=None if sys.stdout.isatty() else 150)
     console.print(f"model {model.nbytes / MiB:,.1f} MiB in {len(model.all_params)} tensors x {args.ranks} rank(s), "
-                  f"{args.path} path" + (f", buckets of {bucket_bytes / MiB:g} MiB (x2 per trainer)" if args.path == "bucket" else "")
+                  f"{args.path} path" + (f", buckets of {bucket_bytes / MiB:g} MiB (x2 per trainer)" if bucket_bytes else "")
                   + f", versions 1..{args.versions}", highlight=False)
     bar = tqdm(total=model.nbytes * args.ranks * args.versions, unit="B", unit_scale=True, unit_divisor=1024,
                desc="landed", disable=args.no_progress, file=sys.stderr)
     try:
         results = run_roundtrip(versions=args.versions, progress=bar.update, ranks=args.ranks, model=model,
-                                bucket_bytes=bucket_bytes, path=args.path, timeout_s=args.timeout_s, seed=args.seed,
-                                kill_at=args.kill_trainer_at)
+                                bucket_bytes=bucket_bytes or 16 * MiB, path=args.path, timeout_s=args.timeout_s,
+                                seed=args.seed, kill_at=args.kill_trainer_at, hold_at=args.hold_at)
     except (RuntimeError, TimeoutError) as e:  # a trainer failed outside an update
         bar.close()
         console.print(f"[bold red]roundtrip failed:[/] {type(e).__name__}: {e}", highlight=False)
@@ -404,4 +564,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    interrupt.exit_process(main())

@@ -12,8 +12,8 @@ worker copies bucket k. Meta path: :class:`MetaTrainer` writes ``ipc_metas_{gpu}
 """
 from __future__ import annotations
 
-import hashlib
 import logging
+import multiprocessing
 import os
 import pickle
 import signal
@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from . import protocol
+from reference.digest import model_digest  # what both ends compute (SPEC.md § DIGEST); no Paddle needed
+
+from . import interrupt, protocol
 from .ipc_handles import SHM_DIR, Segment
 
 log = logging.getLogger("sim.trainer")
@@ -60,7 +62,8 @@ class TrainerConfig:
     timeout_s: float = 60.0  # how long to wait for the worker
     kill_at: tuple[int, int] | None = None  # (version, bucket): SIGKILL self while packing that bucket
     fast_fill: bool = False  # random bytes instead of fixtures.models values (benchmarks: generation is slow)
-    report_hashes: bool | tuple[int, ...] = True  # send sha256 of every tensor sent (True: every version)
+    report_digests: bool | tuple[int, ...] = True  # send the model digest of what was sent (True: every version)
+    hold_at: tuple | None = None  # (version, "bucket", k) or (version, "end"): pause there (sim.interrupt.hold)
 
 
 def make_state(cfg: TrainerConfig, version: int) -> dict[str, np.ndarray]:
@@ -133,9 +136,10 @@ class BucketTrainer:
         del dst
 
     def publish(self, state: Mapping[str, np.ndarray], version: int, kill_at_bucket: int | None = None,
-                on_bucket: Callable[[int], None] | None = None) -> int:
+                on_bucket: Callable[[int], None] | None = None, hold: tuple | None = None) -> int:
         """Serve one update of ``state`` as ``version`` to the next worker that says hello; returns
-        the number of buckets. Raises if the worker rejects the update or goes silent."""
+        the number of buckets. Raises if the worker rejects the update or goes silent. ``hold``:
+        ``("bucket", k)`` pauses before manifest k, ``("end",)`` before the end message."""
         layout = protocol.plan_layout([(n, a.nbytes) for n, a in state.items()], self.bucket_bytes)
         flat = {n: np.ascontiguousarray(a).reshape(-1).view(np.uint8) for n, a in state.items()}
         dtypes = {n: a.dtype.name for n, a in state.items()}
@@ -149,6 +153,8 @@ class BucketTrainer:
         if layout:
             self._pack(0, layout, flat, kill_at_bucket == 0)
         for k in range(len(layout)):
+            if hold == ("bucket", k):
+                interrupt.hold(f"bucket:{k}", f"trainer at {self.endpoint}, version {version}")
             seg = self.segments[k % 2]
             self._send(ident, protocol.bucket_manifest(version, k, seg.handle, layout[k], dtypes, shapes))
             if k + 1 < len(layout):
@@ -159,6 +165,8 @@ class BucketTrainer:
                 raise RuntimeError(f"worker rejected bucket {k} of version {version}: {reply.get('message', reply)}")
             if on_bucket:
                 on_bucket(k)
+        if hold == ("end",):
+            interrupt.hold("end", f"trainer at {self.endpoint}, version {version}")
         self._send(ident, protocol.end(version, len(layout), list(state)))
         _, reply = self._recv(ident, f"done of version {version}")
         if reply["type"] != protocol.DONE:
@@ -219,7 +227,7 @@ def _on_sigterm(signum, frame):
 
 def trainer_main(cfg: TrainerConfig) -> None:
     """Process entry point (spawn). Publishes every version in ``cfg.versions`` in turn."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    interrupt.trainer_signals(_on_sigterm, multiprocessing.parent_process().pid)
     logging.basicConfig(level=logging.WARNING, format=f"[trainer {cfg.rank}] %(message)s")
     status = zmq.Context.instance().socket(zmq.PUSH)
     status.setsockopt(zmq.LINGER, 2000)  # deliver the last status before exiting
@@ -242,7 +250,8 @@ def trainer_main(cfg: TrainerConfig) -> None:
             _status(status, type="ready", rank=cfg.rank, version=version, pid=os.getpid())
             if cfg.path == "bucket":
                 kill = cfg.kill_at[1] if cfg.kill_at and cfg.kill_at[0] == version else None
-                buckets = trainer.publish(state, version, kill_at_bucket=kill)
+                hold = tuple(cfg.hold_at[1:]) if cfg.hold_at and cfg.hold_at[0] == version else None
+                buckets = trainer.publish(state, version, kill_at_bucket=kill, hold=hold)
             else:
                 for expected in ("publish", "release"):
                     if not control.poll(int(cfg.timeout_s * 1000)):
@@ -255,9 +264,9 @@ def trainer_main(cfg: TrainerConfig) -> None:
                         trainer.release()
                         control.send(protocol.encode({"type": "released"}))
                 buckets = 0
-            hashes = {n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for n, a in state.items()} \
-                if cfg.report_hashes is True or version in (cfg.report_hashes or ()) else {}
-            _status(status, type="sent", rank=cfg.rank, version=version, buckets=buckets, hashes=hashes)
+            digest = model_digest(state).as_dict() \
+                if cfg.report_digests is True or version in (cfg.report_digests or ()) else None
+            _status(status, type="sent", rank=cfg.rank, version=version, buckets=buckets, digest=digest)
             del state
     except BaseException as e:
         _status(status, type="failed", rank=cfg.rank, error=f"{type(e).__name__}: {e}")

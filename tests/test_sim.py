@@ -58,7 +58,7 @@ def _run(args, timeout=120):
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
-SUMMARY_ROW = re.compile(r"│\s+(\d+) │\s+(\d+)/(\d+) │\s+(\d+)/(\d+) │")
+SUMMARY_ROW = re.compile(r"│\s+(\d+) │\s+(\d+)/(\d+) │\s+(\d+)/(\d+) │\s+(\d+)/(\d+) │")
 
 
 def _summary(output: str):
@@ -74,11 +74,13 @@ def test_readme_roundtrip_command():
     ranks = int(cmd[cmd.index("--ranks") + 1])
     rows = _summary(out)
     assert [r[0] for r in rows] == list(range(1, versions + 1)), f"per-version rows {rows} in:\n{out[-3000:]}"
-    for version, ok_ranks, n_ranks, ok, total in rows:
+    for version, ok_ranks, n_ranks, ok, total, models_ok, models in rows:
         assert (ok_ranks, n_ranks) == (ranks, ranks), f"version {version}: ranks ok {ok_ranks}/{n_ranks}"
         assert ok == total > 0, f"version {version}: tensors OK {ok}/{total}\n{out[-3000:]}"
+        assert models_ok == models == ranks, f"version {version}: models OK {models_ok}/{models}\n{out[-3000:]}"
     assert "MISMATCH" not in out and "throughput:" in out, out[-3000:]
-    assert "sent sha256" in out and "landed sha256" in out, "per-tensor comparison table missing"
+    for title in ("Tensor digests sent vs landed", "Model digests sent vs landed"):
+        assert title in out, f"{title!r} table missing:\n{out[-3000:]}"
 
 
 def test_killed_trainer_is_a_timeout_naming_bucket_and_version():
@@ -98,7 +100,7 @@ def test_meta_file_path_roundtrip():
     code, out, _ = _run(cmd)
     assert code == 0, f"{' '.join(cmd)} exited {code}:\n{out[-3000:]}"
     rows = _summary(out)
-    assert len(rows) == 2 and all(r[3] == r[4] > 0 for r in rows), f"rows {rows}:\n{out[-3000:]}"
+    assert len(rows) == 2 and all(r[3] == r[4] > 0 and r[5] == r[6] == 2 for r in rows), f"rows {rows}:\n{out[-3000:]}"
 
 
 def test_benchmark_script_smoke(tmp_path):
@@ -120,16 +122,57 @@ def test_benchmark_script_smoke(tmp_path):
 def test_render_reports_mismatch_and_exit_status():
     from rich.console import Console
 
-    from sim.cli import TensorCheck, VersionResult, model_spec, render
+    from sim.cli import ModelCheck, TensorCheck, VersionResult, model_spec, render
 
     model = model_spec(1)
-    good = TensorCheck(0, 1, "w", "float32", (2,), "a" * 64, "a" * 64)
-    bad = TensorCheck(0, 1, "v", "float32", (2,), "a" * 64, "b" * 64)
-    buf = io.StringIO()
-    status = render([VersionResult(1, 8, 0.1, [good, bad])], Console(file=buf, width=200), model, 1)
-    assert status == 1 and "MISMATCH" in buf.getvalue(), buf.getvalue()
-    buf = io.StringIO()
-    assert render([VersionResult(1, 8, 0.1, [good])], Console(file=buf, width=200), model, 1) == 0, buf.getvalue()
+    good = TensorCheck(0, 1, "w", "float32", (2,), "a" * 32, "a" * 32, "c" * 32, "c" * 32)
+    bad = TensorCheck(0, 1, "v", "float32", (2,), "a" * 32, "b" * 32, "c" * 32, "d" * 32)
+    md5_only = TensorCheck(0, 1, "u", "float32", (2,), "a" * 32, "a" * 32, "c" * 32, "d" * 32)
+    same = ModelCheck(0, 1, {"xxh3": "e" * 32, "md5": "f" * 32}, {"xxh3": "e" * 32, "md5": "f" * 32})
+    differs = ModelCheck(0, 1, {"xxh3": "e" * 32, "md5": "f" * 32}, {"xxh3": "e" * 32, "md5": "0" * 32})
+    cases = [([bad], [same], 1), ([md5_only], [same], 1), ([good], [differs], 1), ([good], [same], 0),
+             ([good], [ModelCheck(0, 1, {}, {})], 1)]
+    for checks, models, want in cases:
+        buf = io.StringIO()
+        status = render([VersionResult(1, 8, 0.1, checks, models)], Console(file=buf, width=200), model, 1)
+        assert status == want, (checks, models, buf.getvalue())
+        assert ("MISMATCH" in buf.getvalue()) == bool(want), buf.getvalue()
+
+
+CORRUPTING_RECEIVER = """
+import sys
+import numpy as np
+from reference import buckets
+from sim.cli import main
+from sim.interrupt import exit_process
+
+real = buckets.stage_bucket
+
+def stage_bucket(staging, segment, entries):  # a receiver that lands one wrong bit in one tensor
+    real(staging, segment, entries)
+    view = staging._bytes.get("norm.weight")
+    if view is not None and any(e.name == "norm.weight" for e in entries):
+        view[-1] ^= 1
+
+buckets.stage_bucket = stage_bucket
+exit_process(main(sys.argv[1:]))
+"""
+
+
+def test_a_wrong_landed_bit_fails_the_run():
+    """A receiver that flips the last bit of one tensor: the CLI names that tensor and the model, on
+    every rank and version, and exits 1, not 0 (and not 2: the update itself succeeded)."""
+    args = ["roundtrip", "--ranks", "2", "--model-mib", "1", "--bucket-mib", "0.25", "--versions", "2", "--no-progress"]
+    proc = subprocess.run([sys.executable, "-c", CORRUPTING_RECEIVER, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, f"exit {proc.returncode}, expected 1 (a digest differs):\n{out[-3000:]}"
+    flat = " ".join(out.split())
+    bad = [line for line in out.splitlines() if "MISMATCH" in line]
+    assert len([b for b in bad if "norm.weight" in b]) == 4, f"norm.weight on 2 ranks x 2 versions:\n{out[-3000:]}"
+    assert len(bad) == 4 + 4, f"4 tensor rows and 4 model rows, nothing else:\n{out[-4000:]}"
+    rows = _summary(out)
+    assert [r[3:] for r in rows] == [(36, 38, 0, 2)] * 2, f"tensors OK 36/38, models OK 0/2 per version: {rows}"
 
 
 # -- wire format units -----------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""SIGINT and SIGTERM in the simulator: every exit clean, at any phase of a run.
+
+The orchestrator (``python -m sim roundtrip``) turns the first of either signal into
+:class:`Interrupted` in its main thread; ``Roundtrip``'s context manager then stops the trainers, sweeps
+their shared-memory segments and removes its directory on the way out, and the CLI exits with
+128 + the signal number (130, 143). Bookkeeping that must not be cut in half (spawning a trainer and
+recording it, the cleanup itself) runs :func:`shielded`: a signal arriving there is raised when it ends.
+
+Trainers ignore SIGINT (a terminal's Ctrl-C reaches the whole process group; the orchestrator decides)
+and unwind on SIGTERM. They are spawned with both signals blocked (:func:`blocked`: the mask survives
+the exec), so none lands in their start-up, and unblock them once their handlers are set
+(:func:`trainer_signals`), which also makes the kernel send them SIGTERM if the orchestrator dies.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+HOLD_S = 120.0  # a --hold-at pause ends by itself after this long
+PR_SET_PDEATHSIG = 1
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the orchestrator. A BaseException, like KeyboardInterrupt, so that no
+    ``except Exception`` on the way out mistakes it for a failed update."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
+_state = {"signum": None, "raised": False, "shield": 0}
+
+
+def _handler(signum, frame) -> None:
+    if _state["signum"] is not None:
+        return  # one interruption per run; the cleanup it started is not interrupted again
+    _state["signum"] = signum
+    if _state["shield"] == 0:
+        _raise()
+
+
+def _raise() -> None:
+    _state["raised"] = True
+    raise Interrupted(_state["signum"])
+
+
+def install() -> None:
+    """Route SIGINT and SIGTERM to :class:`Interrupted` (again after importing Paddle, which installs
+    a C handler of its own for SIGTERM that dumps a stack and kills the process)."""
+    _state.update(signum=None, raised=False, shield=0)
+    for s in SIGNALS:
+        signal.signal(s, _handler)
+
+
+def pending() -> bool:
+    """A signal has been received in this run."""
+    return _state["signum"] is not None
+
+
+@contextlib.contextmanager
+def shielded():
+    """Defer an interruption until the block ends (it is raised then, once)."""
+    _state["shield"] += 1
+    try:
+        yield
+    finally:
+        _state["shield"] -= 1
+    if _state["shield"] == 0 and _state["signum"] is not None and not _state["raised"]:
+        _raise()
+
+
+@contextlib.contextmanager
+def blocked():
+    """Block SIGINT and SIGTERM in this thread: a process spawned here starts with them blocked."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def trainer_signals(on_sigterm, parent_pid: int) -> None:
+    """In a trainer: ignore SIGINT, run ``on_sigterm`` on SIGTERM, get SIGTERM when the orchestrator
+    dies, then unblock both (a SIGTERM that arrived during start-up is delivered now)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+    if os.getppid() != parent_pid:  # the orchestrator died before the death signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def hold(phase: str, who: str) -> None:
+    """Pause at ``phase`` (``--hold-at``), saying so on stderr, until a signal ends it or HOLD_S pass:
+    how the tests put a signal at an exact phase of a run."""
+    print(f"holding at {phase} ({who}, pid {os.getpid()})", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + HOLD_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def exit_process(code: int) -> None:
+    """Exit with ``code``. After an interruption an update thread may still wait on a trainer that is
+    gone (its timeout is the worker's, seconds away); everything outside this process is released by
+    then, so do not wait for it: flush and leave."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    waiting = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if waiting:
+        os._exit(code)
+    sys.exit(code)
