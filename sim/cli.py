@@ -461,12 +461,14 @@ def _usage_problems(args, model, bucket_bytes: int | None) -> list[str]:
         if requested < protocol.ALIGN:
             return [f"--bucket-mib {args.bucket_mib:g} is {requested} bytes, less than the {protocol.ALIGN}-byte alignment "
                     "of every entry: no tensor fits"]
+    problems = _resource_problems(model, args.ranks, bucket_bytes)
+    points = [(opt, k) for opt, k in (("--kill-trainer-at", args.kill_trainer_at),
+                                      ("--hold-at bucket:K", args.hold_at[1] if args.hold_at and args.hold_at[0] == "bucket" else None))
+              if k is not None]
+    if points and not problems:
         buckets = len(protocol.plan_layout([(p.name, p.nbytes) for p in model.all_params], bucket_bytes))
-        for opt, k in (("--kill-trainer-at", args.kill_trainer_at),
-                       ("--hold-at bucket:K", args.hold_at[1] if args.hold_at and args.hold_at[0] == "bucket" else None)):
-            if k is not None and not 0 <= k < buckets:
-                problems.append(f"{opt} {k}: version 1 has {buckets} bucket(s) of {bucket_bytes / MiB:g} MiB, numbered 0..{buckets - 1}")
-    problems += _resource_problems(model, args.ranks, bucket_bytes)
+        problems += [f"{opt} {k}: version 1 has {buckets} bucket(s) of {bucket_bytes / MiB:g} MiB, numbered 0..{buckets - 1}"
+                     for opt, k in points if not 0 <= k < buckets]
     return problems
 
 

@@ -1,0 +1,215 @@
+"""``python -m sim roundtrip`` under real signals at every phase, and its usage errors.
+
+Each run is a real CLI process (its own session, its own TMPDIR) with two spawned trainers, paused at a
+phase with ``--hold-at`` (which says so on stderr), then sent SIGINT or SIGTERM. Afterwards: the exit
+status is 128 + the signal, within a few seconds (a Ctrl-C used to wait out the worker's timeout and
+report a failed update); no traceback, no Paddle stack dump, no failed update reported; every child
+process gone (psutil), no /dev/shm segment of the run's processes, and the run's directory removed.
+"""
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from sim.cli import model_spec
+from sim.ipc_handles import leaked_segments
+from sim.protocol import align_up, plan_layout
+from tests.conftest import REPO
+
+HOLD_WAIT_S = 90  # a loaded machine may take long to start; the phase is what matters, not the time
+EXIT_WITHIN_S = 10  # after the signal: trainers stopped (they unwind in milliseconds), segments and directory removed
+# 2 MiB in 0.25 MiB buckets: version 1 has BUCKETS buckets (11); the mid-transfer hold is before the middle one
+BUCKETS = len(plan_layout([(p.name, p.nbytes) for p in model_spec(2).all_params], align_up(1 << 18)))
+RUN = ["roundtrip", "--ranks", "2", "--model-mib", "2", "--bucket-mib", "0.25", "--versions", "2", "--timeout-s", "60",
+       "--no-progress"]
+PHASES = {
+    "ready": "ready",  # trainers up and holding their buffers, no update started
+    "before-first-bucket": "bucket:0",  # workers said hello, rank 0's trainer has sent nothing
+    "mid-transfer": f"bucket:{BUCKETS // 2}",  # the first half landed on rank 0
+    "after-last-bucket": "end",  # every bucket landed, the end message not sent
+    "verification": "verify",  # both ends' digests being compared
+}
+WHERE = {"ready": "waiting for the trainers of version 1", "before-first-bucket": "transfer of version 1",
+         "mid-transfer": "transfer of version 1", "after-last-bucket": "transfer of version 1",
+         "verification": "verification of version 1"}
+
+
+class Run:
+    """The CLI held at a phase: its process, the trainers it spawned, their segments, its TMPDIR."""
+
+    def __init__(self, tmp_path, hold: str, extra=()):
+        self.tmp = tmp_path / "tmp"
+        self.tmp.mkdir(parents=True)
+        env = dict(os.environ, TMPDIR=str(self.tmp), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "sim", *RUN, "--hold-at", hold, *extra], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.err = self._until_held()
+        me = psutil.Process(self.proc.pid)
+        self.children = me.children(recursive=True)
+        self.pids = {self.proc.pid} | {c.pid for c in self.children}
+
+    def _until_held(self) -> str:
+        text, deadline = "", time.monotonic() + HOLD_WAIT_S
+        while "holding at" not in text:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stderr], [], [], max(left, 0))
+            line = self.proc.stderr.readline() if ready else ""
+            if not line:
+                self.proc.kill()
+                out, err = self.proc.communicate()
+                pytest.fail(f"the run never held (exit {self.proc.returncode}):\n{text}{err}\n{out}"[-4000:])
+            text += line
+        return text
+
+    def segments(self) -> list[str]:
+        return [n for n in leaked_segments() if _pid(n) in self.pids]
+
+    def signal(self, signum: int, group: bool = False) -> tuple[int, str, float]:
+        start = time.monotonic()
+        if group:
+            os.killpg(self.proc.pid, signum)  # a terminal's Ctrl-C: the CLI and every trainer
+        else:
+            self.proc.send_signal(signum)
+        try:
+            out, err = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            pytest.fail(f"still running 60 s after the signal:\n{self.err}{err}"[-4000:])
+        return self.proc.returncode, self.err + err + out, time.monotonic() - start
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+        for child in self.children:
+            if child.is_running():
+                child.kill()
+
+
+def _pid(segment: str) -> int | None:
+    try:
+        return int(segment.split("_")[1])
+    except (IndexError, ValueError):
+        return None
+
+
+@pytest.fixture
+def held(tmp_path):
+    runs = []
+
+    def start(hold, extra=()):
+        runs.append(Run(tmp_path / str(len(runs)), hold, extra))
+        return runs[-1]
+
+    yield start
+    for r in runs:
+        r.kill()
+
+
+def _nothing_left(run: Run, code: int, output: str, elapsed: float, signum: int, where: str) -> None:
+    name = signal.Signals(signum).name
+    assert code == 128 + signum, f"{name} {where}: exit {code}, expected {128 + signum}:\n{output[-3000:]}"
+    assert elapsed < EXIT_WITHIN_S, f"{name} {where}: exited {elapsed:.1f}s after the signal"
+    for bad in ("Traceback", "FatalError", "C++ Traceback", "update failed", "KeyboardInterrupt"):
+        assert bad not in output, f"{name} {where}: {bad!r} in the output:\n{output[-3000:]}"
+    assert f"interrupted by {name} during {where}" in output, output[-3000:]
+    gone, alive = psutil.wait_procs(run.children, timeout=10)
+    assert not alive, f"{name} {where}: processes still running: {[(p.pid, p.cmdline()) for p in alive]}"
+    assert not run.segments(), f"{name} {where}: segments left in /dev/shm: {run.segments()}"
+    assert not list(run.tmp.iterdir()), f"{name} {where}: left in TMPDIR: {list(run.tmp.iterdir())}"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_signal_at_every_phase_exits_clean(held, phase, signum):
+    run = held(PHASES[phase])
+    trainers = [c for c in run.children if "spawn_main" in " ".join(c.cmdline())]
+    assert len(trainers) == 2, f"expected 2 trainer processes, found {[c.cmdline() for c in run.children]}"
+    assert list(run.tmp.iterdir()), "the run's directory should exist while it runs"
+    assert run.segments(), "the trainers' buffers should exist in /dev/shm while they run"
+    _nothing_left(run, *run.signal(signum), signum, WHERE[phase])
+
+
+def test_ctrl_c_to_the_process_group_mid_transfer(held):
+    """A terminal's Ctrl-C reaches the trainers too: they ignore it (no KeyboardInterrupt traceback) and
+    the CLI stops them; same outcome as a SIGINT to the CLI alone."""
+    run = held(PHASES["mid-transfer"])
+    _nothing_left(run, *run.signal(signal.SIGINT, group=True), signal.SIGINT, WHERE["mid-transfer"])
+
+
+def test_trainers_die_with_a_killed_cli(held):
+    """SIGKILL cannot be handled: the trainers still exit (the kernel sends them SIGTERM when their
+    parent dies) and unlink their own buffers, instead of running on until their timeout."""
+    run = held(PHASES["mid-transfer"])
+    trainers = [c for c in run.children if "spawn_main" in " ".join(c.cmdline())]
+    run.proc.kill()
+    run.proc.communicate()
+    gone, alive = psutil.wait_procs(trainers, timeout=10)
+    assert not alive, f"trainers still running after the CLI was killed: {[p.pid for p in alive]}"
+    assert not run.segments(), f"segments left by the trainers: {run.segments()}"
+
+
+# -- usage errors ------------------------------------------------------------------------------------
+USAGE = {
+    "bucket below the alignment": (["--bucket-mib", "0.0001"], "104 bytes, less than the 256-byte alignment"),
+    "bucket of zero": (["--bucket-mib", "0"], "--bucket-mib 0.0: must be a positive finite number"),
+    "kill point past the last bucket": (["--model-mib", "2", "--bucket-mib", "0.25", "--kill-trainer-at", str(BUCKETS)],
+                                        f"--kill-trainer-at {BUCKETS}: version 1 has {BUCKETS} bucket(s)"),
+    "kill point negative": (["--kill-trainer-at", "-1"], "--kill-trainer-at -1: version 1 has"),
+    "hold past the last bucket": (["--model-mib", "2", "--bucket-mib", "0.25", "--hold-at", f"bucket:{BUCKETS}"],
+                                  f"--hold-at bucket:K {BUCKETS}: version 1 has {BUCKETS} bucket(s)"),
+    "hold at an unknown phase": (["--hold-at", "bucket"], "not one of ready, bucket:K, end, verify"),
+    "kill on the meta path": (["--path", "meta", "--kill-trainer-at", "0"], "--kill-trainer-at applies to the bucket path"),
+    "bucket size on the meta path": (["--path", "meta", "--bucket-mib", "4"], "--bucket-mib applies to the bucket path"),
+    "kill and hold together": (["--kill-trainer-at", "1", "--hold-at", "ready"], "exclude each other"),
+    "NaN model": (["--model-mib", "nan"], "--model-mib nan: must be a positive finite number"),
+    "infinite timeout": (["--timeout-s", "inf"], "--timeout-s inf: must be a positive finite number"),
+    "zero timeout": (["--timeout-s", "0"], "--timeout-s 0.0: must be a positive finite number"),
+    "no ranks": (["--ranks", "0"], "--ranks 0: must be at least 1"),
+    "no versions": (["--versions", "0"], "--versions 0: must be at least 1"),
+    "model larger than memory": (["--model-mib", "4194304"], "GiB of memory"),
+    "buckets larger than /dev/shm": (["--model-mib", "1", "--bucket-mib", "4194304"], "GiB of /dev/shm"),
+}
+
+
+@pytest.mark.parametrize("case", list(USAGE))
+def test_nonsensical_arguments_are_usage_errors(case, capsys):
+    from sim.cli import main
+
+    args, message = USAGE[case]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["roundtrip", "--no-progress", *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, f"{case}: exit {exit_info.value.code}, expected 2 (usage error):\n{err}"
+    assert message in err, f"{case}: {message!r} not in:\n{err}"
+
+
+def test_edges_that_make_sense_are_accepted():
+    """One below each refused value passes the checks: a bucket of exactly the alignment, the last
+    bucket as kill or hold point."""
+    import argparse
+
+    from sim.cli import _usage_problems
+    from sim.protocol import ALIGN
+
+    base = dict(ranks=1, versions=1, model_mib=2.0, timeout_s=1.0, path="bucket", kill_trainer_at=None, hold_at=None)
+    model = model_spec(2.0)
+    exact = argparse.Namespace(**base, bucket_mib=ALIGN / (1 << 20))
+    assert _usage_problems(exact, model, ALIGN) == []
+    last = argparse.Namespace(**{**base, "kill_trainer_at": BUCKETS - 1}, bucket_mib=0.25)
+    assert _usage_problems(last, model, align_up(1 << 18)) == []
+    hold_last = argparse.Namespace(**{**base, "hold_at": ("bucket", BUCKETS - 1)}, bucket_mib=0.25)
+    assert _usage_problems(hold_last, model, align_up(1 << 18)) == []
+
+
+def test_usage_error_from_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "sim", *RUN, "--kill-trainer-at", "99"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "usage:" in proc.stderr and "--kill-trainer-at 99" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
