@@ -17,6 +17,7 @@ from hypothesis.extra import numpy as hnp
 
 from fixtures import digests as D
 from reference import digest as R
+from tests.conftest import REPO
 
 DTYPES = [np.dtype(d) for d in (np.float32, np.float16, np.float64, np.int64, np.int32, np.int8, np.uint8, np.bool_)] + [
     np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)]
@@ -150,3 +151,19 @@ def test_the_trainer_side_needs_no_paddle():
     code = "import sys, numpy as np; from reference import digest; digest.model_digest({'w': np.zeros(3)}); " \
            "assert 'paddle' not in sys.modules, 'reference.digest imported paddle'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_benchmark_script_smoke(tmp_path):
+    """benchmarks/digest_throughput.py on 8 MiB, one round, so the script cannot rot."""
+    import json
+
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "benchmarks.digest_throughput", "--model-mib", "8", "--repeat", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode in (0, 1), f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}{proc.stderr[-3000:]}"
+    report = json.loads(out.read_text())
+    names = [r["name"] for r in report["rows"]]
+    for want in ("memcpy", "md5, one buffer", "sha256, one buffer", "xxh3-128, one buffer", "model digest, xxh3 (receiver"):
+        assert any(n.startswith(want) for n in names), f"row {want!r} missing: {names}"
+    assert report["bytes"] >= 8 << 20 and all(r["best_s"] > 0 and r["x_memcpy_best"] > 0 for r in report["rows"]), report
+    assert "x memcpy (median)" in proc.stdout and "target:" in proc.stdout, proc.stdout
