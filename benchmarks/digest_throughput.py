@@ -66,8 +66,12 @@ def paddle_params(state: dict[str, np.ndarray]) -> dict:
 
 
 def candidates(buf: np.ndarray, dst: np.ndarray, state: dict, params: dict) -> dict:
-    from reference.digest import model_digest
     import xxhash
+
+    from reference.digest import paddle_model_digest
+    from sim.trainer import state_digest
+
+    items = list(params.items())
 
     view = memoryview(buf)
     return {
@@ -75,10 +79,10 @@ def candidates(buf: np.ndarray, dst: np.ndarray, state: dict, params: dict) -> d
         "md5, one buffer": lambda: hashlib.md5(view).hexdigest(),
         "sha256, one buffer": lambda: hashlib.sha256(view).hexdigest(),
         "xxh3-128, one buffer": lambda: xxhash.xxh3_128(view).hexdigest(),
-        "model digest, xxh3 (trainer: numpy)": lambda: model_digest(state, ["xxh3"]),
-        TARGET_ROW: lambda: model_digest(params, ["xxh3"]),
-        "model digest, md5 (receiver: Paddle tensors)": lambda: model_digest(params, ["md5"]),
-        "model digest, xxh3 + md5 (receiver: Paddle tensors)": lambda: model_digest(params),
+        "model digest, xxh3 (trainer: numpy)": lambda: state_digest(state, ["xxh3"]),
+        TARGET_ROW: lambda: paddle_model_digest(items, ["xxh3"]),
+        "model digest, md5 (receiver: Paddle tensors)": lambda: paddle_model_digest(items, ["md5"]),
+        "model digest, xxh3 + md5 (receiver: Paddle tensors)": lambda: paddle_model_digest(items, ("xxh3", "md5")),
     }
 
 
@@ -92,9 +96,11 @@ def measure(model_mib: float, repeat: int) -> tuple[int, list[dict]]:
     dst.fill(0)  # touch every page: the baseline is the copy alone
     state = carve(buf, model)
     params = paddle_params(state)
-    from reference.digest import model_digest
+    from reference.digest import DEFAULT_ALGORITHMS, paddle_model_digest
+    from sim.trainer import state_digest
 
-    assert model_digest(state).as_dict() == model_digest(params).as_dict(), "trainer and receiver digests differ"
+    assert state_digest(state).as_dict() == paddle_model_digest(params.items(), DEFAULT_ALGORITHMS).as_dict(), \
+        "trainer and receiver digests differ"
     runs = candidates(buf, dst, state, params)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeat):

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from conformance.adapter import LoaderConfig, LoadEvent, Observed, observe_paddle
 
-from . import __version__
+from . import WeightManager, __version__
 from . import digest as _digest
-from .manager import WeightManager
 
 
 class ReferenceSession:

@@ -1,17 +1,18 @@
-"""Digests of tensors and of whole models, computed the same way by the trainer and by the receiver.
+"""Digests of tensors and of whole models, defined once for the trainer and the receiver.
 
-SPEC.md § DIGEST is the normative description; this module is its executable form, and the one module
-both ends import: the simulator's trainer digests what it sends, the reference's ``WeightManager``
-digests what landed. It needs numpy and xxhash only; a Paddle tensor is recognised without importing
-Paddle (a process that never imported Paddle holds none), so a trainer stays free of it.
+SPEC.md § DIGEST is the normative description; this module is its executable form and the one both ends
+import: the simulator's trainer digests what it sends (``sim.trainer.state_digest``: numpy arrays
+to C-order little-endian bytes, then :func:`tensor_hashes`), the reference's ``WeightManager`` digests
+what landed (:func:`paddle_model_digest`). It needs numpy and xxhash only; a Paddle tensor is recognised
+without importing Paddle (a process that never imported Paddle holds none), so a trainer stays free of it.
 
+- The model digest: per tensor, XXH3-128 and MD5 over its name, dtype and shape (each NUL-terminated)
+  then its bytes in C order, little-endian; for the model, each algorithm over ``name NUL hex LF`` of
+  every tensor in name order.
 - The debug digest is FastDeploy's (fd-spec §4.3): ``shape=[..], dtype=.., nbytes=.., md5=.., sum=..``,
   MD5 over the raw bytes in C order.
-- The model digest: per tensor, a hash of its name, dtype, shape and bytes (C order, little-endian);
-  for the model, a hash of every tensor's digest in name order. XXH3-128 (fast) and MD5 side by side.
 
-Bytes are hashed where they lie: a C-contiguous array or a CPU tensor is read through a memoryview
-of its own memory, never copied; only a non-contiguous or byte-swapped array is copied into C order.
+Bytes are hashed where they lie: a CPU tensor through a view of its own allocation, never copied.
 """
 from __future__ import annotations
 
@@ -29,144 +30,73 @@ ALGORITHMS = {"xxh3": xxhash.xxh3_128, "md5": hashlib.md5}
 DEFAULT_ALGORITHMS = ("xxh3", "md5")
 
 
-# -- bytes in C order, without copying -------------------------------------------------------------
-def _paddle_tensor_type():
-    paddle = sys.modules.get("paddle")  # not imported: the object cannot be a Paddle tensor
-    return getattr(paddle, "Tensor", None)
-
-
 def is_paddle_tensor(obj) -> bool:
-    cls = _paddle_tensor_type()
-    return cls is not None and isinstance(obj, cls)
-
-
-@dataclass(frozen=True)
-class HostBytes:
-    """A tensor's dtype name, shape and bytes in C order. ``owner`` keeps the memory alive as long
-    as ``view`` is used (a temporary host copy of a device tensor)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    view: memoryview
-    owner: object = None
-
-
-def _paddle_bytes(name: str, t) -> HostBytes:
-    dtype = str(t.dtype).removeprefix("paddle.")
-    shape = tuple(int(d) for d in t.shape)
-    if math.prod(shape) == 0:  # no allocation to read (and never "initialized" in Paddle)
-        return HostBytes(dtype, shape, memoryview(b""))
-    if not t._is_initialized():
-        raise ValueError(f"tensor {name!r} ({dtype}{list(shape)}) holds no data: it is not loaded")
-    if not t.place.is_cpu_place():
-        t = t.cpu()
-    t = t.contiguous()  # a no-op (the same tensor) when it already is
-    nbytes = math.prod(shape) * t.element_size()
-    view = memoryview((ctypes.c_uint8 * nbytes).from_address(t.data_ptr())).cast("B")
-    return HostBytes(dtype, shape, view, t)
-
-
-def _numpy_bytes(name: str, a) -> HostBytes:
-    a = np.asarray(a)
-    if a.dtype.hasobject:
-        raise ValueError(f"tensor {name!r} holds Python objects ({a.dtype}), not numbers: it has no bytes to digest")
-    shape = tuple(a.shape)
-    if a.dtype.byteorder == ">":  # big-endian data on this little-endian host: digest the values little-endian
-        a = a.astype(a.dtype.newbyteorder("<"))
-    a = np.ascontiguousarray(a)  # copies only a non-contiguous (e.g. transposed) array
-    return HostBytes(a.dtype.name, shape, memoryview(a.reshape(-1).view(np.uint8)), a)
-
-
-def host_bytes(name: str, tensor) -> HostBytes:
-    """Dtype name (``bfloat16``, ``float8_e4m3fn``...), shape and C-order bytes of a numpy array or a
-    Paddle tensor (a device tensor is copied to the host first)."""
-    if is_paddle_tensor(tensor):
-        return _paddle_bytes(name, tensor)
-    return _numpy_bytes(name, tensor)
+    paddle = sys.modules.get("paddle")  # not imported: the object cannot be a Paddle tensor
+    return paddle is not None and isinstance(obj, paddle.Tensor)
 
 
 # -- the model digest ------------------------------------------------------------------------------
-def _hashers(algorithms: Iterable[str]) -> dict:
-    algorithms = tuple(algorithms)
-    unknown = [a for a in algorithms if a not in ALGORITHMS]
-    if unknown or not algorithms:
-        raise ValueError(f"digest algorithms {list(algorithms)}: choose one or more of {list(ALGORITHMS)}")
-    return {a: ALGORITHMS[a]() for a in algorithms}
-
-
-def tensor_header(name: str, dtype: str, shape: tuple[int, ...]) -> bytes:
+def tensor_header(name: str, dtype: str, shape) -> bytes:
     """What precedes a tensor's bytes in its digest: name, dtype and shape, each NUL-terminated."""
-    if "\0" in name:
-        raise ValueError(f"tensor name {name!r} contains a NUL byte")
-    return b"%s\0%s\0%s\0" % (name.encode("utf-8"), dtype.encode("ascii"), ",".join(map(str, shape)).encode("ascii"))
+    return b"%s\0%s\0%s\0" % (name.encode(), dtype.encode(), ",".join(map(str, shape)).encode())
 
 
-@dataclass(frozen=True)
-class TensorDigest:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    hashes: Mapping[str, str]  # algorithm -> hex digest
-
-
-def tensor_digest(name: str, tensor, algorithms: Iterable[str] = DEFAULT_ALGORITHMS) -> TensorDigest:
-    hashers = _hashers(algorithms)
-    data = host_bytes(name, tensor)
-    header = tensor_header(name, data.dtype, data.shape)
-    for h in hashers.values():
+def tensor_hashes(name: str, dtype: str, shape, data, algorithms: Iterable[str]) -> dict[str, str]:
+    """algorithm -> hex digest of one tensor; ``data`` is its bytes in C order, little-endian (any
+    buffer, hashed in place)."""
+    header = tensor_header(name, dtype, shape)
+    out = {}
+    for algorithm in algorithms:
+        h = ALGORITHMS[algorithm]()
         h.update(header)
-        h.update(data.view)
-    return TensorDigest(name, data.dtype, data.shape, data.view.nbytes, {a: h.hexdigest() for a, h in hashers.items()})
+        h.update(data)
+        out[algorithm] = h.hexdigest()
+    return out
+
+
+def paddle_tensor_hashes(name: str, t, algorithms: Iterable[str]) -> dict[str, str]:
+    """:func:`tensor_hashes` of a Paddle tensor, read in place (a CPU tensor is its own host copy).
+    A tensor that holds no data (not loaded) is a RuntimeError naming it; a zero-element one holds none
+    and has nothing to load."""
+    dtype = str(t.dtype).removeprefix("paddle.")
+    shape = tuple(int(d) for d in t.shape)
+    count = math.prod(shape)
+    if count == 0:
+        return tensor_hashes(name, dtype, shape, b"", algorithms)
+    if not t._is_initialized():
+        raise RuntimeError(f"no digest of a model that is not loaded: parameter {name!r} ({dtype}{list(shape)}) holds no data")
+    t = t.cpu().contiguous()  # the same tensor when it is on the CPU and contiguous, as parameters are
+    data = (ctypes.c_uint8 * (count * t.element_size())).from_address(t.data_ptr())
+    return tensor_hashes(name, dtype, shape, data, algorithms)
+
+
+def combine(tensors: Mapping[str, Mapping[str, str]], algorithm: str) -> str:
+    """The model's digest of one algorithm: ``name NUL hex LF`` of every tensor, in name order, hashed."""
+    h = ALGORITHMS[algorithm]()
+    for name in sorted(tensors):
+        h.update(b"%s\0%s\n" % (name.encode(), tensors[name][algorithm].encode()))
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
 class ModelDigest:
-    tensors: Mapping[str, TensorDigest]
-    hashes: Mapping[str, str]  # algorithm -> hex digest of the whole model
+    tensors: Mapping[str, Mapping[str, str]]  # name -> algorithm -> hex
+    model: Mapping[str, str]  # algorithm -> hex
 
     def as_dict(self) -> dict:
         """Plain data (msgpack/JSON): ``{"model": {alg: hex}, "tensors": {name: {alg: hex}}}``."""
-        return {"model": dict(self.hashes), "tensors": {n: dict(t.hashes) for n, t in self.tensors.items()}}
+        return {"model": dict(self.model), "tensors": {n: dict(h) for n, h in self.tensors.items()}}
 
 
-def combine(tensor_hashes: Mapping[str, str], algorithm: str) -> str:
-    """The model's digest from its tensors' digests of one algorithm: every ``name NUL hex LF``, in
-    ascending order of name, hashed with that algorithm."""
-    h = ALGORITHMS[algorithm]()
-    for name in sorted(tensor_hashes):
-        h.update(b"%s\0%s\n" % (name.encode("utf-8"), tensor_hashes[name].encode("ascii")))
-    return h.hexdigest()
+def model_digest(tensors: Mapping[str, Mapping[str, str]], algorithms: Iterable[str]) -> ModelDigest:
+    """The model digest from every tensor's :func:`tensor_hashes`."""
+    return ModelDigest(dict(tensors), {a: combine(tensors, a) for a in algorithms})
 
 
-def model_digest(tensors: Mapping | Iterable, algorithms: Iterable[str] = DEFAULT_ALGORITHMS) -> ModelDigest:
-    """Digest of every (name, tensor) pair; a name given twice is a ValueError."""
+def paddle_model_digest(params: Iterable, algorithms: Iterable[str]) -> ModelDigest:
+    """The model digest of (name, Paddle tensor) pairs: what a receiver holds."""
     algorithms = tuple(algorithms)
-    _hashers(algorithms)  # validate once, before any tensor is read
-    items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    out: dict[str, TensorDigest] = {}
-    for name, tensor in items:
-        if name in out:
-            raise ValueError(f"tensor {name!r} given twice")
-        out[name] = tensor_digest(name, tensor, algorithms)
-    return ModelDigest(out, {a: combine({n: t.hashes[a] for n, t in out.items()}, a) for a in algorithms})
-
-
-def differences(sent: Mapping, landed: Mapping) -> list[str]:
-    """Names whose digests differ between two ``as_dict()`` digests (a name on one side only counts),
-    then ``"(model)"`` if the model digests differ; only algorithms both sides computed are compared."""
-    names = sorted(set(sent["tensors"]) | set(landed["tensors"]))
-    out = [n for n in names if _differ(sent["tensors"].get(n), landed["tensors"].get(n))]
-    if _differ(sent["model"], landed["model"]):
-        out.append("(model)")
-    return out
-
-
-def _differ(a: Mapping | None, b: Mapping | None) -> bool:
-    if a is None or b is None:
-        return True
-    common = set(a) & set(b)
-    return not common or any(a[k] != b[k] for k in common)
+    return model_digest({name: paddle_tensor_hashes(name, t, algorithms) for name, t in params}, algorithms)
 
 
 # -- FastDeploy's debug digest ---------------------------------------------------------------------
@@ -182,13 +112,13 @@ def debug_digest(tensor) -> dict:
     else:
         array = np.asarray(tensor)
         shape, dtype = list(array.shape), str(array.dtype)
-    array = np.ascontiguousarray(array)
+    array = np.ascontiguousarray(array)  # at least 1-d, so that it has a uint8 view
     try:
         total = float(array.astype("float32").sum())
     except Exception:  # noqa: BLE001 (FastDeploy reports None for any failure)
         total = None
-    md5 = hashlib.md5(memoryview(array.reshape(-1).view(np.uint8))).hexdigest()
-    return {"shape": shape, "dtype": dtype, "nbytes": int(array.nbytes), "md5": md5, "sum": total}
+    return {"shape": shape, "dtype": dtype, "nbytes": int(array.nbytes), "md5": hashlib.md5(array.view(np.uint8)).hexdigest(),
+            "sum": total}
 
 
 def format_debug_digest(digest: Mapping) -> str:

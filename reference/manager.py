@@ -133,12 +133,6 @@ class WeightManager:
     # -- digest ------------------------------------------------------------------------------
     def digest(self, algorithms=_digest.DEFAULT_ALGORITHMS) -> _digest.ModelDigest:
         """The model digest of every parameter as it landed (SPEC DIGEST-MODEL-LANDED), computed
-        afresh from the parameters' memory on every call; a parameter not loaded is an error
-        (DIGEST-MODEL-INCOMPLETE), never a digest of part of the model."""
-        missing = apply.unloaded(self.params)
-        if missing:
-            raise RuntimeError(
-                f"cannot digest the model: {len(missing)} parameter(s) not loaded (status {self.status.name}): "
-                + ", ".join(missing)
-            )
-        return _digest.model_digest(self.params.items(), algorithms)
+        afresh from the parameters' memory on every call; a parameter not loaded is a RuntimeError
+        naming it (DIGEST-MODEL-INCOMPLETE), never a digest of part of the model."""
+        return _digest.paddle_model_digest(self.params.items(), algorithms)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from reference.digest import model_digest  # what both ends compute (SPEC.md § DIGEST); no Paddle needed
+from reference import digest  # the digest both ends compute (SPEC.md § DIGEST); it needs no Paddle
 
 from . import interrupt, protocol
 from .ipc_handles import SHM_DIR, Segment
@@ -80,6 +80,26 @@ def make_state(cfg: TrainerConfig, version: int) -> dict[str, np.ndarray]:
     from fixtures.models import state
 
     return state(cfg.model, seed=cfg.seed, version=version)
+
+
+def array_hashes(name: str, arr, algorithms=digest.DEFAULT_ALGORITHMS) -> dict[str, str]:
+    """The trainer's side of ``reference.digest.tensor_hashes``: a numpy array of any layout (a
+    transposed view, a big-endian array) digests as its elements in C order, little-endian. Only a
+    non-contiguous or big-endian array is copied; a C-contiguous one is hashed in place."""
+    arr = np.asarray(arr)
+    if arr.dtype.hasobject:
+        raise ValueError(f"tensor {name!r} holds Python objects ({arr.dtype}), not numbers: it has no bytes to digest")
+    shape = arr.shape
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr = np.ascontiguousarray(arr)
+    return digest.tensor_hashes(name, arr.dtype.name, shape, arr.reshape(-1).view(np.uint8), algorithms)
+
+
+def state_digest(state: Mapping[str, np.ndarray], algorithms=digest.DEFAULT_ALGORITHMS) -> digest.ModelDigest:
+    """The model digest of what a trainer sends (name -> numpy array)."""
+    algorithms = tuple(algorithms)
+    return digest.model_digest({n: array_hashes(n, a, algorithms) for n, a in state.items()}, algorithms)
 
 
 class BucketTrainer:
@@ -264,9 +284,9 @@ def trainer_main(cfg: TrainerConfig) -> None:
                         trainer.release()
                         control.send(protocol.encode({"type": "released"}))
                 buckets = 0
-            digest = model_digest(state).as_dict() \
+            sent = state_digest(state).as_dict() \
                 if cfg.report_digests is True or version in (cfg.report_digests or ()) else None
-            _status(status, type="sent", rank=cfg.rank, version=version, buckets=buckets, digest=digest)
+            _status(status, type="sent", rank=cfg.rank, version=version, buckets=buckets, digest=sent)
             del state
     except BaseException as e:
         _status(status, type="failed", rank=cfg.rank, error=f"{type(e).__name__}: {e}")

@@ -13,10 +13,10 @@ from reference import manager as _manager
 
 from .base import Mutant
 
-_host_bytes = _digest.host_bytes
+_tensor_hashes = _digest.tensor_hashes
 _header = _digest.tensor_header
 _debug = _digest.debug_digest
-_model_digest = _digest.model_digest
+_paddle_model_digest = _digest.paddle_model_digest
 LANDED, SENSITIVE, INCOMPLETE = "DIGEST-MODEL-LANDED", "DIGEST-MODEL-SENSITIVE", "DIGEST-MODEL-INCOMPLETE"
 DEBUG, EDGE = "DIGEST-DEBUG-FORMAT", "DIGEST-DEBUG-EDGE"
 FLOATS = {"float16", "float32", "float64", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
@@ -26,8 +26,12 @@ def _manager_patch(cls):
     return {"reference.adapter.WeightManager": cls}
 
 
-def _with_view(data: _digest.HostBytes, view) -> _digest.HostBytes:
-    return _digest.HostBytes(data.dtype, data.shape, memoryview(view), data.owner)
+def _rehashed(transform):
+    """``tensor_hashes`` over ``transform(dtype, bytes)`` instead of the tensor's bytes."""
+    def tensor_hashes(name, dtype, shape, data, algorithms):
+        return _tensor_hashes(name, dtype, shape, transform(dtype, bytes(memoryview(data).cast("B"))), algorithms)
+
+    return {"reference.digest.tensor_hashes": tensor_hashes}
 
 
 class DigestOmitsDtype(Mutant):
@@ -64,13 +68,7 @@ class DigestSamplesBytes(Mutant):
     kills = frozenset({LANDED, SENSITIVE})
 
     def patches(self):
-        def host_bytes(name, tensor):
-            data = _host_bytes(name, tensor)
-            if data.view.nbytes <= 256:
-                return data
-            return _with_view(data, bytes(data.view[:64]) + bytes(data.view[-64:]))
-
-        return {"reference.digest.host_bytes": host_bytes}
+        return _rehashed(lambda dtype, data: data if len(data) <= 256 else data[:64] + data[-64:])
 
 
 class DigestCanonicalValues(Mutant):
@@ -82,16 +80,15 @@ class DigestCanonicalValues(Mutant):
     def patches(self):
         from fixtures.models import NUMPY_DTYPES
 
-        def host_bytes(name, tensor):
-            data = _host_bytes(name, tensor)
-            if data.dtype not in FLOATS:
+        def canonical(dtype, data):
+            if dtype not in FLOATS:
                 return data
-            dt = NUMPY_DTYPES[data.dtype]
-            values = np.frombuffer(data.view, dt).astype(np.float32)
+            dt = NUMPY_DTYPES[dtype]
+            values = np.frombuffer(data, dt).astype(np.float32)
             values = np.where(np.isnan(values), np.float32(np.nan), values + np.float32(0.0))
-            return _with_view(data, values.astype(dt).view(np.uint8))
+            return values.astype(dt).tobytes()
 
-        return {"reference.digest.host_bytes": host_bytes}
+        return _rehashed(canonical)
 
 
 class DigestCaptureOrder(Mutant):
@@ -100,10 +97,10 @@ class DigestCaptureOrder(Mutant):
     kills = frozenset({LANDED, SENSITIVE})
 
     def patches(self):
-        def combine(tensor_hashes, algorithm):
+        def combine(tensors, algorithm):
             h = _digest.ALGORITHMS[algorithm]()
-            for name in tensor_hashes:
-                h.update(b"%s\0%s\n" % (name.encode(), tensor_hashes[name].encode()))
+            for name in tensors:
+                h.update(b"%s\0%s\n" % (name.encode(), tensors[name][algorithm].encode()))
             return h.hexdigest()
 
         return {"reference.digest.combine": combine}
@@ -150,7 +147,7 @@ class DigestOfLoadedOnly(Mutant):
     def patches(self):
         class Manager(_manager.WeightManager):
             def digest(self, algorithms=_digest.DEFAULT_ALGORITHMS):
-                return _model_digest(((n, p) for n, p in self.params.items() if _apply.is_loaded(p)), algorithms)
+                return _paddle_model_digest(((n, p) for n, p in self.params.items() if _apply.is_loaded(p)), algorithms)
 
         return _manager_patch(Manager)
 
