@@ -161,17 +161,21 @@ class Roundtrip:
         self.fast_fill = fast_fill
         self.verify = verify  # True: compare every version; a tuple: only those versions
         self.progress = progress
-        self.dir = tempfile.mkdtemp(prefix="wscf-sim-")  # short: ipc:// paths are limited to ~107 bytes
-        self.shared_dir = os.path.join(self.dir, "shared")
-        os.makedirs(self.shared_dir)
-        ctx = zmq.Context.instance()
-        self.status = ctx.socket(zmq.PULL)
-        self.status.setsockopt(zmq.LINGER, 0)
-        self.status.bind(f"ipc://{self.dir}/status.sock")
         self.controls: dict[int, zmq.Socket] = {}
         self.procs: list = []
         self.managers = []
         self.messages: list[dict] = []
+        self.status = None
+        self.dir = tempfile.mkdtemp(prefix="wscf-sim-")  # short: ipc:// paths are limited to ~107 bytes
+        try:
+            self.shared_dir = os.path.join(self.dir, "shared")
+            os.makedirs(self.shared_dir)
+            self.status = zmq.Context.instance().socket(zmq.PULL)
+            self.status.setsockopt(zmq.LINGER, 0)
+            self.status.bind(f"ipc://{self.dir}/status.sock")
+        except BaseException:
+            self.close()
+            raise
 
     def endpoint(self, rank: int) -> str:
         return f"ipc://{self.dir}/rank{rank}.sock"
@@ -179,17 +183,13 @@ class Roundtrip:
     def __enter__(self):
         try:
             self.start()
-        except BaseException as e:
+        except BaseException:
             self.close()
-            if isinstance(e, interrupt.Interrupted):
-                e.phase = self.phase
             raise
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, *exc):
         self.close()
-        if isinstance(exc, interrupt.Interrupted):
-            exc.phase = self.phase  # for the message: what the signal interrupted
 
     def start(self) -> None:
         from fixtures.models import build_models
@@ -328,6 +328,7 @@ class Roundtrip:
         return checks, models
 
     def close(self) -> None:
+        """Stop every trainer, remove every segment, socket and the run's directory; idempotent."""
         with interrupt.shielded():  # a signal now is raised once everything is released
             self._close()
 
@@ -353,21 +354,33 @@ class Roundtrip:
         for manager in self.managers:
             getattr(manager, "close", lambda: None)()
         self.managers = []
-        for sock in self.controls.values():
-            sock.close()
+        if not interrupt.pending():  # else an update thread may still poll one: the process exit closes them
+            for sock in self.controls.values():
+                sock.close()
         self.controls = {}
-        self.status.close()
+        if self.status is not None:
+            self.status.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def run_roundtrip(*, versions: int = 3, progress=None, **kwargs) -> list[VersionResult]:
     """Run ``versions`` updates (1..versions); stops after the first version with a failed update."""
     results = []
-    with Roundtrip(versions=tuple(range(1, versions + 1)), progress=progress, **kwargs) as rt:
-        for version in rt.versions:
-            results.append(rt.run_version(version))
-            if results[-1].errors:
-                break
+    rt = None
+    try:
+        with interrupt.shielded():  # a signal while the run's directory and socket are made waits until rt owns them
+            rt = Roundtrip(versions=tuple(range(1, versions + 1)), progress=progress, **kwargs)
+        with rt:
+            for version in rt.versions:
+                results.append(rt.run_version(version))
+                if results[-1].errors:
+                    break
+    except interrupt.Interrupted as e:
+        e.phase = rt.phase if rt is not None else "start-up"  # for the message: what the signal interrupted
+        raise
+    finally:
+        if rt is not None:
+            rt.close()
     return results
 
 

@@ -42,11 +42,11 @@ WHERE = {"ready": "waiting for the trainers of version 1", "before-first-bucket"
 class Run:
     """The CLI held at a phase: its process, the trainers it spawned, their segments, its TMPDIR."""
 
-    def __init__(self, tmp_path, hold: str, extra=()):
+    def __init__(self, tmp_path, hold: str, args=RUN):
         self.tmp = tmp_path / "tmp"
         self.tmp.mkdir(parents=True)
         env = dict(os.environ, TMPDIR=str(self.tmp), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "sim", *RUN, "--hold-at", hold, *extra], cwd=REPO, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "sim", *args, "--hold-at", hold], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.err = self._until_held()
         me = psutil.Process(self.proc.pid)
@@ -103,8 +103,8 @@ def _pid(segment: str) -> int | None:
 def held(tmp_path):
     runs = []
 
-    def start(hold, extra=()):
-        runs.append(Run(tmp_path / str(len(runs)), hold, extra))
+    def start(hold, args=RUN):
+        runs.append(Run(tmp_path / str(len(runs)), hold, args))
         return runs[-1]
 
     yield start
@@ -134,6 +134,15 @@ def test_signal_at_every_phase_exits_clean(held, phase, signum):
     assert list(run.tmp.iterdir()), "the run's directory should exist while it runs"
     assert run.segments(), "the trainers' buffers should exist in /dev/shm while they run"
     _nothing_left(run, *run.signal(signum), signum, WHERE[phase])
+
+
+@pytest.mark.parametrize("phase", ["ready", "verification"])
+def test_signal_on_the_meta_path(held, phase):
+    """The meta path (a segment per trainer holding the whole model, control sockets polled by the update
+    threads) exits as cleanly."""
+    meta = [a for a in RUN if a not in ("--bucket-mib", "0.25")] + ["--path", "meta"]
+    run = held(PHASES[phase], meta)
+    _nothing_left(run, *run.signal(signal.SIGTERM), signal.SIGTERM, WHERE[phase])
 
 
 def test_ctrl_c_to_the_process_group_mid_transfer(held):
