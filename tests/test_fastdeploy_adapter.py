@@ -365,6 +365,21 @@ def test_a_class_that_reads_an_attribute_it_never_sets_fails_its_rules(tmp_path)
     assert {"LEVEL-LEGACY-THIRD", "LIFE-RECOVERY", "SNAP-GPU-ID"} <= contract, sorted(contract)
 
 
+def test_own_missing_attribute_gives_the_legacy_level_from_source(adapters, tmp_path):
+    """In process, what the run above rests on: the adapter derives the DWM-0 facts from the source and
+    says why; the same class failing on an attribute of something else stays a usage error."""
+    broken = derived(tmp_path, "dwm0", ("self.parallel_config.model_name_or_path", "self.model_config.model"))
+    adapter = adapters(broken)
+    g = adapter.generation
+    assert (g.levels, set(adapter.capabilities)) == (FACTS["dwm0"]["levels"], FACTS["dwm0"]["caps"]), (g.levels, adapter.capabilities)
+    assert adapter.snapshot_formats == {"legacy": "paddle.save"}, adapter.snapshot_formats
+    [note] = [n for n in g.notes if "read from the source" in n]
+    assert "AttributeError: 'DynamicWeightManager' object has no attribute 'model_config'" in note, note
+    elsewhere = derived(tmp_path, "dwm0", ("self.parallel_config.model_name_or_path", "self.parallel_config.model_dir"))
+    with pytest.raises(ImplError, match=r"fails before it looks for any file \(AttributeError: 'types\.SimpleNamespace'"):
+        adapters(elsewhere)
+
+
 def test_source_levels_reads_the_legacy_file_and_its_format():
     class Pickle:
         def _update_ipc_snapshot(self):

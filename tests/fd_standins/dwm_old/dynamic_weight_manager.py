@@ -171,3 +171,23 @@ class DynamicWeightManager:
                 cell.buf[:4] = np.array([status], dtype=np.int32).tobytes()
         finally:
             cell.close()
+
+    @staticmethod
+    def check_model_weights_status(model_weights_status, model_runner, pid):
+        """DWM-0's worker loop, the same in DWM-old (fd-spec §2.5): act on 1 (update) / -1 (clear); 1 ms polls, no
+        clear_requests; after a clear it returns and comes back for the update."""
+        cell = model_weights_status.value
+        stopped = False
+        while cell[0] != 0:
+            if cell[0] == 1:
+                model_runner.update_parameters(pid)
+            elif cell[0] == -1:
+                model_runner.clear_parameters(pid)
+            while True:
+                if cell[0] == 0:
+                    break
+                if stopped or cell[0] == -2:
+                    stopped = True
+                    time.sleep(0.001)
+                    break
+                time.sleep(0.001)
