@@ -375,6 +375,7 @@ def test_own_missing_attribute_gives_the_legacy_level_from_source(adapters, tmp_
     assert adapter.snapshot_formats == {"legacy": "paddle.save"}, adapter.snapshot_formats
     [note] = [n for n in g.notes if "read from the source" in n]
     assert "AttributeError: 'DynamicWeightManager' object has no attribute 'model_config'" in note, note
+    assert note.endswith("so every load fails the same way (FastDeploy's defect, reported as the rules it fails)"), note
     elsewhere = derived(tmp_path, "dwm0", ("self.parallel_config.model_name_or_path", "self.parallel_config.model_dir"))
     with pytest.raises(ImplError, match=r"fails before it looks for any file \(AttributeError: 'types\.SimpleNamespace'"):
         adapters(elsewhere)
@@ -393,12 +394,17 @@ def test_source_levels_reads_the_legacy_file_and_its_format():
             except FileNotFoundError:
                 return paddle.load("/shared_ipc_meta/x.pdparams")  # noqa: F821
 
+    class OtherKeywords:
+        def _update_ipc_snapshot(self):
+            return paddle.load(f"model_state.tp0{self.gpu}.pdparams", safetensors=False, return_numpy=True)  # noqa: F821
+
     class NoLegacy:
         def _update_ipc_snapshot(self):
             return paddle.load(f"{self.dir}/model_state.tp{self.rank}.{self.gpu}.pdparams", safetensors=True)  # noqa: F821
 
     assert fd.generation.source_levels(Pickle) == {"legacy": "paddle.save"}
     assert fd.generation.source_levels(Safetensors) == {"legacy": "safetensors"}
+    assert fd.generation.source_levels(OtherKeywords) == {"legacy": "paddle.save"}
     assert fd.generation.source_levels(NoLegacy) == {}
     assert fd.generation.source_levels(object) == {}
 
