@@ -45,7 +45,7 @@ from tests.conftest import REPO, run_conformance
 pytestmark = pytest.mark.timeout(900)
 
 STANDINS = os.path.join(REPO, "tests", "fd_standins")
-GENERATIONS = ("dwm0", "ep", "rsync_tp0", "parts", "gdr")
+GENERATIONS = ("dwm_old", "dwm0", "ep", "rsync_tp0", "parts", "gdr")
 KINDS = ("notimpl", "bug", "never", "flaky")
 KIND_LEVEL = {"bug": "contract", "never": "hardening"}  # notimpl / flaky: either level
 FLAKY_ONLY: dict[str, set] = {}  # gen -> rules whose failures are all flaky (they may pass): none today
@@ -59,6 +59,8 @@ ALL_LEVELS = {"parts": "safetensors", "single": "safetensors", "legacy": "safete
 ALL_SNAPSHOT = {"snapshot.parts", "snapshot.single", "snapshot.legacy", "snapshot.shared_fallback"}
 # What the adapter must read from each generation's class (fd-spec §0, §1.4, §3.1 and the real files).
 FACTS = {
+    "dwm_old": dict(init=("fd_config", "model"), runner_finalizes=False, levels={"legacy": "paddle.save"},
+                    caps={"snapshot.legacy", "trace", "status"}),
     "dwm0": dict(init=("fd_config", "model"), runner_finalizes=False, levels={"legacy": "paddle.save"},
                  caps={"snapshot.legacy", "trace", "status"}),
     "ep": dict(init=("fd_config", "models"), runner_finalizes=True, levels={"legacy": "paddle.save"},
@@ -78,6 +80,9 @@ _PARTS = _BASE | {"import gc", "import glob", "import re", "import yaml", "from 
 # Module-level imports of each real generation's file: its stand-in imports the same, so that the
 # adapter's stubs are exercised (yaml and fastdeploy.envs stopped the adapter before).
 IMPORTS = {
+    "dwm_old": _BASE | {"from typing import Any, Dict, List", "from paddle import nn",
+                        "from fastdeploy.model_executor.load_weight_utils import load_composite_checkpoint",
+                        "from fastdeploy.model_executor.model_loader import MODEL_CLASSES"},
     "dwm0": _BASE | {_TYPING_OLD, "from paddle import nn"},
     "ep": _BASE | {"from typing import Any, Dict, List", "from fastdeploy.inter_communicator import ModelWeightsStatus"},
     "rsync_tp0": _BASE | {"import io", "from typing import Any, Dict, List",
@@ -263,6 +268,7 @@ def test_stubs_are_installed_only_for_modules_that_do_not_import():
         "fastdeploy.model_executor.layers.moe",
         "fastdeploy.model_executor.layers.moe.ep",
         "fastdeploy.model_executor.load_weight_utils",
+        "fastdeploy.model_executor.model_loader",
         "checkpoint_transfer",
         "checkpoint_transfer.core",
         "checkpoint_transfer.transfer",
@@ -273,7 +279,23 @@ def test_stubs_are_installed_only_for_modules_that_do_not_import():
     assert (status.NORMAL, status.UPDATING, status.CLEARING, status.CLEARED) == (0, 1, -1, -2)
     assert modules["fastdeploy.model_executor.layers.moe"].ep is modules["fastdeploy.model_executor.layers.moe.ep"]
     assert modules["checkpoint_transfer"].core is modules["checkpoint_transfer.core"]
-    assert modules["fastdeploy.envs"].FD_USE_GDR_CHECKPOINT_TRANSFER is False
+    envs = modules["fastdeploy.envs"]
+    assert envs.FD_USE_GDR_CHECKPOINT_TRANSFER is False
+    # fastdeploy/envs.py: CUDA_VISIBLE_DEVICES (default None) and FLAGS_selected_gpus (default "0"), read
+    # from the environment when read (a fork of the parts era takes the GPU identity from them).
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        env.delenv("FLAGS_selected_gpus", raising=False)
+        assert (envs.CUDA_VISIBLE_DEVICES, envs.FLAGS_selected_gpus) == (None, "0")
+        env.setenv("CUDA_VISIBLE_DEVICES", "5,3")
+        env.setenv("FLAGS_selected_gpus", "1")
+        assert (envs.CUDA_VISIBLE_DEVICES, envs.FLAGS_selected_gpus) == ("5,3", "1")
+    with pytest.raises(AttributeError, match="conformance stub"):
+        envs.FD_NOT_A_VARIABLE
+    with pytest.raises(RuntimeError, match="conformance stub"):
+        modules["fastdeploy.model_executor.load_weight_utils"].load_composite_checkpoint("/m", None, None)
+    with pytest.raises(RuntimeError, match="MODEL_CLASSES is a conformance stub"):
+        modules["fastdeploy.model_executor.model_loader"].MODEL_CLASSES["Qwen2ForCausalLM"]
     with pytest.raises(RuntimeError, match="conformance stub"):
         modules["fastdeploy.model_executor.layers.moe.ep"].DeepEPBufferManager.recreate_buffer()
     with pytest.raises(RuntimeError, match="conformance stub"):
@@ -311,26 +333,97 @@ def test_missing_source_file_is_a_usage_error(tmp_path):
     assert code == 4 and f"source file {missing} does not exist" in output, output[-2000:]
 
 
-def test_a_class_whose_snapshot_load_cannot_run_is_a_usage_error(tmp_path):
-    """DWM-0 @00fe65a reads ``self.model_config.model``, which it never sets: every ipc_snapshot load
-    raises AttributeError. That is one cause, reported as a usage error, never as failed rules."""
-    text = open(standin("dwm0"), encoding="utf-8").read()
-    assert text.count("self.parallel_config.model_name_or_path") == 1, "the dwm0 stand-in changed; revisit this test"
-    broken = tmp_path / "dynamic_weight_manager.py"
-    broken.write_text(text.replace("self.parallel_config.model_name_or_path", "self.model_config.model"), encoding="utf-8")
-    code, output = _conformance("--impl=fastdeploy", f"--impl-opt=source={broken}")
-    assert code == 4, f"exit {code} (expected a usage error, 4):\n{output[-2000:]}"
-    assert "has no attribute 'model_config'" in output and "before it looks for any file" in output, output[-2000:]
-    assert " failed" not in output and "FAILED" not in output, f"reported as failed rules:\n{output[-2000:]}"
+def derived(tmp_path, gen: str, *changes: tuple[str, str]) -> str:
+    """A copy of ``gen``'s stand-in with each ``(old, new)`` applied (``old`` present exactly once)."""
+    text = open(standin(gen), encoding="utf-8").read()
+    for old, new in changes:
+        assert text.count(old) == 1, f"the {gen} stand-in no longer has {old!r}; revisit this test"
+        text = text.replace(old, new)
+    path = tmp_path / f"{gen}_derived" / "dynamic_weight_manager.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_a_class_that_reads_an_attribute_it_never_sets_fails_its_rules(tmp_path):
+    """DWM-0 @00fe65a reads ``self.model_config.model``, which it never sets: every ipc_snapshot load raises
+    AttributeError, whatever the files and the config. That is FastDeploy's defect, so the run reports the
+    rules it fails (one root cause naming it), the legacy level read from the method's source; never a
+    usage error, an INTERNALERROR or a passed rule."""
+    broken = derived(tmp_path, "dwm0", ("self.parallel_config.model_name_or_path", "self.model_config.model"))
+    code, report, output = run_conformance(["--impl=fastdeploy", f"--impl-opt=source={broken}"], tmp_path / "r.json")
+    assert code == 1 and report is not None, f"exit {code} (expected failed rules, 1):\n{output[-3000:]}"
+    assert "INTERNALERROR" not in output, output[-3000:]
+    assert set(report["run_info"]["capabilities"]) == FACTS["dwm0"]["caps"], report["run_info"]["capabilities"]
+    assert any("read from the source of _update_ipc_snapshot" in n for n in report["run_info"]["notes"]), \
+        report["run_info"]["notes"]
+    passed = [r["id"] for r in report["rules"] if r["status"] == "passed"]
+    assert not passed, f"rules passed although no load can succeed: {passed}"
+    cause = report["root_causes"][0]
+    assert "has no attribute 'model_config'" in cause["cause"] and len(cause["rules"]) >= 10, report["root_causes"]
+    contract = {r["id"] for r in report["rules"] if r["status"] == "failed" and r["level"] == "contract"}
+    assert {"LEVEL-LEGACY-THIRD", "LIFE-RECOVERY", "SNAP-GPU-ID"} <= contract, sorted(contract)
+
+
+def test_own_missing_attribute_gives_the_legacy_level_from_source(adapters, tmp_path):
+    """In process, what the run above rests on: the adapter derives the DWM-0 facts from the source and
+    says why; the same class failing on an attribute of something else stays a usage error."""
+    broken = derived(tmp_path, "dwm0", ("self.parallel_config.model_name_or_path", "self.model_config.model"))
+    adapter = adapters(broken)
+    g = adapter.generation
+    assert (g.levels, set(adapter.capabilities)) == (FACTS["dwm0"]["levels"], FACTS["dwm0"]["caps"]), (g.levels, adapter.capabilities)
+    assert adapter.snapshot_formats == {"legacy": "paddle.save"}, adapter.snapshot_formats
+    [note] = [n for n in g.notes if "read from the source" in n]
+    assert "AttributeError: 'DynamicWeightManager' object has no attribute 'model_config'" in note, note
+    assert note.endswith("so every load fails the same way (FastDeploy's defect, reported as the rules it fails)"), note
+    elsewhere = derived(tmp_path, "dwm0", ("self.parallel_config.model_name_or_path", "self.parallel_config.model_dir"))
+    with pytest.raises(ImplError, match=r"fails before it looks for any file \(AttributeError: 'types\.SimpleNamespace'"):
+        adapters(elsewhere)
+
+
+def test_source_levels_reads_the_legacy_file_and_its_format():
+    class Pickle:
+        def _update_ipc_snapshot(self):
+            path = f"{self.dir}/model_state.tp0{self.gpu}.pdparams"
+            return paddle.load(path)  # noqa: F821 - never run, only read
+
+    class Safetensors:
+        def _update_ipc_snapshot(self):
+            try:
+                return paddle.load(f"{self.dir}/model_state.tp0{self.gpu}.pdparams", safetensors=True)  # noqa: F821
+            except FileNotFoundError:
+                return paddle.load("/shared_ipc_meta/x.pdparams")  # noqa: F821
+
+    class OtherKeywords:
+        def _update_ipc_snapshot(self):
+            return paddle.load(f"model_state.tp0{self.gpu}.pdparams", safetensors=False, return_numpy=True)  # noqa: F821
+
+    class NoLegacy:
+        def _update_ipc_snapshot(self):
+            return paddle.load(f"{self.dir}/model_state.tp{self.rank}.{self.gpu}.pdparams", safetensors=True)  # noqa: F821
+
+    assert fd.generation.source_levels(Pickle) == {"legacy": "paddle.save"}
+    assert fd.generation.source_levels(Safetensors) == {"legacy": "safetensors"}
+    assert fd.generation.source_levels(OtherKeywords) == {"legacy": "paddle.save"}
+    assert fd.generation.source_levels(NoLegacy) == {}
+    assert fd.generation.source_levels(object) == {}
+
+
+def test_an_early_failure_the_adapter_causes_is_a_usage_error(adapters, tmp_path):
+    """A constructor that fails before any lookup for a reason that is not FastDeploy's own (here a
+    variable the envs stub does not serve) is a usage error naming it, never failed rules."""
+    source = derived(tmp_path, "gdr", ('visible = os.getenv("CUDA_VISIBLE_DEVICES", "0").split(",")',
+                                       'visible = envs.FD_VISIBLE_DEVICE_LIST.split(",")'))
+    with pytest.raises(ImplError, match=r"fails before it looks for any file \(AttributeError: module 'fastdeploy\.envs' "
+                                        r"\(conformance stub\) has no attribute 'FD_VISIBLE_DEVICE_LIST'"):
+        adapters(source)
 
 
 def test_unknown_constructor_parameter_is_a_usage_error(adapters, tmp_path):
-    text = open(standin("ep"), encoding="utf-8").read()
-    source = tmp_path / "dynamic_weight_manager.py"
-    source.write_text(text.replace("def __init__(self, fd_config: FDConfig, models):",
-                                   "def __init__(self, fd_config: FDConfig, models, engine_queue):"), encoding="utf-8")
+    source = derived(tmp_path, "ep", ("def __init__(self, fd_config: FDConfig, models):",
+                                      "def __init__(self, fd_config: FDConfig, models, engine_queue):"))
     with pytest.raises(ImplError, match=r"cannot supply \['engine_queue'\]"):
-        adapters(str(source))
+        adapters(source)
 
 
 def test_gdr_flag_is_a_usage_error(adapters, monkeypatch):
@@ -384,9 +477,18 @@ def test_status_cell_follows_fastdeploy_writes(adapters, tmp_path, monkeypatch, 
     assert not os.path.exists(cell), f"{cell} not unlinked at close"
 
 
-def test_each_session_keeps_its_worker_identity(adapters, tmp_path, monkeypatch):
-    """Two workers opened before either loads: each still loads its own file (its own process env)."""
-    loader = Loader(adapters(standin("gdr")), tmp_path, monkeypatch)
+ENVS_IDENTITY = (('visible = os.getenv("CUDA_VISIBLE_DEVICES", "0").split(",")', 'visible = (envs.CUDA_VISIBLE_DEVICES or "0").split(",")'),
+                 ('selected = int(os.getenv("FLAGS_selected_gpus", "0"))', "selected = int(envs.FLAGS_selected_gpus)"))
+
+
+@pytest.mark.parametrize("through", ["os.environ", "fastdeploy.envs"])
+def test_each_session_keeps_its_worker_identity(adapters, tmp_path, monkeypatch, through):
+    """Two workers opened before either loads: each still loads its own file (its own process env), also
+    when the class reads its GPU identity through ``fastdeploy.envs`` (a fork of the parts era does)."""
+    source = standin("gdr") if through == "os.environ" else derived(tmp_path, "gdr", *ENVS_IDENTITY)
+    adapter = adapters(source)
+    assert adapter.generation.levels == FACTS["gdr"]["levels"], adapter.generation.levels
+    loader = Loader(adapter, tmp_path, monkeypatch)
     v_a, v_b = M.state(SPEC, version=1), M.state(SPEC, version=2)
     S.write_safetensors(S.single_path(loader.model_dir, 1, 234), v_a)
     S.write_safetensors(S.single_path(loader.model_dir, 12, 34), v_b)

@@ -19,18 +19,26 @@ Nothing here is keyed to a version: every fact is read from the class.
   ``safetensors=True`` or its absence gives the format (the load is stopped there). A last run makes
   ``paddle.load`` raise ``FileNotFoundError`` for a missing file, which Paddle never does (it raises
   ValueError), to find fallbacks that only such an error would reach.
+* A class whose own code fails before the first lookup by reading an attribute it never sets (DWM-0
+  @00fe65a: ``self.model_config``, set nowhere) is FastDeploy's defect, not something the adapter could
+  supply: no file or config reaches past it. The dry run cannot observe the levels then, so they are
+  read from the source of ``_update_ipc_snapshot`` (``source_levels``: the legacy file it names, read
+  with ``safetensors=True`` or not); every load fails the same way, and the run reports those failed
+  rules with one root cause. Any other early failure remains a usage error naming it.
 * ``ipc.meta`` is never claimed: every generation opens metas with ``LoDTensor._new_shared_cuda``
   (its ``_convert_ipc_meta_to_tensor`` source, read with ``inspect.getsource``), which a CPU Paddle lacks,
   and the suite's trainer stand-in exports ``/dev/shm`` segments, not CUDA allocations, in any case.
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import logging
 import os
 import shutil
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass, field
 
 from conformance.registry import ImplError
@@ -171,6 +179,31 @@ def _candidates(lookups, root) -> list[str]:
     return out
 
 
+def _own_missing_attribute(cls, error) -> bool:
+    """The class read an attribute of its own instance that nothing set (FastDeploy's defect)."""
+    return isinstance(error, AttributeError) and isinstance(getattr(error, "obj", None), cls)
+
+
+def source_levels(cls) -> dict:
+    """{"legacy": format} when the source of ``_update_ipc_snapshot`` names ``model_state.tp0{id}``; the
+    format is safetensors when a ``paddle.load`` there passes ``safetensors=True``. Only for a class the
+    dry run cannot observe (module docstring)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls._update_ipc_snapshot)))
+    except (AttributeError, OSError, TypeError, SyntaxError):
+        return {}
+    names, safetensors = [], False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):  # an f-string, its fields as {}
+            names.append("".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load":
+            safetensors |= any(k.arg == "safetensors" and isinstance(k.value, ast.Constant) and k.value.value is True
+                               for k in node.keywords)
+    if not any("model_state.tp0{}" in name for name in names):
+        return {}
+    return {"legacy": "safetensors" if safetensors else "paddle.save"}
+
+
 def probe_levels(cls, params) -> tuple[dict, list[str]]:
     """(level -> format, notes) for the ipc_snapshot levels the class reads (module docstring)."""
     levels, notes = {}, []
@@ -178,6 +211,11 @@ def probe_levels(cls, params) -> tuple[dict, list[str]]:
         probe = _Probe(cls, params, root)
         lookups, hit, error = probe.run()
         candidates = _candidates(lookups, root)
+        if not candidates and _own_missing_attribute(cls, error) and (levels := source_levels(cls)):
+            notes.append(f"ipc_snapshot levels read from the source of _update_ipc_snapshot: its dry run stops in "
+                         f"FastDeploy's own code before any lookup ({type(error).__name__}: {error}), so every load "
+                         "fails the same way (FastDeploy's defect, reported as the rules it fails)")
+            return levels, notes
         if not candidates:
             what = f"fails before it looks for any file ({type(error).__name__}: {error})" if error else "looks for no file"
             raise ImplError(f"--impl=fastdeploy: cannot drive this DynamicWeightManager: its ipc_snapshot load {what}, so "

@@ -3,10 +3,13 @@
 Every generation of the file imports, at module level, some of: ``paddleformers.utils.log`` (logger),
 ``fastdeploy.config`` (FDConfig), ``fastdeploy.inter_communicator`` (ModelWeightsStatus, KVCacheStatus;
 from DWM-EP on), ``yaml`` (from the #6852 era on, for rsync's version.yaml) and ``fastdeploy.envs``
-(``from fastdeploy import envs``, GDR era). Inside methods the EP, rsync and GDR paths import DeepEP,
-``checkpoint_transfer`` (``.core``, ``.transfer``, ``.config``) and ``load_weight_utils``. Each module
-that does not import here is replaced by a stub; a module that imports is never touched. Stubs of
-what the suite does not drive (EP, rsync, GDR) raise when used, saying so.
+(``from fastdeploy import envs``, GDR era and a fork of the parts era, which reads the GPU identity
+through ``envs.CUDA_VISIBLE_DEVICES`` and ``envs.FLAGS_selected_gpus``); the pre-upstream DWM-0 variant
+with ``ipc_no_reshard`` imports ``load_composite_checkpoint`` and ``model_loader.MODEL_CLASSES`` for its
+``normal`` strategy. Inside methods the EP, rsync and GDR paths import DeepEP, ``checkpoint_transfer``
+(``.core``, ``.transfer``, ``.config``) and ``load_weight_utils``. Each module that does not import here
+is replaced by a stub; a module that imports is never touched. Stubs of what the suite does not drive
+(EP, rsync, GDR, the ``normal`` strategy) raise when used, saying so.
 """
 from __future__ import annotations
 
@@ -48,11 +51,30 @@ def _fail_function(what: str):
     return fail
 
 
+# fastdeploy/envs.py reads each variable from the environment when it is read, with these defaults;
+# so does the stub, for the variables a DynamicWeightManager reads.
+_ENVS = {
+    GDR_FLAG: lambda: bool(int(os.getenv(GDR_FLAG, "0") or "0")),
+    "CUDA_VISIBLE_DEVICES": lambda: os.getenv("CUDA_VISIBLE_DEVICES", None),
+    "FLAGS_selected_gpus": lambda: os.getenv("FLAGS_selected_gpus", "0"),
+}
+
+
 def _envs_getattr(name: str):
-    # fastdeploy/envs.py reads its flags from the environment when they are read; so does the stub.
-    if name == GDR_FLAG:
-        return bool(int(os.getenv(GDR_FLAG, "0") or "0"))
+    if name in _ENVS:
+        return _ENVS[name]()
     raise AttributeError(f"module 'fastdeploy.envs' (conformance stub) has no attribute {name!r}")
+
+
+class _Unavailable(dict):
+    """A registry the suite never uses (``MODEL_CLASSES``): reading an entry says so."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+
+    def __getitem__(self, key):
+        raise RuntimeError(f"{self.what} is a conformance stub: the suite does not drive the path that needs it")
 
 
 def _stub_contents() -> dict[str, dict]:
@@ -70,7 +92,11 @@ def _stub_contents() -> dict[str, dict]:
             "DeepEPBufferManager": _unavailable("fastdeploy.model_executor.layers.moe.ep.DeepEPBufferManager")
         },
         "fastdeploy.model_executor.load_weight_utils": {
-            "get_weight_iterator": _fail_function("fastdeploy.model_executor.load_weight_utils.get_weight_iterator")
+            name: _fail_function(f"fastdeploy.model_executor.load_weight_utils.{name}")
+            for name in ("get_weight_iterator", "load_composite_checkpoint")
+        },
+        "fastdeploy.model_executor.model_loader": {
+            "MODEL_CLASSES": _Unavailable("fastdeploy.model_executor.model_loader.MODEL_CLASSES")
         },
         "checkpoint_transfer": {"CheckpointTransfer": _unavailable("checkpoint_transfer.CheckpointTransfer")},
         "checkpoint_transfer.core": {"RDMAWeightsDownloader": _unavailable("checkpoint_transfer.core.RDMAWeightsDownloader")},
