@@ -15,6 +15,10 @@ CAPABILITIES = {
     "trace": "session.trace() returns the sources applied in order, with their labels",
     "status": "session.status() returns the ModelWeightsStatus name",
     "mtp": "several models (main + MTP) captured and loaded by one session",
+    "model.post_load": "the steps a model declares in its post_load attribute run once after every update: "
+    "transposes (2-D, 3-D per expert), fused and dequantised buffers, frozen models left alone (SPEC.md MODEL)",
+    "model.hooks": "session.register_hook(name, fn): fn() runs once after each committed update, never after "
+    "a failed one (stale-state hooks: reset the prefix cache, recapture graphs; SPEC.md MODEL-HOOKS)",
 }
 
 

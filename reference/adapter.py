@@ -32,6 +32,10 @@ class ReferenceSession:
     def status(self) -> str:
         return self.manager.status.name
 
+    def register_hook(self, name, fn) -> None:
+        """Capability ``model.hooks``: ``fn()`` runs once after each committed update (MODEL-HOOKS)."""
+        self.manager.hooks.register(name, fn)
+
     def close(self) -> None:
         """Nothing to release: every path frees its files, mappings, sockets and threads before
         ``update()`` returns (FILE-RELEASED, IPC-NO-LEAK, BKT-NO-LEAK)."""
@@ -51,6 +55,8 @@ class ReferenceAdapter:
             "trace",
             "status",
             "mtp",
+            "model.post_load",
+            "model.hooks",
         }
     )
     session_class = ReferenceSession
