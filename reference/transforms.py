@@ -186,20 +186,30 @@ def before_load(post: PostLoad) -> None:
         _set_shape(t.param, t.loaded)
 
 
+def transpose(t: Transpose) -> None:
+    """Swap the last two axes of the loaded tensor (per expert for 3-D) and give it its served shape."""
+    new = None
+    if math.prod(t.served):  # a zero-element weight has no data to move, only a shape
+        axes = list(range(len(t.loaded)))
+        new = paddle.transpose(t.param, axes[:-2] + [axes[-1], axes[-2]]).contiguous()
+    _set_shape(t.param, t.served)
+    if new is not None:
+        new._share_buffer_to(t.param)
+
+
+def fused(step: Fuse) -> paddle.Tensor:
+    return paddle.concat(list(step.pieces), axis=step.axis)
+
+
+def dequantised(step: Dequant) -> paddle.Tensor:
+    return step.weight.astype(step.buffer.dtype) * step.scale.astype(step.buffer.dtype)
+
+
 def after_load(post: PostLoad) -> None:
     """Run every step once on the update's new weights: transposes, then fused and dequantised buffers."""
     with paddle.no_grad():
         for t in post.transposes:
-            new = None
-            if math.prod(t.served):  # a zero-element weight has no data to move, only a shape
-                axes = list(range(len(t.loaded)))
-                new = paddle.transpose(t.param, axes[:-2] + [axes[-1], axes[-2]]).contiguous()
-            _set_shape(t.param, t.served)
-            if new is not None:
-                new._share_buffer_to(t.param)
+            transpose(t)
         for step in post.derived:
-            if isinstance(step, Fuse):
-                value = paddle.concat(list(step.pieces), axis=step.axis)
-            else:
-                value = step.weight.astype(step.buffer.dtype) * step.scale.astype(step.buffer.dtype)
+            value = fused(step) if isinstance(step, Fuse) else dequantised(step)
             step.buffer.copy_(value, False)  # in place: a graph that captured the buffer reads the new values
