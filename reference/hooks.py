@@ -21,20 +21,13 @@ class HookError(RuntimeError):
 
 
 class Hooks:
+    """The hooks of one manager, by name, in registration order (a name registered again is replaced)."""
+
     def __init__(self):
         self._hooks: dict[str, Callable[[], object]] = {}
 
     def register(self, name: str, fn: Callable[[], object]) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a hook needs a non-empty name, got {name!r}")
-        if not callable(fn):
-            raise TypeError(f"hook {name!r}: {fn!r} is not callable")
-        if name in self._hooks:
-            raise ValueError(f"hook {name!r} is already registered")
         self._hooks[name] = fn
-
-    def names(self) -> list[str]:
-        return list(self._hooks)
 
 
 def after_commit(manager) -> None:
@@ -47,6 +40,6 @@ def after_commit(manager) -> None:
             failed.append((name, e))
     if failed:
         manager.status = Status.UPDATING
-        raise HookError("stale-state hook(s) failed after the commit: "
-                        + "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in failed)
-                        + "; clear() and update() again") from failed[0][1]
+        named = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in failed)
+        raise HookError(f"stale-state hook(s) failed after the commit: {named}; clear() and update() again") \
+            from failed[0][1]

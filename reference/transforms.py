@@ -9,7 +9,7 @@ nothing, never after a failed update. The declaration (plain data, so the model 
     layer.post_load = {
         "transpose": [param, ...],                     # served [b, a] <- loaded [a, b]; [e, b, a] <- [e, a, b]
         "fuse": {buffer: {"from": [param, ...], "axis": int}},   # concatenated after the transposes
-        "dequant": {buffer: {"weight": param, "scale": param}},  # weight (as served) x scale, broadcast
+        "dequant": {buffer: {"weight": param, "scale": param}},  # weight (as served) x 0-d or [out] scale
         "frozen": bool,                                # loaded at start-up; no update touches it
     }
 
@@ -31,6 +31,7 @@ from .dtypes import dtype_name
 
 KEYS = ("transpose", "fuse", "dequant", "frozen")
 FP8 = ("float8_e4m3fn", "float8_e5m2")
+WIDE_FLOATS = ("float16", "bfloat16", "float32", "float64")  # what a dequantised buffer may hold
 
 
 class DeclarationError(ValueError):
@@ -73,9 +74,9 @@ def loaded_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return shape[:-2] + (shape[-1], shape[-2])
 
 
-def broadcasts(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
-    """Whether ``small`` broadcasts to exactly ``big`` (a 0-d or per-channel scale against its weight)."""
-    return len(small) <= len(big) and all(s in (1, b) for s, b in zip(reversed(small), reversed(big)))
+def scale_fits(scale: tuple[int, ...], weight: tuple[int, ...]) -> bool:
+    """A scale is per tensor (0-d) or per output channel (``[out]``: the served weight's last axis)."""
+    return scale in ((), weight[-1:])
 
 
 def is_frozen(model) -> bool:
@@ -129,50 +130,48 @@ def plan(models) -> PostLoad:
     out = PostLoad([], [])
     for index, model in enumerate(models):
         decl = _declaration(model, index)
-        if is_frozen(model):
-            continue
-        params = model.state_dict()
-        served: dict[str, tuple[int, ...]] = {}
-        for name in decl.get("transpose", ()):
-            where = f"model {index}: post_load['transpose'] {name!r}"
-            param = _param(params, name, where)
-            if len(param.shape) not in (2, 3):
-                raise DeclarationError(f"{where}: only 2-D and 3-D (per expert) weights are transposed, it is "
-                                       f"{len(param.shape)}-D {list(param.shape)}")
-            shape = tuple(param.shape)
-            served[name] = shape
-            out.transposes.append(Transpose(name, param, shape, loaded_shape(shape)))
-        for path, step in (decl.get("fuse") or {}).items():
-            where = f"model {index}: post_load['fuse'] {path!r}"
-            pieces = [_param(params, n, where) for n in step.get("from", ())]
-            axis = step.get("axis")
-            if len(pieces) < 2 or not isinstance(axis, int) or isinstance(axis, bool):
-                raise DeclarationError(f"{where}: needs 'from' (two or more parameters) and an int 'axis'")
-            buffer = _buffer(model, path, where)
-            shapes = [tuple(p.shape) for p in pieces]
-            if len({len(s) for s in shapes}) != 1 or not 0 <= axis < len(shapes[0]) or any(
-                    s[:axis] + s[axis + 1:] != shapes[0][:axis] + shapes[0][axis + 1:] for s in shapes):
-                raise DeclarationError(f"{where}: pieces {shapes} cannot be concatenated along axis {axis}")
-            want = shapes[0][:axis] + (sum(s[axis] for s in shapes),) + shapes[0][axis + 1:]
-            _check_result(where, buffer, dtype_name(pieces[0]), want)
-            out.derived.append(Fuse(path, buffer, tuple(pieces), axis))
-        for path, step in (decl.get("dequant") or {}).items():
-            where = f"model {index}: post_load['dequant'] {path!r}"
-            weight = _param(params, step.get("weight"), where)
-            scale = _param(params, step.get("scale"), where)
-            if dtype_name(weight) not in FP8:
-                raise DeclarationError(f"{where}: weight is {dtype_name(weight)}, not fp8 {list(FP8)}")
-            shape = tuple(weight.shape)
-            if not broadcasts(tuple(scale.shape), shape):
-                raise DeclarationError(f"{where}: scale {list(scale.shape)} does not broadcast against the "
-                                       f"weight {list(shape)}")
-            buffer = _buffer(model, path, where)
-            if not dtype_name(buffer).startswith(("float", "bfloat")) or dtype_name(buffer) in FP8:
-                raise DeclarationError(f"{where}: the buffer must be a float dtype wider than fp8, "
-                                       f"got {dtype_name(buffer)}")
-            _check_result(where, buffer, dtype_name(buffer), shape)
-            out.derived.append(Dequant(path, buffer, weight, scale))
+        if not is_frozen(model):
+            _plan_model(model, f"model {index}: post_load", decl, out)
     return out
+
+
+def _plan_model(model, at: str, decl: Mapping, out: PostLoad) -> None:
+    params = model.state_dict()
+    for name in decl.get("transpose", ()):
+        where = f"{at}['transpose'] {name!r}"
+        param = _param(params, name, where)
+        if len(param.shape) not in (2, 3):
+            raise DeclarationError(f"{where}: only 2-D and 3-D (per expert) weights are transposed, it is "
+                                   f"{len(param.shape)}-D {list(param.shape)}")
+        out.transposes.append(Transpose(name, param, tuple(param.shape), loaded_shape(param.shape)))
+    for path, step in (decl.get("fuse") or {}).items():
+        where = f"{at}['fuse'] {path!r}"
+        pieces = [_param(params, n, where) for n in step.get("from", ())]
+        axis = step.get("axis")
+        if len(pieces) < 2 or type(axis) is not int:
+            raise DeclarationError(f"{where}: needs 'from' (two or more parameters) and an int 'axis'")
+        buffer = _buffer(model, path, where)
+        shapes = [tuple(p.shape) for p in pieces]
+        rest = {s[:axis] + s[axis + 1:] for s in shapes}
+        if len({len(s) for s in shapes}) != 1 or not 0 <= axis < len(shapes[0]) or len(rest) != 1:
+            raise DeclarationError(f"{where}: pieces {shapes} cannot be concatenated along axis {axis}")
+        want = shapes[0][:axis] + (sum(s[axis] for s in shapes),) + shapes[0][axis + 1:]
+        _check_result(where, buffer, dtype_name(pieces[0]), want)
+        out.derived.append(Fuse(path, buffer, tuple(pieces), axis))
+    for path, step in (decl.get("dequant") or {}).items():
+        where = f"{at}['dequant'] {path!r}"
+        weight = _param(params, step.get("weight"), where)
+        scale = _param(params, step.get("scale"), where)
+        if dtype_name(weight) not in FP8:
+            raise DeclarationError(f"{where}: weight is {dtype_name(weight)}, not fp8 {list(FP8)}")
+        if not scale_fits(tuple(scale.shape), tuple(weight.shape)):
+            raise DeclarationError(f"{where}: scale {list(scale.shape)} is neither 0-d nor one per output channel "
+                                   f"of the weight {list(weight.shape)}")
+        buffer = _buffer(model, path, where)
+        if dtype_name(buffer) not in WIDE_FLOATS:
+            raise DeclarationError(f"{where}: the buffer is {dtype_name(buffer)}, not one of {list(WIDE_FLOATS)}")
+        _check_result(where, buffer, dtype_name(buffer), tuple(weight.shape))
+        out.derived.append(Dequant(path, buffer, weight, scale))
 
 
 def _set_shape(param: paddle.Tensor, shape: tuple[int, ...]) -> None:
@@ -212,4 +211,4 @@ def after_load(post: PostLoad) -> None:
             transpose(t)
         for step in post.derived:
             value = fused(step) if isinstance(step, Fuse) else dequantised(step)
-            step.buffer.copy_(value, False)  # in place: a graph that captured the buffer reads the new values
+            paddle.assign(value, output=step.buffer)  # in place: a graph that captured the buffer reads it
