@@ -42,7 +42,7 @@ def _model(rt, **kw) -> TT.TinyTransformer:
 
 
 def _buffers(session, model) -> dict:
-    return observe_paddle({path: TT._get(session.models[0], path) for path in model.buffer_specs()})
+    return observe_paddle({path: TT.buffer(session.models, path) for path in model.buffer_specs()})
 
 
 def _cycle(rt, model, version, rank=0, *, tensors=None, layout=None, clear=True) -> str:
@@ -97,6 +97,7 @@ def test_frozen_draft_is_not_transformed_again(route, path, updates):
     session = rt.open(model)
     draft = session.models[1]
     startup = TT.served_params(model, model.draft_startup_shard())
+    startup_buffers = TT.served_buffers(model, model.draft_startup_shard())  # the draft's fused eh_proj
     pointers = {n: p.data_ptr() for n, p in draft.state_dict().items()}
     check.params_equal(observe_paddle(draft.state_dict()), startup, f"{path}: fixture precondition: the draft as loaded at start-up")
     for version in range(1, updates + 1):
@@ -106,6 +107,8 @@ def test_frozen_draft_is_not_transformed_again(route, path, updates):
             check.params_equal(session.observe(), TT.served_params(model, st), f"{where}, update {version}: main model")
             check.params_equal(observe_paddle(draft.state_dict()), startup,
                                f"{where}, update {version}: the frozen draft received nothing and must be as at start-up")
+            check.params_equal(_buffers(session, model), {**TT.served_buffers(model, st), **startup_buffers},
+                               f"{where}, update {version}: derived buffers (the draft's as at start-up)")
             moved = {n: (pointers[n], p.data_ptr()) for n, p in draft.state_dict().items() if p.data_ptr() != pointers[n]}
             check.that(not moved, f"{where}, update {version}: the frozen draft's storage was replaced: {moved}")
 
@@ -171,7 +174,7 @@ def test_fp8_weight_and_scale_dequantised_once(route, path, fp8, scale, order):
         pytest.skip(f"{NOT_APPLICABLE}: the {path} file is written with paddle.save for this adapter, which cannot hold fp8")
     model = _model(rt, fp8=fp8, scalar_scale=scale == "scalar")
     session = rt.open(model)
-    buffer = TT._get(session.models[0], "layers.0.attn.o_dq")
+    buffer = TT.buffer(session.models, "layers.0.attn.o_dq")
     pointer = buffer.data_ptr()
     for version in (1, 2):
         st = _quant_order(TT.sent(model, version), order)
@@ -376,6 +379,16 @@ DECLARATIONS = {
     "dequant-scale-not-per-channel": (_set(0, "dequant", {"layers.0.attn.o_dq": {
         "weight": "layers.0.attn.o_proj.weight", "scale": "layers.0.mlp.gate_proj.weight"}}), ["layers.0.attn.o_dq", "scale"]),
     "dequant-into-int-buffer": (_int_buffer, ["layers.0.attn.o_int", "int32"]),
+    "dequant-weight-unknown": (_set(0, "dequant", {"layers.0.attn.o_dq": {"weight": "layers.0.attn.o.weight",
+                                                                           "scale": "layers.0.attn.o_proj.weight_scale"}}),
+                               ["layers.0.attn.o_dq", "layers.0.attn.o.weight"]),
+    "dequant-scale-unknown": (_set(0, "dequant", {"layers.0.attn.o_dq": {"weight": "layers.0.attn.o_proj.weight",
+                                                                          "scale": "layers.0.attn.o_proj.scale"}}),
+                              ["layers.0.attn.o_dq", "layers.0.attn.o_proj.scale"]),
+    "dequant-buffer-wrong-shape": (_set(0, "dequant", {"layers.0.attn.qkv": {"weight": "layers.0.attn.o_proj.weight",
+                                                                              "scale": "layers.0.attn.o_proj.weight_scale"}}),
+                                   ["layers.0.attn.qkv", "[8, 8]", "[4, 8]"]),
+    "fuse-without-from": (_set(1, "fuse", {"mtp.0.eh_proj": {"axis": 0}}), ["model 1", "mtp.0.eh_proj", "from"]),
     "fuse-into-a-layer": (_set(0, "fuse", {"layers.0.attn": {"from": ["layers.0.attn.k_proj.weight",
                                                                       "layers.0.attn.v_proj.weight"], "axis": 1}}),
                           ["layers.0.attn"]),

@@ -40,7 +40,6 @@ class DeclarationError(ValueError):
 
 @dataclass(frozen=True)
 class Transpose:
-    name: str
     param: paddle.Tensor
     served: tuple[int, ...]
     loaded: tuple[int, ...]
@@ -48,7 +47,6 @@ class Transpose:
 
 @dataclass(frozen=True)
 class Fuse:
-    name: str
     buffer: paddle.Tensor
     pieces: tuple[paddle.Tensor, ...]
     axis: int
@@ -56,7 +54,6 @@ class Fuse:
 
 @dataclass(frozen=True)
 class Dequant:
-    name: str
     buffer: paddle.Tensor
     weight: paddle.Tensor
     scale: paddle.Tensor
@@ -76,7 +73,16 @@ def loaded_shape(shape: Sequence[int]) -> tuple[int, ...]:
 
 def scale_fits(scale: tuple[int, ...], weight: tuple[int, ...]) -> bool:
     """A scale is per tensor (0-d) or per output channel (``[out]``: the served weight's last axis)."""
-    return scale in ((), weight[-1:])
+    return scale in ((), weight[len(weight) - 1:])
+
+
+def fused_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...] | None:
+    """The shape of pieces concatenated along ``axis``, or None where they cannot be."""
+    first = shapes[0]
+    if not 0 <= axis < len(first) or any(len(s) != len(first) or s[:axis] != first[:axis]
+                                         or s[axis + 1:] != first[axis + 1:] for s in shapes):
+        return None
+    return first[:axis] + (sum(s[axis] for s in shapes),) + first[axis + 1:]
 
 
 def is_frozen(model) -> bool:
@@ -143,21 +149,20 @@ def _plan_model(model, at: str, decl: Mapping, out: PostLoad) -> None:
         if len(param.shape) not in (2, 3):
             raise DeclarationError(f"{where}: only 2-D and 3-D (per expert) weights are transposed, it is "
                                    f"{len(param.shape)}-D {list(param.shape)}")
-        out.transposes.append(Transpose(name, param, tuple(param.shape), loaded_shape(param.shape)))
+        out.transposes.append(Transpose(param, tuple(param.shape), loaded_shape(param.shape)))
     for path, step in (decl.get("fuse") or {}).items():
         where = f"{at}['fuse'] {path!r}"
-        pieces = [_param(params, n, where) for n in step.get("from", ())]
+        pieces = [_param(params, n, where) for n in step.get("from") or ()]
         axis = step.get("axis")
         if len(pieces) < 2 or type(axis) is not int:
             raise DeclarationError(f"{where}: needs 'from' (two or more parameters) and an int 'axis'")
         buffer = _buffer(model, path, where)
         shapes = [tuple(p.shape) for p in pieces]
-        rest = {s[:axis] + s[axis + 1:] for s in shapes}
-        if len({len(s) for s in shapes}) != 1 or not 0 <= axis < len(shapes[0]) or len(rest) != 1:
+        want = fused_shape(shapes, axis)
+        if want is None:
             raise DeclarationError(f"{where}: pieces {shapes} cannot be concatenated along axis {axis}")
-        want = shapes[0][:axis] + (sum(s[axis] for s in shapes),) + shapes[0][axis + 1:]
         _check_result(where, buffer, dtype_name(pieces[0]), want)
-        out.derived.append(Fuse(path, buffer, tuple(pieces), axis))
+        out.derived.append(Fuse(buffer, tuple(pieces), axis))
     for path, step in (decl.get("dequant") or {}).items():
         where = f"{at}['dequant'] {path!r}"
         weight = _param(params, step.get("weight"), where)
@@ -171,7 +176,7 @@ def _plan_model(model, at: str, decl: Mapping, out: PostLoad) -> None:
         if dtype_name(buffer) not in WIDE_FLOATS:
             raise DeclarationError(f"{where}: the buffer is {dtype_name(buffer)}, not one of {list(WIDE_FLOATS)}")
         _check_result(where, buffer, dtype_name(buffer), tuple(weight.shape))
-        out.derived.append(Dequant(path, buffer, weight, scale))
+        out.derived.append(Dequant(buffer, weight, scale))
 
 
 def _set_shape(param: paddle.Tensor, shape: tuple[int, ...]) -> None:

@@ -148,10 +148,10 @@ class StaleScale(Mutant):
     kills = frozenset({"MODEL-QUANT-SCALE", "MODEL-FORWARD", "MODEL-TRANSFORM-ONCE"})
 
     def patches(self):
-        first: dict[str, paddle.Tensor] = {}
+        first: dict[int, paddle.Tensor] = {}
 
         def dequantised(step):
-            scale = first.setdefault(step.name, step.scale.astype(step.buffer.dtype).clone())
+            scale = first.setdefault(id(step.buffer), step.scale.astype(step.buffer.dtype).clone())
             return step.weight.astype(step.buffer.dtype) * scale
 
         return {"reference.transforms.dequantised": dequantised}
@@ -328,8 +328,7 @@ class DeclarationUnchecked(Mutant):
                 for name in decl.get("transpose", ()):
                     if name in params and len(params[name].shape) >= 2:
                         p = params[name]
-                        out.transposes.append(_transforms.Transpose(name, p, tuple(p.shape),
-                                                                    _transforms.loaded_shape(p.shape)))
+                        out.transposes.append(_transforms.Transpose(p, tuple(p.shape), _transforms.loaded_shape(p.shape)))
             return out
 
         return {"reference.transforms.plan": plan, "reference.transforms.is_frozen": lambda m: False}
