@@ -78,9 +78,8 @@ def scale_fits(scale: tuple[int, ...], weight: tuple[int, ...]) -> bool:
 
 def fused_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...] | None:
     """The shape of pieces concatenated along ``axis``, or None where they cannot be."""
-    first = shapes[0]
-    if not 0 <= axis < len(first) or any(len(s) != len(first) or s[:axis] != first[:axis]
-                                         or s[axis + 1:] != first[axis + 1:] for s in shapes):
+    first = shapes[0]  # (pieces of another rank differ before or after the axis: no separate rank check)
+    if not 0 <= axis < len(first) or any(s[:axis] != first[:axis] or s[axis + 1:] != first[axis + 1:] for s in shapes):
         return None
     return first[:axis] + (sum(s[axis] for s in shapes),) + first[axis + 1:]
 
@@ -161,7 +160,10 @@ def _plan_model(model, at: str, decl: Mapping, out: PostLoad) -> None:
         want = fused_shape(shapes, axis)
         if want is None:
             raise DeclarationError(f"{where}: pieces {shapes} cannot be concatenated along axis {axis}")
-        _check_result(where, buffer, dtype_name(pieces[0]), want)
+        dtypes = sorted({dtype_name(p) for p in pieces})
+        if len(dtypes) != 1:
+            raise DeclarationError(f"{where}: pieces of different dtypes {dtypes}")
+        _check_result(where, buffer, dtypes[0], want)
         out.derived.append(Fuse(buffer, tuple(pieces), axis))
     for path, step in (decl.get("dequant") or {}).items():
         where = f"{at}['dequant'] {path!r}"
