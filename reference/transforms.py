@@ -78,7 +78,7 @@ def scale_fits(scale: tuple[int, ...], weight: tuple[int, ...]) -> bool:
 
 def fused_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...] | None:
     """The shape of pieces concatenated along ``axis``, or None where they cannot be."""
-    first = shapes[0]  # (pieces of another rank differ before or after the axis: no separate rank check)
+    first = shapes[0]  # (a piece with more or fewer axes differs before or after the axis)
     if not 0 <= axis < len(first) or any(s[:axis] != first[:axis] or s[axis + 1:] != first[axis + 1:] for s in shapes):
         return None
     return first[:axis] + (sum(s[axis] for s in shapes),) + first[axis + 1:]
