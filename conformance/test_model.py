@@ -257,7 +257,7 @@ class Recorder:
 HOOK_CASES = (cases("missing", 3, extra=POST + HOOKS)
               + cases("dtype", 3, paths=["parts"], extra=POST + HOOKS, id_suffix=":dtype")
               + cases("end", 3, paths=["bucket"], extra=POST + HOOKS, id_suffix=":end-tampered")
-              + cases("missing", 12, paths=["single"], extra=POST + HOOKS, id_suffix=":12-updates"))
+              + cases("missing", 6, paths=["single"], extra=POST + HOOKS, id_suffix=":6-updates"))
 
 
 @pytest.mark.rule("MODEL-HOOKS")
