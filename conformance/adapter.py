@@ -73,6 +73,12 @@ class LoaderSession(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional, with capability ``model.hooks`` (not part of the protocol's required surface):
+    #     def register_hook(self, name: str, fn: Callable[[], object]) -> None
+    # ``fn()`` runs exactly once after each committed update (after the commit: status NORMAL, every
+    # post-load step done), never after a failed one: an engine's stale-state hooks (reset the prefix
+    # cache, recapture graphs). The suite registers its own to observe them (SPEC.md MODEL-HOOKS).
+
 
 @runtime_checkable
 class LoaderAdapter(Protocol):

@@ -19,6 +19,10 @@ CAPABILITIES = {
     '{"model": {"xxh3": HEX, "md5": HEX}, "tensors": {name: {"xxh3": HEX, "md5": HEX}}}',
     "digest.debug": "session.debug_digest(tensor) returns FastDeploy's debug digest line of a Paddle tensor or numpy "
     "array: shape=[..], dtype=.., nbytes=.., md5=.., sum=..",
+    "model.post_load": "the steps a model declares in its post_load attribute run once after every update: "
+    "transposes (2-D, 3-D per expert), fused and dequantised buffers, frozen models left alone (SPEC.md MODEL)",
+    "model.hooks": "session.register_hook(name, fn): fn() runs once after each committed update, never after "
+    "a failed one (stale-state hooks: reset the prefix cache, recapture graphs; SPEC.md MODEL-HOOKS)",
 }
 
 

@@ -95,7 +95,8 @@ class Loader:
         _set_device(worker.selected)
         from fixtures.models import build_models
 
-        models = build_models(model_spec)
+        # A spec that builds its own layers (fixtures.tiny_transformer: declarations, buffers, ties) does so.
+        models = model_spec.build_models() if hasattr(model_spec, "build_models") else build_models(model_spec)
         config = LoaderConfig(strategy, model_dir or self.model_dir, self.shared_dir, dict(options or {}))
         _calls["adapter"] += 1
         session = RecordedSession(self.adapter.open(models, config), models)

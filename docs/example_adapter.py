@@ -248,9 +248,9 @@ class MineLoader:
             with paddle.no_grad():
                 for name, tensor in read_tensors(path, entries, ident, self.params):
                     paddle.assign(tensor, output=self.params[name])  # a copy; a later part overwrites
-                    loaded.add(name)
+                    loaded.add(id(self.params[name]))  # by object: a tied pair is loaded by either name
             self.applied.append((label, path))
-        missing = sorted(set(self.params) - loaded)
+        missing = sorted(name for name, param in self.params.items() if id(param) not in loaded)
         if missing:
             raise RuntimeError(f"{len(missing)} parameter(s) missing from the snapshot: {', '.join(missing)}")
         self.state = "NORMAL"

@@ -37,6 +37,9 @@ class ReferenceSession:
 
     def debug_digest(self, tensor) -> str:
         return _digest.format_debug_digest(_digest.debug_digest(tensor))
+    def register_hook(self, name, fn) -> None:
+        """Capability ``model.hooks``: ``fn()`` runs once after each committed update (MODEL-HOOKS)."""
+        self.manager.hooks.register(name, fn)
 
     def close(self) -> None:
         """Nothing to release: every path frees its files, mappings, sockets and threads before
@@ -59,6 +62,8 @@ class ReferenceAdapter:
             "mtp",
             "digest.model",
             "digest.debug",
+            "model.post_load",
+            "model.hooks",
         }
     )
     session_class = ReferenceSession

@@ -31,7 +31,7 @@ import zmq
 from sim import protocol
 from sim.ipc_handles import Segment
 
-from . import apply
+from . import apply, ties
 from . import bucket_checks as checks
 from .dtypes import paddle_dtype
 from .host_memory import writable_bytes
@@ -251,7 +251,7 @@ def receive(link: Link, attached: Attachments, state: checks.UpdateState, stagin
 
 def commit(manager, state: checks.UpdateState, staging: Staging, source: str) -> None:
     """Adopt the staged tensors, one trace event per bucket that completed at least one tensor."""
-    missing = [n for n in manager.params if n not in staging.tensors]
+    missing = ties.missing(manager.params, staging.tensors)  # a tied pair is complete by one name
     if missing:
         raise RuntimeError(
             f"ipc_bucket update of version {state.version} from {source} lacks {len(missing)} parameter(s): "

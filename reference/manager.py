@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import apply, identity
+from . import apply, hooks, identity, transforms
 from . import digest as _digest
 from .status import Status
 
@@ -62,6 +62,8 @@ class WeightManager:
         self.rank = identity.global_rank()
         self.gpu_id = identity.physical_gpu_id(self.env)
         self.params = self._capture()
+        self.post_load = transforms.plan(self.model_list)  # MODEL-*: declared post-load steps
+        self.hooks = hooks.Hooks()  # MODEL-HOOKS: stale-state hooks an engine registers
         self.status = Status.CLEARED if not apply.still_loaded(self.params) else Status.NORMAL
         self.trace: list[LoadEvent] = []
         self.last_error: BaseException | None = None
@@ -71,6 +73,8 @@ class WeightManager:
         params: dict[str, paddle.Tensor] = {}
         owner: dict[str, int] = {}
         for index, model in enumerate(self.model_list):
+            if transforms.is_frozen(model):  # MODEL-TRANSFORM-FROZEN: served as loaded at start-up
+                continue
             for name, param in model.state_dict().items():
                 if name in params:
                     raise ValueError(
@@ -102,6 +106,7 @@ class WeightManager:
         self.trace = []
         self.last_error = None
         try:
+            transforms.before_load(self.post_load)
             module, func = STRATEGIES[self.load_strategy].split(":")
             getattr(importlib.import_module(module), func)(self)
             self.finalize()
@@ -128,7 +133,9 @@ class WeightManager:
                 f"Model Parameter update verification failed: {len(missing)} parameter(s) not loaded: "
                 + ", ".join(missing)
             )
+        transforms.after_load(self.post_load)  # once, on this update's weights only
         self.status = Status.NORMAL
+        hooks.after_commit(self)  # after the commit, never after a failure
 
     # -- digest ------------------------------------------------------------------------------
     def digest(self, algorithms=_digest.DEFAULT_ALGORITHMS) -> _digest.ModelDigest:

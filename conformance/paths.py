@@ -1,0 +1,199 @@
+"""Every load path behind one interface, for rules that hold on all of them (SPEC.md § MODEL).
+
+A rule written against :class:`Route` runs on every path in :data:`PATHS`: the snapshot levels (parts,
+single file, legacy ``tp0{id}`` file, shared ``paddle.save`` fallback), ``ipc`` metas and ``ipc_bucket``
+buckets. A path is a :class:`Path` (its capabilities, the strategy a session is opened with, and a feed:
+the trainer side, which publishes one rank's tensors of a version where that rank's session will read
+them). Adding a path is one line in ``PATHS`` plus its feed class; :func:`cases` turns the table into
+``pytest.param`` s, each requiring exactly its path's capability.
+
+    route = Route(loader, "bucket")
+    session = route.open(model, rank=1)          # worker rank 1 on physical GPU 1
+    route.publish(1, tensors, version=2)         # the trainer side
+    route.update(1)                               # session.update(), then the feed settles
+
+Ranks are workers ``(rank r, CUDA_VISIBLE_DEVICES=r, FLAGS_selected_gpus=0)``: physical GPU ``r``.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from .harness import Worker
+
+
+def worker(rank: int) -> Worker:
+    """Rank ``r`` in a process of its own that sees only physical GPU ``r`` (its CUDA ordinal 0): ranks'
+    sessions can then share this test process, each opening IPC handles on its current device 0."""
+    return Worker(rank, str(rank), "0")
+
+
+class SnapshotFeed:
+    """Writes a rank's snapshot at one level; the files of the previous version are removed first."""
+
+    def __init__(self, loader, level: str):
+        self.loader, self.level = loader, level
+        self.written: dict[int, list[str]] = {}
+
+    def options(self, rank: int) -> dict:
+        return {}
+
+    def publish(self, rank: int, tensors: Mapping[str, np.ndarray], version: int, layout=None) -> str:
+        """``layout``: for parts, the names of each part (default: two parts, round-robin)."""
+        from fixtures import snapshot as S
+
+        for path in self.written.pop(rank, []):
+            os.remove(path)
+        st = dict(sorted(tensors.items()))
+        if self.level == "parts" and layout is not None:
+            paths = S.write_parts(self.loader.model_dir, rank, rank, {i: {n: st[n] for n in names}
+                                                                      for i, names in enumerate(layout)})
+        else:
+            paths = S.write_level(self.level, self.loader.model_dir, self.loader.shared_dir, rank, rank, st)
+        self.written[rank] = paths
+        return f"{self.level} snapshot of version {version} for rank {rank}: {[os.path.basename(p) for p in paths]}"
+
+    def settle(self, rank: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class IpcFeed:
+    """Exports a rank's tensors to shared memory and writes its ``ipc_metas_{gpu}`` file."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.exports: dict[int, object] = {}
+
+    def options(self, rank: int) -> dict:
+        return {}
+
+    def publish(self, rank: int, tensors, version: int, layout=None) -> str:
+        from fixtures import ipc as I
+
+        old = self.exports.pop(rank, None)
+        if old is not None:  # the worker holds its own copy of the previous version (IPC-WORKER-OWNS-COPY)
+            old.close()
+        export = self.exports[rank] = I.Export(dict(tensors), device_id=0)  # the worker's CUDA ordinal
+        path = I.write_metas(I.meta_path(self.loader.shared_dir, rank), export.metas)
+        return f"ipc metas of version {version} for rank {rank}: {os.path.basename(path)}"
+
+    def settle(self, rank: int) -> None:
+        pass
+
+    def close(self) -> None:
+        for export in self.exports.values():
+            export.close()
+        self.exports.clear()
+
+
+class BucketFeed:
+    """One trainer (fixtures.buckets.Publisher) per rank, serving each published version once."""
+
+    BUCKET_BYTES = 1024
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.publishers: dict[int, object] = {}
+
+    def _publisher(self, rank: int):
+        from fixtures import buckets as B
+
+        if rank not in self.publishers:
+            self.publishers[rank] = B.Publisher(self.BUCKET_BYTES, wait_s=5.0)
+        return self.publishers[rank]
+
+    def options(self, rank: int) -> dict:
+        return self._publisher(rank).options(None, timeout_s=2.0)
+
+    def publish(self, rank: int, tensors, version: int, layout=None) -> str:
+        """``layout``: a function given the packed update (``fixtures.buckets.Update``) to tamper with."""
+        from fixtures import buckets as B
+
+        pub = self._publisher(rank)
+        update = B.pack(dict(tensors), version, self.BUCKET_BYTES)
+        if layout is not None:
+            layout(update)
+        pub.serve(update)
+        return f"ipc_bucket version {version} for rank {rank} in {len(update.buckets)} bucket(s) from {pub.endpoint}"
+
+    def settle(self, rank: int) -> None:
+        self.publishers[rank].wait(10.0)
+
+    def close(self) -> None:
+        for pub in self.publishers.values():
+            pub.close()
+        self.publishers.clear()
+
+
+@dataclass(frozen=True)
+class Path:
+    id: str
+    capabilities: tuple[str, ...]
+    strategy: str
+    feed: Callable  # loader -> feed
+    #: whether the path can carry fp8 tensors (``paddle.save`` pickles cannot)
+    fp8: Callable[[], bool] = lambda: True
+
+
+def _legacy_fp8() -> bool:
+    from fixtures import snapshot as S
+
+    return not S.writes_pickle("legacy")
+
+
+PATHS = {
+    "parts": Path("parts", ("snapshot.parts",), "ipc_snapshot", lambda loader: SnapshotFeed(loader, "parts")),
+    "single": Path("single", ("snapshot.single",), "ipc_snapshot", lambda loader: SnapshotFeed(loader, "single")),
+    "legacy": Path("legacy", ("snapshot.legacy",), "ipc_snapshot", lambda loader: SnapshotFeed(loader, "legacy"),
+                   _legacy_fp8),
+    "shared": Path("shared", ("snapshot.shared_fallback",), "ipc_snapshot",
+                   lambda loader: SnapshotFeed(loader, "shared"), lambda: False),
+    "ipc": Path("ipc", ("ipc.meta",), "ipc", IpcFeed),
+    "bucket": Path("bucket", ("ipc.buckets",), "ipc_bucket", BucketFeed),
+}
+
+
+def cases(*values, paths=None, extra: tuple[str, ...] = (), id_suffix: str = ""):
+    """One ``pytest.param(path, *values)`` per path (default: every path), requiring its capability
+    and ``extra``; ids ``{path}{id_suffix}``."""
+    return [pytest.param(p, *values, marks=pytest.mark.requires(*PATHS[p].capabilities, *extra), id=p + id_suffix)
+            for p in (paths or PATHS)]
+
+
+class Route:
+    """Sessions of one path, one per rank, and the trainer side feeding them."""
+
+    def __init__(self, loader, path_id: str):
+        self.loader = loader
+        self.path = PATHS[path_id]
+        self.feed = self.path.feed(loader)
+        self.sessions: dict[int, object] = {}
+
+    @property
+    def fp8(self) -> bool:
+        return self.path.fp8()
+
+    def open(self, model, rank: int = 0):
+        session = self.loader.open(model, strategy=self.path.strategy, worker=worker(rank),
+                                   options=self.feed.options(rank))
+        self.sessions[rank] = session
+        return session
+
+    def publish(self, rank: int, tensors, version: int, layout=None) -> str:
+        return self.feed.publish(rank, tensors, version, layout)
+
+    def update(self, rank: int = 0) -> None:
+        try:
+            self.sessions[rank].update()
+        finally:
+            self.feed.settle(rank)
+
+    def close(self) -> None:
+        self.feed.close()
