@@ -15,6 +15,12 @@ CAPABILITIES = {
     "trace": "session.trace() returns the sources applied in order, with their labels",
     "status": "session.status() returns the ModelWeightsStatus name",
     "mtp": "several models (main + MTP) captured and loaded by one session",
+    "stream.rsync": "rsync (update_weights_by_rdma): a CheckpointTransfer handle streams a step's (name, tensor) pairs, "
+    "validated whole, then applied; version from options['version'] or {model_dir}/version.yaml",
+    "stream.gdr": "GDR in rsync mode (update_weights_by_gdr, GPU_DIRECT): a CheckpointTransfer stream into each model's "
+    "load_weights, MTP items routed to the MTP models in chunks",
+    "stream.gdr_ipc": "GDR in IPC mode (Phase1Backend.IPC): step '0' unless options['version'] is given",
+    "stream.prefetch": "GDR items received ahead of the loader on a receiving thread, bounded by gdr_prefetch_queue_size",
 }
 
 

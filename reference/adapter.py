@@ -17,8 +17,8 @@ class ReferenceSession:
             options=config.options,
         )
 
-    def update(self) -> None:
-        self.manager.update()
+    def update(self):
+        return self.manager.update()
 
     def clear(self) -> None:
         self.manager.clear()
@@ -33,8 +33,10 @@ class ReferenceSession:
         return self.manager.status.name
 
     def close(self) -> None:
-        """Nothing to release: every path frees its files, mappings, sockets and threads before
-        ``update()`` returns (FILE-RELEASED, IPC-NO-LEAK, BKT-NO-LEAK)."""
+        """Every path frees its files, mappings, sockets and threads before ``update()`` returns
+        (FILE-RELEASED, IPC-NO-LEAK, BKT-NO-LEAK); the streamed paths keep one transfer handle across
+        updates (GDR-HANDLE-REUSE), released here."""
+        self.manager.close()
 
 
 class ReferenceAdapter:
@@ -51,6 +53,10 @@ class ReferenceAdapter:
             "trace",
             "status",
             "mtp",
+            "stream.rsync",
+            "stream.gdr",
+            "stream.gdr_ipc",
+            "stream.prefetch",
         }
     )
     session_class = ReferenceSession

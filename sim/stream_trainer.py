@@ -71,9 +71,14 @@ class StreamTrainer:
             endpoint = f"ipc://{self.dir}/trainer.sock"
         self.endpoint = endpoint
         self.refuse = refuse
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        ctx = zmq.Context.instance()
+        self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
+        # close() wakes the serving loop at once through this pair (no polling interval to wait out)
+        self._wake_address = f"inproc://stream-trainer-{id(self)}"
+        self._wake = ctx.socket(zmq.PAIR)
+        self._wake.bind(self._wake_address)
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
             self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.events: list[dict] = []
@@ -114,9 +119,12 @@ class StreamTrainer:
 
     # -- serving -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
         try:
             while not self._stop.is_set() and not self.gone:
-                if not self.sock.poll(10):
+                if self.sock not in dict(poller.poll(1000)):
                     continue
                 frames = self.sock.recv_multipart()
                 if len(frames) != 2:
@@ -201,7 +209,12 @@ class StreamTrainer:
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
+            waker = zmq.Context.instance().socket(zmq.PAIR)
+            waker.connect(self._wake_address)
+            waker.send(b"")
             self._thread.join(5)
+            waker.close(linger=0)
+        self._wake.close(linger=0)
         if not self.sock.closed:
             self.sock.close()
         if self.dir:

@@ -190,7 +190,9 @@ class CheckpointTransfer:
         self.id = f"{os.getpid()}-{next(_ids)}"
         self._sock = None
         self._streams = itertools.count(1)
-        self._active = False
+        self._active = False  # a stream is open (suspended between items, or waiting)
+        self._waiting = False  # a thread is inside a wait for the trainer's reply
+        self._stream: _Stream | None = None
         self._closed = threading.Event()
         self.initialized = False
 
@@ -229,13 +231,22 @@ class CheckpointTransfer:
             return _Completed()
         self._closed.set()  # a blocked wait in another thread gives up within POLL_SLICE_S
         deadline = time.monotonic() + 2.0
-        while self._active and time.monotonic() < deadline:
+        while self._waiting and time.monotonic() < deadline:
             time.sleep(POLL_SLICE_S / 2)
-        if self._sock is not None and not self._active:
+        if self._sock is not None and not self._waiting:
+            stream = self._stream
+            if self._active and stream is not None:  # a stream left suspended by its consumer
+                stream.bye("cleanup")
+                stream.finished = True
             self._send_quietly({"type": wire.UNREGISTER, "handle": self.id})
             self._sock.close()
             self._sock = None
         return _Completed()
+
+    def _request(self, message: dict, stream: _Stream) -> None:
+        if self._sock is None or self._closed.is_set():
+            raise ConnectionAbortedError(f"{stream.where}: the handle was cleaned up")
+        self._sock.send(wire.encode(message))
 
     def _send_quietly(self, message: dict) -> None:
         if self._sock is not None:
@@ -251,17 +262,29 @@ class CheckpointTransfer:
             raise ValueError(f"output_framework must be 'paddle' or 'numpy', got {framework!r}")
         return _Stream(self, mode, step_id, verify, framework)
 
-    def _claim(self) -> None:
+    def _claim(self, stream: _Stream) -> None:
         """At a stream's first step (an iterator never started holds nothing)."""
         if self._active:
             raise RuntimeError(f"{self!r}: another stream of this handle is still open")
         if self._closed.is_set():
             raise RuntimeError(f"{self!r}: cleaned up before the stream started")
-        self._active = True
+        self._active, self._stream = True, stream
+
+    def _release(self, stream: _Stream, reason: str) -> None:
+        stream.bye(reason)
+        if self._stream is stream:
+            self._active, self._stream = False, None
 
     # -- sync iteration ----------------------------------------------------------------------------
     def _wait_sync(self, stream: _Stream):
         """The next reply, polled in slices so that cleanup() from another thread ends the wait."""
+        self._waiting = True
+        try:
+            return self._wait_sync_inner(stream)
+        finally:
+            self._waiting = False
+
+    def _wait_sync_inner(self, stream: _Stream):
         while True:
             budget = stream.wait_budget()
             end = time.monotonic() + budget
@@ -283,22 +306,21 @@ class CheckpointTransfer:
             return got
 
     def _iterate(self, stream: _Stream):
-        self._claim()
+        self._claim(stream)
         reason = "closed"
         try:
-            self._sock.send(wire.encode(stream.hello()))
+            self._request(stream.hello(), stream)
             while True:
                 item = self._wait_sync(stream)
                 if item is None:
                     return
                 yield item
-                self._sock.send(wire.encode(stream.next_request()))
+                self._request(stream.next_request(), stream)
         except BaseException as e:
             reason = f"{type(e).__name__}: {e}"
             raise
         finally:
-            stream.bye(reason)
-            self._active = False
+            self._release(stream, reason)
 
     def receive_stream(self, step_id, verify_checksum: bool = False):
         """rsync's API: ``(key, tensor)`` pairs of step ``step_id``."""
@@ -310,25 +332,31 @@ class CheckpointTransfer:
     # -- async iteration ---------------------------------------------------------------------------
     async def receive_weights(self, step_id):
         stream = self._begin("weights", step_id, False, "paddle")
-        self._claim()
+        self._claim(stream)
         reason = "closed"
         asock = zmq.asyncio.Socket.from_socket(self._sock)
         try:
-            self._sock.send(wire.encode(stream.hello()))
+            self._request(stream.hello(), stream)
             while True:
                 item = await self._wait_async(stream, asock)
                 if item is None:
                     return
                 yield item
-                self._sock.send(wire.encode(stream.next_request()))
+                self._request(stream.next_request(), stream)
         except BaseException as e:
             reason = f"{type(e).__name__}: {e}"
             raise
         finally:
-            stream.bye(reason)
-            self._active = False
+            self._release(stream, reason)
 
     async def _wait_async(self, stream: _Stream, asock):
+        self._waiting = True
+        try:
+            return await self._wait_async_inner(stream, asock)
+        finally:
+            self._waiting = False
+
+    async def _wait_async_inner(self, stream: _Stream, asock):
         while True:
             budget = stream.wait_budget()
             end = time.monotonic() + budget

@@ -1,0 +1,69 @@
+"""The transfer library of the streamed paths and the handle a worker keeps across updates.
+
+Which library: ``options['transfer_library']`` (a module name, e.g. ``checkpoint_transfer`` for the real
+one), by default the simulator's stand-in ``sim.checkpoint_transfer``, whose trainer end the suite drives.
+Its ``config`` submodule holds ``TransferConfig``, ``Role`` and ``Phase1Backend``.
+
+The handle (FastDeploy #8078/#8079): created and initialized once per worker, reused by every update,
+destroyed (``cleanup()``, errors swallowed) on any failure so that the next update starts a fresh one,
+and at the session's close.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+
+log = logging.getLogger("reference.transfer_lib")
+
+DEFAULT_LIBRARY = "sim.checkpoint_transfer"
+
+_handles: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
+
+
+def library(options: Mapping):
+    name = options.get("transfer_library", DEFAULT_LIBRARY)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"options['transfer_library'] must be a module name, got {name!r}")
+    return importlib.import_module(name), importlib.import_module(f"{name}.config")
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def finish(result):
+    """The value of a library call that may return an awaitable (``initialize``/``cleanup`` are coroutines
+    in the GDR API and plain calls in the rsync one)."""
+    if inspect.isawaitable(result):
+        return asyncio.run(_await(result))
+    return result
+
+
+def cached(owner):
+    return _handles.get(owner)
+
+
+def ensure(owner, make: Callable[[], object]):
+    """``owner``'s handle: the cached one, or a new one from ``make()``, initialized and cached."""
+    handle = _handles.get(owner)
+    if handle is None:
+        handle = make()
+        finish(handle.initialize())
+        _handles[owner] = handle
+        log.info("CheckpointTransfer handle %r initialized and cached for reuse", handle)
+    return handle
+
+
+def destroy(owner) -> None:
+    """Forget ``owner``'s handle and clean it up; a failing cleanup is logged, never raised."""
+    handle = _handles.pop(owner, None)
+    if handle is None:
+        return
+    try:
+        finish(handle.cleanup())
+    except Exception as e:  # noqa: BLE001 - the update's own error is the one to report
+        log.warning("CheckpointTransfer cleanup of %r failed: %s: %s", handle, type(e).__name__, e)
