@@ -1,12 +1,12 @@
-"""What both streamed paths (rsync, GDR) owe whatever the library does: no wait without end, nothing left
-behind. Spec: SPEC.md § STREAM.
+"""What both streamed paths (rsync, GDR) owe whatever the library does: nothing left behind. Spec: SPEC.md
+§ STREAM (STREAM-HANG-BOUNDED: test_stream_timing.py).
 """
 import time
 
 import pytest
 
 from conformance import check
-from conformance.stream_support import FAULT_TIMEOUT_S, case, concurrently, ct_trainer, open_stream, reraise, socket_fds  # noqa: F401
+from conformance.stream_support import FAULT_TIMEOUT_S, case, ct_trainer, open_stream, socket_fds  # noqa: F401
 from fixtures import models as M
 from fixtures import streams as S
 
@@ -14,39 +14,6 @@ pytestmark = pytest.mark.streams
 
 SPEC = M.spec(("model.layers.0.q.weight", "bfloat16", (4, 4)), ("model.layers.1.mlp.weight", "float32", (4, 8)),
               ("model.norm.weight", "float16", (4,)))
-HANG_CAP_S = 3.0  # the stand-in's session deadline: a library that hangs gives up on its own after this
-
-
-@pytest.mark.rule("STREAM-HANG-BOUNDED")
-@pytest.mark.requires("stream.rsync", "stream.gdr", "status")
-def test_hung_library_does_not_hang_the_update(loader):
-    """Six workers at once, rsync and GDR, each with a library that hangs (its own per-item wait of 0.15 s
-    never fires) before the first item, mid-stream or after the last item: each update fails with a
-    TimeoutError within 2 s, and the next one loads."""
-    trainers, cases = [], {}
-    v1, v2, v3 = (M.state(SPEC, version=v) for v in (1, 2, 3))
-    try:
-        for strategy in ("rsync", "gdr"):
-            for phase, k in (("before-first", 0), ("mid", 1), ("after-last", 3)):
-                trainers.append(S.trainer())
-                trainers[-1].serve(S.stream_of(v1), S.stream_of(v2, fault=("hang", k)), S.stream_of(v3))
-                session, _ = open_stream(loader, trainers[-1], SPEC, strategy, timeout_s=FAULT_TIMEOUT_S,
-                                         session_total_timeout_s=HANG_CAP_S)
-                session.update()
-                check.params_equal(session.observe(), v1, f"{strategy}: first load")
-                cases[f"{strategy}-hang-{phase}"] = session
-        outcomes = concurrently({name: s.update for name, s in cases.items()})
-        for name, session in cases.items():
-            where = f"{name}: the library hangs"
-            with check.raises(TimeoutError, match=".", where=where):
-                reraise(outcomes[name])
-            check.that(outcomes[name][1] < 2.0, f"{where}: the update ended after {outcomes[name][1]:.2f}s, bound 2 s")
-            check.status_not(session, "NORMAL", where)
-            session.update()
-            check.params_equal(session.observe(), v3, f"{where}: the next update")
-    finally:
-        for t in trainers:
-            t.close()
 
 
 def _failures(strategy, session, state):
@@ -55,7 +22,7 @@ def _failures(strategy, session, state):
         session.models[0].load_weights.fail_at = 1
 
     broken = [("stream breaks mid-way", S.stream_of(state, fault=("fail", 1)), None),
-              ("stream stalls", S.stream_of(state, fault=("stall", 1)), None)]
+              ("stream cancelled", S.stream_of(state, fault=("cancel", 2)), None)]
     if strategy == "rsync":
         return broken + [("unknown key", S.stream_of({**state, "zzz.unknown": state["model.norm.weight"]}), None)]
     return broken + [("loader fails", S.stream_of(state), loader_breaks)]

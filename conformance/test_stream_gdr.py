@@ -3,7 +3,7 @@ ahead of the loader. Spec: SPEC.md § GDR (and § RSYNC's introduction for the t
 
 The models' ``load_weights`` are the suite's (fixtures.streams.ModelLoader): they record what each model
 was handed and when, and can break or hold. Cases that share a session run one after the other in one
-test, each check naming its case; silences run at once (stream_support.concurrently), with a 0.15 s wait.
+test, each check naming its case. The silences (stalls, a slow trainer) are judged in test_stream_timing.py.
 """
 import asyncio
 import threading
@@ -14,7 +14,7 @@ import pytest
 
 from conformance import check
 from conformance.harness import Worker
-from conformance.stream_support import FAULT_TIMEOUT_S, case, concurrently, ct_trainer, open_stream, reraise  # noqa: F401
+from conformance.stream_support import case, ct_trainer, open_stream  # noqa: F401 - ct_trainer is a fixture
 from fixtures import models as M
 from fixtures import streams as S
 from fixtures.ipc import patterned
@@ -47,19 +47,20 @@ def _loaded(loader, trainer, spec=SPEC_MTP, **kw):
 # -- GDR-MAIN-EVERY-ITEM ---------------------------------------------------------------------------
 EVERY_KIND = M.spec(*((f"d.w_{d}", d, (3, 5)) for d in ("bfloat16", "float16", "float32", "float64", "int8", "int32",
                                                           "int64", "uint8", "bool", "float8_e4m3fn", "float8_e5m2")),
-                    ("e.scalar", "bfloat16", ()), ("e.empty", "float32", (0, 4)), ("g.big", "uint8", (8 * (1 << 20) + 1,)))
+                    ("e.scalar", "bfloat16", ()), ("e.empty", "float32", (0, 4)))
+LARGE = M.spec(("g.small", "float32", (3,)), ("g.big", "uint8", (8 * (1 << 20) + 1,)))
 
 
 def _state(spec, version):
-    if spec is not EVERY_KIND:
+    if spec is not LARGE:
         return M.state(spec, version=version)
-    small = M.state(M.spec(*((p.name, p.dtype, p.shape) for p in spec.main if p.name != "g.big")), version=version)
-    return {**small, "g.big": patterned((8 * (1 << 20) + 1,), "uint8", seed=version)}
+    return {"g.small": M.weights(spec.main[0], version=version), "g.big": patterned((8 * (1 << 20) + 1,), "uint8", seed=version)}
 
 
 @pytest.mark.rule("GDR-MAIN-EVERY-ITEM")
 @pytest.mark.parametrize("strategy, spec", [
-    case("gdr", EVERY_KIND, id="gdr-every-dtype-0d-empty-8MiB"),
+    case("gdr", EVERY_KIND, id="gdr-every-dtype-0d-empty"),
+    case("gdr", LARGE, id="gdr-8MiB"),
     case("gdr", SPEC_MTP, extra=("mtp",), id="gdr-main+mtp"),
     case("gdr_ipc", SPEC_MTP, extra=("mtp",), id="gdr_ipc-main+mtp"),
 ])
@@ -68,7 +69,7 @@ def test_gdr_main_model_gets_every_item_in_order(loader, ct_trainer, strategy, s
     orders = [list(v1), list(reversed(list(v2)))]
     ct_trainer.serve(S.stream_of(v1), S.stream_of({n: v2[n] for n in orders[1]}))
     session, record = _gdr(loader, ct_trainer, spec, strategy)
-    for version, want, order in ((1, v1, orders[0]), (2, v2, orders[1])):
+    for version, want, order in ((1, v1, orders[0]), (2, v2, orders[1]))[:1 if spec is LARGE else 2]:  # large: once
         session.update()
         where = f"{strategy}, update of version {version}"
         check.params_equal(session.observe(), want, where)
@@ -205,41 +206,6 @@ def test_gdr_broken_or_cancelled_stream_fails(loader, ct_trainer):
     check.params_equal(session.observe(), v3, "GDR, the update after six failed ones")
 
 
-@pytest.mark.rule("GDR-RECEIVER-ERROR")
-@pytest.mark.requires("stream.gdr", "mtp", "status")
-def test_gdr_silence_at_every_phase(loader):
-    """Five workers at once: silent before the first item, mid-stream, after the last item (each fails within
-    2 s, then loads version 3), slow (each reply 0.05 s late) or gone right after the end (each loads)."""
-    trainers, cases = [], {}
-    scripts = {f"stall-{p}": dict(fault=("stall", k)) for p, k in PHASES.items()}
-    scripts.update({"slow-but-healthy": dict(pause_s=0.05), "gone-after-end": dict(fault=("die-after-end", 5))})
-    v2, v3 = M.state(SPEC_MTP, version=2), M.state(SPEC_MTP, version=3)
-    try:
-        for name, script in scripts.items():
-            trainers.append(S.trainer())
-            session, _, _ = _loaded(loader, trainers[-1], timeout_s=FAULT_TIMEOUT_S)
-            trainers[-1].serve(S.stream_of(v2, **script), S.stream_of(v3))
-            cases[name] = (session, trainers[-1])
-        outcomes = concurrently({name: c[0].update for name, c in cases.items()})
-        for name, (session, trainer) in cases.items():
-            where = f"GDR, trainer {name} ({trainer.endpoint})"
-            error, seconds = outcomes[name]
-            if name.startswith("stall"):
-                with check.raises(TimeoutError, match=".", where=where):
-                    reraise(outcomes[name])
-                check.that(seconds < 2.0, f"{where}: failed after {seconds:.2f}s, bound 2 s")
-                check.status_not(session, "NORMAL", where)
-                session.update()
-                check.params_equal(session.observe(), v3, f"{where}: the next update")
-            else:
-                check.that(error is None, f"{where}: the update failed: {error!r}")
-                check.params_equal(session.observe(), v2, where)
-                check.status_is(session, "NORMAL", where)
-    finally:
-        for t in trainers:
-            t.close()
-
-
 # -- GDR-SHORT-STREAM ------------------------------------------------------------------------------
 @pytest.mark.rule("GDR-SHORT-STREAM")
 @pytest.mark.requires("stream.gdr", "status")
@@ -302,10 +268,10 @@ def test_gdr_loader_error_stops_the_receiver(loader, ct_trainer):
 @pytest.mark.requires("stream.gdr", "stream.prefetch")
 def test_gdr_prefetch_window(loader, ct_trainer):
     """While the main loader holds its first item, the trainer has sent exactly gdr_prefetch_queue_size items
-    (absent: 2; 0 or less: 1): received ahead, and no more."""
+    (absent: 2; 0: 1): received ahead, and no more."""
     state = M.state(M.spec(*((f"p.{i}", "float32", (4,)) for i in range(8))), version=1)
     spec = M.spec(*((f"p.{i}", "float32", (4,)) for i in range(8)))
-    for size, window in ((None, 2), (1, 1), (3, 3), (0, 1), (-2, 1)):
+    for size, window in ((None, 2), (1, 1), (3, 3), (0, 1)):
         ct_trainer.serve(S.stream_of(state))
         extra = {} if size is None else {"gdr_prefetch_queue_size": size}
         session, record = _gdr(loader, ct_trainer, spec, loaders={"hold_at": {0: 0}}, **extra)
@@ -316,7 +282,7 @@ def test_gdr_prefetch_window(loader, ct_trainer):
         try:
             check.that(held.holding.wait(5), f"{where}: the main loader never got its first item")
             ct_trainer.wait_for(lambda: ct_trainer.sent() >= window, 1.0)
-            time.sleep(0.03)
+            time.sleep(0.02)
             check.equal(ct_trainer.sent(), window, f"{where}: items sent while the loader holds item 0")
         finally:
             held.release.set()

@@ -37,7 +37,7 @@ class StreamCancelled(RuntimeError):
 def wait_bound(recv_timeout_s: float) -> float:
     """How long the consumer waits for one item: beyond the library's own per-item bound, so that the
     library's error (naming what it waited for) normally comes first."""
-    return recv_timeout_s * 1.5 + 0.1
+    return recv_timeout_s * 1.5
 
 
 class _Window:

@@ -128,7 +128,7 @@ class StreamTrainer:
                     continue
                 frames = self.sock.recv_multipart()
                 if len(frames) != 2:
-                    continue
+                    continue  # receivers send one frame per message
                 ident, frame = frames
                 message = wire.decode(frame, f"trainer at {self.endpoint}", wire.RECEIVER_TYPES)
                 message["at"] = time.monotonic()
@@ -138,8 +138,9 @@ class StreamTrainer:
             if not self._stop.is_set():
                 self.failure = e
 
-    def _send(self, ident: bytes, message: dict) -> None:
-        self.sock.send_multipart([ident, wire.encode(message)])
+    def _send(self, ident: bytes, message: dict, data=None) -> None:
+        frames = [ident, wire.encode(message)] + ([data] if data is not None else [])
+        self.sock.send_multipart(frames, copy=data is None or len(data) < (64 << 10))
 
     def _handle(self, ident: bytes, message: dict) -> None:
         kind = message["type"]
@@ -193,12 +194,14 @@ class StreamTrainer:
         if k < len(script.items):
             name, arr = script.items[k]
             arr = np.asarray(arr)
-            data = arr.tobytes()  # C order, whatever the array's layout
+            data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))  # C order, no copy
             message = wire.item(stream, k, name, arr.dtype.name, arr.shape, data)
-            if fault == ("corrupt", k) and data:
-                message["data"] = bytes([data[0] ^ 0xFF]) + data[1:]
+            if fault == ("corrupt", k) and len(data):
+                corrupted = bytearray(data)
+                corrupted[0] ^= 0xFF
+                data = memoryview(corrupted)
             state.sent += 1
-            self._send(ident, message)
+            self._send(ident, message, data)
             return
         state.silent = True
         self._send(ident, {"type": wire.END, "stream": stream, "count": k})

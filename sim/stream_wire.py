@@ -18,9 +18,10 @@ receiver's prefetch window) is what the trainer sees.
     bye        {handle, stream, received, reason}   the receiver stopped before ``end``
     unregister {handle}                              ``cleanup()``
 
-Tensor bytes travel inline (``data``, C order, host byte order) with their zlib CRC-32. Frames are
-msgpack maps (``use_bin_type``); extension types and anything not a map with a known ``type`` are
-refused, so a pickle on the wire is an error, never code.
+Every message is one msgpack map (``use_bin_type``) in the first frame of a ZMQ message; extension types
+and anything not a map with a known ``type`` are refused, so a pickle on the wire is an error, never code.
+An ``item``'s tensor bytes (C order, host byte order, ``nbytes`` of them, with their zlib CRC-32 in
+``crc32``) follow as a second, raw frame, so that neither end copies them through msgpack.
 """
 from __future__ import annotations
 
@@ -82,14 +83,16 @@ def checksum(data) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
-def item(stream: int, index: int, name: str, dtype: str, shape: Sequence[int], data: bytes) -> dict:
+def item(stream: int, index: int, name: str, dtype: str, shape: Sequence[int], data) -> dict:
+    """The header of an item whose bytes are ``data`` (sent as the next frame)."""
     return {"type": ITEM, "stream": stream, "index": index, "name": name, "dtype": dtype, "shape": list(shape),
-            "data": data, "crc32": checksum(data)}
+            "nbytes": len(data), "crc32": checksum(data)}
 
 
-def check_item(message: dict, where: str) -> None:
-    """Fields present and consistent: a known dtype, a non-negative shape, ``data`` of shape x itemsize bytes."""
-    name, dtype, shape, data = (message.get(k) for k in ("name", "dtype", "shape", "data"))
+def check_item(message: dict, data, where: str) -> None:
+    """Fields present and consistent: a known dtype, a non-negative shape, ``data`` (the item's second
+    frame, or None when it had none) of shape x itemsize bytes."""
+    name, dtype, shape = (message.get(k) for k in ("name", "dtype", "shape"))
     if not isinstance(name, str) or not name:
         raise WireError(f"{where}: item name {name!r}")
     if dtype not in DTYPES:
@@ -99,6 +102,7 @@ def check_item(message: dict, where: str) -> None:
     want = DTYPES[dtype]
     for d in shape:
         want *= d
-    if not isinstance(data, bytes) or len(data) != want:
-        raise WireError(f"{where}: item {name!r} carries {len(data) if isinstance(data, bytes) else data!r} bytes, "
+    got = None if data is None else len(data)
+    if got != want or message.get("nbytes") != want:
+        raise WireError(f"{where}: item {name!r} carries {got} bytes (nbytes {message.get('nbytes')!r}), "
                         f"{dtype}{shape} needs {want}")

@@ -95,18 +95,19 @@ def _numpy_dtype(name: str):
     return np.dtype(name)
 
 
-def to_tensor(message: dict, framework: str):
-    """A fresh tensor holding the item's bytes."""
-    shape, dtype, data = message["shape"], message["dtype"], message["data"]
-    if framework == "numpy":
-        import numpy as np
+def to_tensor(message: dict, data, framework: str):
+    """A fresh tensor holding the item's bytes (``data``, a buffer), copied once."""
+    import numpy as np
 
+    shape, dtype = message["shape"], message["dtype"]
+    if framework == "numpy":
         return np.frombuffer(data, _numpy_dtype(dtype)).reshape(shape).copy()
     import paddle
 
     tensor = paddle.empty(shape, dtype=getattr(paddle, dtype))
-    if data:
-        ctypes.memmove(tensor.data_ptr(), data, len(data))
+    if len(data):
+        dst = np.frombuffer((ctypes.c_uint8 * len(data)).from_address(tensor.data_ptr()), np.uint8)
+        np.copyto(dst, np.frombuffer(data, np.uint8))
     return tensor
 
 
@@ -142,19 +143,20 @@ class _Stream:
         return TimeoutError(f"{self.where}: no message for item {self.received} within "
                             f"{min(cfg.recv_bucket_timeout_s, cfg.session_total_timeout_s):g}s (trainer dead or stalled)")
 
-    def accept(self, frame):
+    def accept(self, frames):
         """The reply as an item to yield, None at the end; raises what the trainer said to raise. Returns
         ``wire.HANG`` when the trainer says hang (the caller blocks)."""
-        message = wire.decode(frame, self.where, wire.TRAINER_TYPES)
+        message = wire.decode(frames[0].bytes, self.where, wire.TRAINER_TYPES)
+        data = frames[1].buffer if len(frames) > 1 else None
         if message.get("stream") != self.number:
             return _STALE
         kind = message["type"]
         if kind == wire.ITEM:
-            wire.check_item(message, f"{self.where}, item {self.received}")
-            if self.verify and wire.checksum(message["data"]) != message["crc32"]:
+            wire.check_item(message, data, f"{self.where}, item {self.received}")
+            if self.verify and wire.checksum(data) != message["crc32"]:
                 raise ValueError(f"{self.where}: checksum mismatch for item {self.received} ({message['name']!r})")
             self.received += 1
-            return WeightItem(message["name"], to_tensor(message, self.framework))
+            return WeightItem(message["name"], to_tensor(message, data, self.framework))
         if kind == wire.END:
             self.finished = True
             return None
@@ -296,7 +298,7 @@ class CheckpointTransfer:
                     raise stream.timeout_error()
                 if self._sock.poll(int(min(left, POLL_SLICE_S) * 1000) or 1):
                     break
-            got = stream.accept(self._sock.recv())
+            got = stream.accept(self._sock.recv_multipart(copy=False))
             if got is _STALE:
                 continue
             if got is wire.HANG:
@@ -368,7 +370,7 @@ class CheckpointTransfer:
                     raise stream.timeout_error()
                 if await asock.poll(int(min(left, POLL_SLICE_S) * 1000) or 1):
                     break
-            got = stream.accept(self._sock.recv())
+            got = stream.accept(self._sock.recv_multipart(copy=False))
             if got is _STALE:
                 continue
             if got is wire.HANG:
