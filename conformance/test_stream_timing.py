@@ -26,8 +26,8 @@ TIMING_SCRIPTS = {
 
 
 class TimingCase:
-    """One worker of the timing run: its session and trainer, the versions it was served (1 loaded first,
-    2 the timed update, 3 queued for the judge's next update) and the timed update's outcome."""
+    """One worker of the timing run: its session and trainer, the versions it was served (1 loaded first on
+    rsync, 2 the timed update, 3 queued for the judge's next update) and the timed update's outcome."""
 
     def __init__(self, strategy, name, session, trainer, states):
         self.strategy, self.name, self.session, self.trainer = strategy, name, session, trainer
@@ -42,9 +42,10 @@ class TimingCase:
 @pytest.fixture(scope="module")
 def stream_timing(request, tmp_path_factory):
     """Every timing case of the streamed paths the implementation claims (stalls and library hangs at each
-    phase, a slow trainer, a trainer gone after the end), one worker each: each first loads version 1,
-    then all timed updates run at once, so the whole run waits out one timeout. Yields
-    ``{(strategy, case name): TimingCase}``; the rules' tests judge their cases and update once more."""
+    phase, a slow trainer, a trainer gone after the end), one worker each; all timed updates run at
+    once, so the whole run waits out one timeout. Yields ``{(strategy, case name): TimingCase}``; the rules'
+    tests judge their cases and update once more. The rsync workers load version 1 first (their failures
+    must leave it whole); a GDR worker's timed update is its first."""
     adapter = request.config.stash[ADAPTER_KEY]
     spec = M.spec(*TIMING_SPEC_PARAMS)
     states = tuple(M.state(spec, version=v) for v in (1, 2, 3))
@@ -58,10 +59,13 @@ def stream_timing(request, tmp_path_factory):
                 for name, script in TIMING_SCRIPTS.items():
                     trainers.append(S.trainer())
                     trainer = trainers[-1]
-                    trainer.serve(S.stream_of(states[0]), S.stream_of(states[1], **script), S.stream_of(states[2]))
+                    atomic = strategy == "rsync"  # its failures must leave version 1 whole: load it first
+                    trainer.serve(*([S.stream_of(states[0])] if atomic else []), S.stream_of(states[1], **script),
+                                  S.stream_of(states[2]))
                     session, _ = open_stream(loader, trainer, spec, strategy, timeout_s=FAULT_TIMEOUT_S,
                                              session_total_timeout_s=HANG_CAP_S)
-                    session.update()
+                    if atomic:
+                        session.update()
                     cases[(strategy, name)] = TimingCase(strategy, name, session, trainer, states)
             outcomes = concurrently({key: case.session.update for key, case in cases.items()})
             for key, case in cases.items():
