@@ -240,7 +240,7 @@ def test_rsync_in_place_keeps_parameter_memory(loader, ct_trainer, how):
 def test_rsync_returns_its_costs(loader, ct_trainer):
     state = M.state(SPEC, version=3)
     ct_trainer.serve(S.stream_of(state), S.stream_of(state))
-    session = _rsync(loader, ct_trainer, SPEC, version="7", worker=Worker(rank=1, visible="3,5", selected="1"))
+    session = _rsync(loader, ct_trainer, SPEC, version="7", worker=Worker(rank=2, visible="3,5", selected="1"))
     for n in (1, 2):
         result = session.update()
         where = f"rsync update {n} result {result!r}"
