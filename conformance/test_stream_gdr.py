@@ -101,15 +101,18 @@ def _chunks(size: int) -> tuple[list, list]:
 @pytest.mark.rule("GDR-MTP-CHUNKS")
 @pytest.mark.requires("stream.gdr", "mtp")
 def test_gdr_mtp_items_flushed_in_chunks(loader, ct_trainer):
-    """One session per gdr_mtp_chunk_size (absent: 16; 0 or less: 1), two MTP models each handed every chunk."""
+    """One session per gdr_mtp_chunk_size (absent: 16; 0 or less: 1), two MTP models each handed every chunk;
+    update() returns the items the main model took (7) and those routed to the MTP models (4)."""
     for size, effective in ((None, 16), (1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (0, 1), (-3, 1)):
         state = M.state(CHUNK_SPEC, version=1)
         ct_trainer.serve(S.stream_of({n: state[n] for n in CHUNK_ORDER}))
         extra = {} if size is None else {"gdr_mtp_chunk_size": size}
         session, record = _gdr(loader, ct_trainer, CHUNK_SPEC, **extra)
-        session.update()
+        result = session.update()
         where = f"gdr_mtp_chunk_size {size!r}"
         check.params_equal(session.observe(), state, where)
+        counts = {k: (result or {}).get(k) for k in ("update_count", "mtp_cache_count", "version")}
+        check.equal(counts, {"update_count": 7, "mtp_cache_count": 4, "version": "1"}, f"{where}: update()'s counts")
         want, at = _chunks(effective)
         for model in (1, 2):
             check.equal(record.names(model), want, f"{where}: chunks handed to MTP model {model}")

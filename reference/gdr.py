@@ -16,7 +16,6 @@ import time
 from dataclasses import fields
 
 from . import mtp_routing, prefetch, stream_config, transfer_lib
-from .manager import LoadEvent
 
 log = logging.getLogger("reference.gdr")
 
@@ -77,21 +76,12 @@ def _update(manager, *, ipc: bool) -> dict:
     where = f"GDR stream of step {step} (rank {who.local_rank})"
     receiver = prefetch.Prefetcher(lambda: handle.receive_weights(step_id=step), window=window,
                                    wait_s=prefetch.wait_bound(timeout), where=where, name=f"gdr-receive-{who.local_rank}")
-    receiver.start()
-    try:
-        mtp_names = [n for m in manager.model_list[1:] for n in m.state_dict()]
+    mtp_names = [n for m in manager.model_list[1:] for n in m.state_dict()]
+    with transfer_lib.receiving(manager, receiver):
         delivery = mtp_routing.load_models(manager.model_list, iter(receiver), chunk, mtp_names)
         _incomplete(manager, delivery, step)
-    except BaseException:
-        receiver.stop()
-        transfer_lib.destroy(manager)  # also ends a library wait the stop could not interrupt
-        receiver.join()
-        raise
-    receiver.join()
     manager.params = manager._capture()  # a loader may have replaced parameter objects
-    manager.trace.append(LoadEvent(f"gdr-{step}", stream_config.address(cfg), delivery.update_count, delivery.update_count))
     total = time.perf_counter() - started
-    log.info("GDR step %s: %d item(s), %d to the MTP models, in %.3fs", step, delivery.update_count,
-             delivery.mtp_cache_count, total)
+    log.info("GDR step %s: %d item(s), %d to the MTP models, in %.3fs", step, delivery.update_count, delivery.mtp_cache_count, total)
     return {"update_cost": total, "total_cost": total, "version": step, "rank": who.local_rank,
             "update_count": delivery.update_count, "mtp_cache_count": delivery.mtp_cache_count}

@@ -21,7 +21,6 @@ import paddle
 
 from . import apply, prefetch, stream_config, transfer_lib
 from .dtypes import dtype_name
-from .manager import LoadEvent
 
 log = logging.getLogger("reference.rsync")
 
@@ -54,17 +53,10 @@ def receive(manager, handle, version: str, verify: bool, wait_s: float) -> dict:
     where = f"rsync stream of version {version}"
     receiver = prefetch.Prefetcher(lambda: handle.receive_stream(step_id=version, verify_checksum=verify),
                                    window=WINDOW, wait_s=wait_s, where=where, name="rsync-receive")
-    receiver.start()
     received = {}
-    try:
+    with transfer_lib.receiving(manager, receiver):
         for key, tensor in receiver:
             received[key] = tensor
-    except BaseException:
-        receiver.stop()
-        transfer_lib.destroy(manager)
-        receiver.join()
-        raise
-    receiver.join()
     return received
 
 
@@ -98,7 +90,6 @@ def update_from_rsync(manager) -> dict:
         raise ValueError(f"{INVALID}: {len(found)} problem(s): " + "; ".join(found))
     store(received, manager.params, bootstrap)
     done = time.perf_counter()
-    manager.trace.append(LoadEvent(f"rsync-{version}", stream_config.address(cfg), len(received), len(received)))
     log.info("rsync version %s: %d tensor(s) in %.3fs", version, len(received), done - started)
     return {"sync_cost": synced - started, "update_cost": done - synced, "total_cost": done - started,
             "version": version, "rank": who.local_rank}

@@ -15,7 +15,6 @@ VERSION_FILE = "version.yaml"
 # FastDeploy's message, word for word ("{model_version}" is literal text there too), then what was found.
 VERSION_NOT_SET = ("rsync model version not set, please set it in 1) {model_version}/version.yaml or 2) "
                    "interface arguments 'version'")
-DEFAULT_GROUP_KEY = "group_size"
 
 
 class VersionNotSetError(ValueError):
@@ -88,11 +87,6 @@ def recv_timeout(cfg: Mapping) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"rsync_config['recv_bucket_timeout_s'] must be a positive number of seconds, got {value!r}")
     return float(value)
-
-
-def address(cfg: Mapping) -> str:
-    """Where the library looks for the trainer (the stand-in's ``endpoint``, else the redis address)."""
-    return cfg.get("endpoint") or f"tcp://{cfg.get('redis_host', '127.0.0.1')}:{cfg.get('redis_port', 6379)}"
 
 
 def _int_setting(cfg: Mapping, key: str, default) -> int:

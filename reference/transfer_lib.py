@@ -11,6 +11,7 @@ and at the session's close.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import logging
@@ -43,10 +44,6 @@ def finish(result):
     return result
 
 
-def cached(owner):
-    return _handles.get(owner)
-
-
 def ensure(owner, make: Callable[[], object]):
     """``owner``'s handle: the cached one, or a new one from ``make()``, initialized and cached."""
     handle = _handles.get(owner)
@@ -67,3 +64,19 @@ def destroy(owner) -> None:
         finish(handle.cleanup())
     except Exception as e:  # noqa: BLE001 - the update's own error is the one to report
         log.warning("CheckpointTransfer cleanup of %r failed: %s: %s", handle, type(e).__name__, e)
+
+
+@contextlib.contextmanager
+def receiving(owner, receiver):
+    """Run ``receiver`` (a ``reference.prefetch.Prefetcher``) for the block. On any failure: stop it, destroy
+    ``owner``'s handle (which also ends a library wait the stop cannot interrupt), wait for the receiver,
+    re-raise. Either way no receiving thread outlives the block."""
+    receiver.start()
+    try:
+        yield receiver
+    except BaseException:
+        receiver.stop()
+        destroy(owner)
+        receiver.join()
+        raise
+    receiver.join()
