@@ -3,7 +3,7 @@ everything the receiving library told it.
 
 A :class:`StreamTrainer` binds a ROUTER socket (a private ``ipc://`` endpoint by default) and answers the
 library's requests (``sim.stream_wire``) from a thread of the process that made it, or from a process of
-its own (:func:`serve_process`, used by the benchmark). Each ``hello`` takes the next scripted
+its own (:func:`serve_process`, used by benchmarks/prefetch.py). Each ``hello`` takes the next scripted
 :class:`Stream`: its items, in order, one per request, then ``end``; or what its ``fault`` says instead:
 
 ============================  ===================================================================
@@ -231,38 +231,38 @@ class StreamTrainer:
 
 
 # -- a trainer process (benchmarks, the simulator) ---------------------------------------------------
-def _process_main(endpoint: str, spec, versions, seed: int, bytes_per_s: float, ready) -> None:
-    """Child: serve one stream per version of ``fixtures.models.state(spec, seed, version)``, pacing each
-    item at ``bytes_per_s`` (0: as fast as it can), then wait for the parent to end it."""
-    from fixtures.models import state
+def patterned_state(spec, seed: int) -> dict:
+    """Cheap deterministic weights for large models: every 4-byte word distinct (fixtures.ipc.patterned)."""
+    from fixtures.ipc import patterned
 
+    return {p.name: patterned(p.shape, p.dtype, seed=seed * 7919 + i) for i, p in enumerate(spec.all_params)}
+
+
+def _process_main(endpoint: str, spec, streams: int, seed: int, bytes_per_s: float, ready) -> None:
+    """Child: serve ``streams`` streams of ``patterned_state(spec, seed)`` (one per hello, any step), pacing
+    each item at ``bytes_per_s`` (0: as fast as it can), until the parent ends the process."""
     trainer = StreamTrainer(endpoint)
     try:
-        streams = []
-        for version in versions:
-            items = list(state(spec, seed=seed, version=version).items())
-            pauses = {i: (arr.nbytes / bytes_per_s if bytes_per_s else 0.0) for i, (_, arr) in enumerate(items)}
-            streams.append(Stream(items, step=str(version), pauses=pauses))
-        trainer.serve(*streams)
+        items = list(patterned_state(spec, seed).items())
+        pauses = {i: (arr.nbytes / bytes_per_s if bytes_per_s else 0.0) for i, (_, arr) in enumerate(items)}
+        trainer.serve(*(Stream(items, pauses=pauses) for _ in range(streams)))
         ready.set()
-        while trainer._thread.is_alive():
+        while trainer._thread.is_alive() and os.getppid() != 1:
             trainer._thread.join(0.5)
-            if os.getppid() == 1:
-                break
     finally:
         trainer.close()
 
 
-def serve_process(spec, versions, *, seed: int = 0, bytes_per_s: float = 0.0):
-    """Start a trainer process (spawn) serving ``versions`` of ``spec``; returns (process, endpoint, dir).
-    Terminate the process when done and remove ``dir``."""
+def serve_process(spec, streams: int, *, seed: int = 0, bytes_per_s: float = 0.0):
+    """Start a trainer process (spawn) serving ``streams`` streams of ``patterned_state(spec, seed)``; returns
+    (process, endpoint, directory). Terminate the process when done and remove the directory."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     directory = tempfile.mkdtemp(prefix="wscf-ctp-")
     endpoint = f"ipc://{directory}/trainer.sock"
     ready = ctx.Event()
-    proc = ctx.Process(target=_process_main, args=(endpoint, spec, tuple(versions), seed, bytes_per_s, ready),
+    proc = ctx.Process(target=_process_main, args=(endpoint, spec, streams, seed, bytes_per_s, ready),
                        name="ct-trainer", daemon=True)
     proc.start()
     if not ready.wait(120):
