@@ -69,10 +69,13 @@ def test_gdr_main_model_gets_every_item_in_order(loader, ct_trainer, strategy, s
     orders = [list(v1), list(reversed(list(v2)))]
     ct_trainer.serve(S.stream_of(v1), S.stream_of({n: v2[n] for n in orders[1]}))
     session, record = _gdr(loader, ct_trainer, spec, strategy)
+    routed = sum(1 for n in v1 if "mtp_" in n or ".layers.2." in n)
     for version, want, order in ((1, v1, orders[0]), (2, v2, orders[1]))[:1 if spec is LARGE else 2]:  # large: once
-        session.update()
+        result = session.update() or {}
         where = f"{strategy}, update of version {version}"
         check.params_equal(session.observe(), want, where)
+        check.equal((result.get("update_count"), result.get("mtp_cache_count")), (len(order), routed),
+                    f"{where}: update_count and mtp_cache_count returned")
         check.equal(record.names(0), [orders[0], orders[1]][:version], f"{where}: load_weights calls of the main model")
 
 
@@ -107,12 +110,17 @@ def test_gdr_mtp_items_flushed_in_chunks(loader, ct_trainer):
         state = M.state(CHUNK_SPEC, version=1)
         ct_trainer.serve(S.stream_of({n: state[n] for n in CHUNK_ORDER}))
         extra = {} if size is None else {"gdr_mtp_chunk_size": size}
-        session, record = _gdr(loader, ct_trainer, CHUNK_SPEC, **extra)
-        result = session.update()
+        session, record = _gdr(loader, ct_trainer, CHUNK_SPEC, worker=Worker(rank=2, visible="4,6", selected="1"), **extra)
+        started = time.perf_counter()
+        result = session.update() or {}
+        wall = time.perf_counter() - started
         where = f"gdr_mtp_chunk_size {size!r}"
         check.params_equal(session.observe(), state, where)
-        counts = {k: (result or {}).get(k) for k in ("update_count", "mtp_cache_count", "version")}
-        check.equal(counts, {"update_count": 7, "mtp_cache_count": 4, "version": "1"}, f"{where}: update()'s counts")
+        counts = {k: result.get(k) for k in ("update_count", "mtp_cache_count", "version", "rank")}
+        check.equal(counts, {"update_count": 7, "mtp_cache_count": 4, "version": "1", "rank": 1}, f"{where}: update()'s result")
+        costs = [result.get(k) for k in ("update_cost", "total_cost")]
+        check.that(all(isinstance(c, float) and 0 <= c <= wall for c in costs),
+                   f"{where}: update_cost and total_cost {costs} are seconds within the call's own {wall:.4f}s")
         want, at = _chunks(effective)
         for model in (1, 2):
             check.equal(record.names(model), want, f"{where}: chunks handed to MTP model {model}")
@@ -151,21 +159,23 @@ def test_gdr_routes_mtp_layers_and_mtp_names(loader, ct_trainer):
     for how, setup in (("mtp_start_layer_idx/num_mtp_layers", _attrs), ("fd_config.model_config", _fd_config)):
         where = f"MTP layers 2-3 from {how}"
         check.equal(_route(loader, ct_trainer, main, mtp, order, setup, where), routed, f"{where}: items routed to the MTP model")
-    # a model without either pair of attributes gets the mtp_ items only
-    got = _route(loader, ct_trainer, main + ["model.layers.2.q", "model.layers.3.q"], ["ernie.mtp_linear_proj.0.weight"],
-                 order, lambda m: None, "an MTP model without layer attributes")
-    check.equal(got, ["ernie.mtp_linear_proj.0.weight"], "items routed to an MTP model without layer attributes")
+    # a model without a complete pair of attributes (none, or a start without a count) gets the mtp_ items only
+    for how, setup in (("no layer attributes", lambda m: None), ("a start without a count",
+                                                                 lambda m: setattr(m, "mtp_start_layer_idx", 2))):
+        got = _route(loader, ct_trainer, main + ["model.layers.2.q", "model.layers.3.q"], ["ernie.mtp_linear_proj.0.weight"],
+                     order, setup, f"an MTP model with {how}")
+        check.equal(got, ["ernie.mtp_linear_proj.0.weight"], f"items routed to an MTP model with {how}")
 
 
 @pytest.mark.rule("GDR-MTP-ROUTE-COMPONENTS")
 @pytest.mark.requires("stream.gdr", "mtp")
 def test_gdr_routes_by_whole_name_components(loader, ct_trainer):
-    main = ["model.sublayers.2.q", "model.xmtp_proj.w", "decoder.pre_mtp_norm.w", "model.layers.12.q", "mtpx_.w"]
-    mtp = ["model.layers.2.q", "mtp_block.0.w"]
-    order = ["model.sublayers.2.q", "model.layers.2.q", "model.xmtp_proj.w", "decoder.pre_mtp_norm.w",
-             "model.layers.12.q", "mtp_block.0.w", "mtpx_.w"]
+    main = ["model.sublayers.2.q", "model.xmtp_proj.w", "decoder.pre_mtp_norm.w", "model.layers.12.q", "mtpx_.w", "x.layers"]
+    mtp = ["model.layers.2.q", "mtp_block.0.w", "a.layers.2"]
+    order = ["x.layers", "model.sublayers.2.q", "model.layers.2.q", "model.xmtp_proj.w", "decoder.pre_mtp_norm.w",
+             "model.layers.12.q", "mtp_block.0.w", "mtpx_.w", "a.layers.2"]
     got = _route(loader, ct_trainer, main, mtp, order, lambda m: _attrs(m, 2, 1), "names sharing text with MTP tokens")
-    check.equal(got, ["model.layers.2.q", "mtp_block.0.w"], "items routed to MTP layer 2 (whole components only)")
+    check.equal(got, ["model.layers.2.q", "mtp_block.0.w", "a.layers.2"], "items routed to MTP layer 2 (whole components only)")
 
 
 # -- GDR-NO-MTP-WEIGHTS ----------------------------------------------------------------------------
@@ -214,7 +224,7 @@ def test_gdr_broken_or_cancelled_stream_fails(loader, ct_trainer):
 @pytest.mark.requires("stream.gdr", "status")
 def test_gdr_stream_ending_early_is_incomplete(loader, ct_trainer):
     """A stream that ends without an error after 0, 1 or all but the last item: in place, and after clear()."""
-    session, _, _ = _loaded(loader, ct_trainer, SPEC)
+    session, _, _ = _loaded(loader, ct_trainer, SPEC, version="17")
     names = list(SPEC.all_params)
     for phase in ("in place", "after clear"):
         if phase == "after clear":
@@ -222,7 +232,7 @@ def test_gdr_stream_ending_early_is_incomplete(loader, ct_trainer):
         for k in (0, 1, len(names) - 1):
             ct_trainer.serve(S.stream_of(M.state(SPEC, version=2), fault=("end", k)))
             where = f"GDR {phase}, the stream ends after {k} of {len(names)} items"
-            with check.raises(Exception, match=".", names=[names[-1].name], where=where):
+            with check.raises(Exception, match=".", names=[names[-1].name, "17"], where=where):
                 session.update()
             check.status_not(session, "NORMAL", where)
     v3 = M.state(SPEC, version=3)
@@ -241,16 +251,16 @@ def test_gdr_loader_error_stops_the_receiver(loader, ct_trainer):
     session, _, _ = _loaded(loader, ct_trainer, gdr_mtp_chunk_size=1)
     threads = check.live_threads()  # the trainer's among them
     stream = [f"filler.{i}" for i in range(20)]  # items no model has: the stream goes on past the failure
-    for model, k in ((0, 0), (0, 2), (0, 4), (1, 0)):
+    for model, k, delay in ((0, 0, 0.0), (0, 2, 0.0), (0, 4, 0.0), (1, 0, 0.0), (0, 2, 0.05)):
         v2 = M.state(SPEC_MTP, version=2)
         items = {**v2, **{n: v2["model.norm.weight"] for n in stream}}
         ct_trainer.serve(S.stream_of(items))
         loader_fn = session.models[model].load_weights
-        loader_fn.fail_at = k
+        loader_fn.fail_at, loader_fn.fail_delay_s = k, delay  # delayed: the receiver waits with its window full
         where = f"GDR, model {model}'s loader fails at its item {k}"
         with check.raises(RuntimeError, match=f"model {model} loader failed at item {k}", where=where):
             session.update()
-        loader_fn.fail_at = None
+        loader_fn.fail_at, loader_fn.fail_delay_s = None, 0.0
         check.status_not(session, "NORMAL", where)
         taken = k + 1 if model == 0 else 4  # chunks of 1: the MTP item at position 3 is flushed as main asks for the 5th
         check.that(ct_trainer.wait_for(lambda: ct_trainer.sent() <= taken + 2, 1.0),
@@ -350,6 +360,8 @@ def test_gdr_transfer_config(loader, ct_trainer, monkeypatch):
         got = {k: config[k] for k in ("global_rank", "group_size", "device", "role", "phase1_backend")}
         check.equal(got, {**want, "role": "inference", "phase1_backend": "gpu_direct"}, f"GDR TransferConfig from {settings}")
         check.equal(step, "11", f"GDR step asked with version 11 ({settings})")
+    S.write_version_file(loader.model_dir, "step: 23\n")  # no version argument: version.yaml's step, as rsync
+    check.equal(_configured(loader, ct_trainer, "gdr", {}, worker)[1], "23", "GDR step asked without a version argument")
 
 
 @pytest.mark.rule("GDR-IPC-MODE")
@@ -360,7 +372,7 @@ def test_gdr_ipc_mode_config(loader, ct_trainer, monkeypatch):
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "16")
     worker = Worker(rank=9, visible="4,5,6,7", selected="2")
     for settings, version, want in (({}, None, dict(qsize=2, step="0")), (dict(qsize=5, index=3), "8", dict(qsize=5, step="8")),
-                                    (dict(device_name="gpu:6"), None, dict(qsize=2, step="0"))):
+                                    (dict(device_name="gpu:6"), "", dict(qsize=2, step="0"))):
         config, step = _configured(loader, ct_trainer, "gdr_ipc", settings, worker, version=version)
         got = {"global_rank": config["global_rank"], "phase1_backend": config["phase1_backend"], "qsize": config["qsize"],
                "group_size": config["group_size"], "step": step}

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.streams
 TIMING_SPEC_PARAMS = (("model.layers.0.q.weight", "bfloat16", (4, 4)), ("model.layers.1.mlp.weight", "float32", (4, 8)),
                       ("model.norm.weight", "float16", (4,)))
 TIMING_PHASES = {"before-first": 0, "mid": 1, "after-last": 3}
+VERSION = "31"  # the version every timing worker asks for: a timeout's message names it
 HANG_CAP_S = 3.0  # the stand-in's session deadline: a hanging library gives up on its own after this
 TIMING_SCRIPTS = {
     **{f"stall-{p}": dict(fault=("stall", k)) for p, k in TIMING_PHASES.items()},
@@ -62,7 +63,7 @@ def stream_timing(request, tmp_path_factory):
                     atomic = strategy == "rsync"  # its failures must leave version 1 whole: load it first
                     trainer.serve(*([S.stream_of(states[0])] if atomic else []), S.stream_of(states[1], **script),
                                   S.stream_of(states[2]))
-                    session, _ = open_stream(loader, trainer, spec, strategy, timeout_s=FAULT_TIMEOUT_S,
+                    session, _ = open_stream(loader, trainer, spec, strategy, version=VERSION, timeout_s=FAULT_TIMEOUT_S,
                                              session_total_timeout_s=HANG_CAP_S)
                     if atomic:
                         session.update()
@@ -84,7 +85,7 @@ def judge_timing(case: TimingCase, atomic: bool) -> None:
     error, seconds = case.outcome
     where = case.where
     if case.name.startswith(("stall", "hang")):
-        with check.raises(TimeoutError, match=".", where=where):
+        with check.raises(TimeoutError, match=".", names=[VERSION], where=where):  # what it waited for
             reraise(case.outcome)
         check.that(seconds < 2.0, f"{where}: failed after {seconds:.2f}s, bound 2 s")
         if atomic:

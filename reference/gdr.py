@@ -56,7 +56,7 @@ def _incomplete(manager, delivery, step: str) -> None:
     missing = [name for name in manager.params if name not in got]
     if missing:
         raise RuntimeError(f"GDR stream of step {step} ended after {delivery.update_count} item(s) without "
-                           f"{len(missing)} parameter(s): {', '.join(missing)}; the update is incomplete")
+                           f"{len(missing)} parameter(s) {missing}: the update is incomplete")
 
 
 def _update(manager, *, ipc: bool) -> dict:
@@ -65,17 +65,17 @@ def _update(manager, *, ipc: bool) -> dict:
     _loaders(manager.model_list)
     chunk = mtp_routing.chunk_size(cfg.get("gdr_mtp_chunk_size"))
     window = window_size(cfg.get("gdr_prefetch_queue_size"))
-    lib, lib_config = transfer_lib.library(manager.options)
+    lib, lib_config = transfer_lib.library()
     who = stream_config.worker_identity(manager.env)
     kwargs = stream_config.gdr_transfer_kwargs(
         cfg, who, ipc=ipc, fields={f.name for f in fields(lib_config.TransferConfig)}, role=lib_config.Role.INFERENCE,
         backends=(lib_config.Phase1Backend.GPU_DIRECT, lib_config.Phase1Backend.IPC))
+    timeout = stream_config.recv_timeout(kwargs)
     started = time.perf_counter()
     handle = transfer_lib.ensure(manager, lambda: lib.CheckpointTransfer(lib_config.TransferConfig(**kwargs)))
-    timeout = stream_config.recv_timeout(kwargs)
     where = f"GDR stream of step {step} (rank {who.local_rank})"
     receiver = prefetch.Prefetcher(lambda: handle.receive_weights(step_id=step), window=window,
-                                   wait_s=prefetch.wait_bound(timeout), where=where, name=f"gdr-receive-{who.local_rank}")
+                                   wait_s=prefetch.wait_bound(timeout), where=where)
     mtp_names = [n for m in manager.model_list[1:] for n in m.state_dict()]
     with transfer_lib.receiving(manager, receiver):
         delivery = mtp_routing.load_models(manager.model_list, iter(receiver), chunk, mtp_names)

@@ -117,6 +117,5 @@ def load_models(models: Sequence, items: Iterable, chunk: int, mtp_names: Sequen
     main.load_weights(routed())
     flush()
     if out.mtp_cache_count == 0:
-        raise ValueError(f"{NO_MTP_WEIGHTS} The MTP model(s) would keep the previous version of: "
-                         f"{', '.join(mtp_names) or '(no parameters)'}")
+        raise ValueError(f"{NO_MTP_WEIGHTS} The MTP model(s) would keep the previous version of {list(mtp_names)}")
     return out

@@ -5,7 +5,7 @@ Options: ``rsync_config`` (the library's keywords), ``version`` (absent: ``step`
 ``{model_dir}/version.yaml``, a bootstrap load), ``verify_checksum`` (passed to the library).
 
 Validation before anything is applied: every received key must be a parameter, with its shape and dtype;
-every problem is logged, then one ValueError lists them all and no parameter has changed. Keys the stream
+one ValueError lists every problem (the manager logs it at ERROR) and no parameter has changed. Keys the stream
 lacks keep their values (FastDeploy allows a subset, #7675), unless a whole model (the main one or an MTP
 one) receives nothing: that model would be left on the previous version, and the update is refused the
 same way. Applying: on a bootstrap load a parameter that holds nothing adopts the received tensor;
@@ -19,7 +19,7 @@ import time
 
 import paddle
 
-from . import apply, prefetch, stream_config, transfer_lib
+from . import prefetch, stream_config, transfer_lib
 from .dtypes import dtype_name
 
 log = logging.getLogger("reference.rsync")
@@ -43,16 +43,15 @@ def problems(received, params, models) -> list[str]:
     for index, model in enumerate(models):
         names = list(model.state_dict())
         if names and not any(name in received for name in names):
-            which = "the main model" if index == 0 else f"MTP model {index}"
-            out.append(f"Stale model: {which} receives no tensor from the stream; its {len(names)} parameter(s) "
-                       f"({', '.join(names)}) would keep the previous version")
+            out.append(f"Stale model: model {index} (0 is the main one) receives no tensor from the stream; "
+                       f"its parameters {names} would keep the previous version")
     return out
 
 
 def receive(manager, handle, version: str, verify: bool, wait_s: float) -> dict:
     where = f"rsync stream of version {version}"
     receiver = prefetch.Prefetcher(lambda: handle.receive_stream(step_id=version, verify_checksum=verify),
-                                   window=WINDOW, wait_s=wait_s, where=where, name="rsync-receive")
+                                   window=WINDOW, wait_s=wait_s, where=where)
     received = {}
     with transfer_lib.receiving(manager, receiver):
         for key, tensor in receiver:
@@ -65,7 +64,7 @@ def store(received, params, bootstrap: bool) -> None:
         for key, new in received.items():
             target = params[key]
             if bootstrap and not target._is_initialized():
-                apply.adopt(key, new, target)
+                new._share_buffer_to(target)  # fresh from the library (materialized), contiguous
             else:
                 target.set_value(new)
 
@@ -76,18 +75,17 @@ def update_from_rsync(manager) -> dict:
     verify = manager.options.get("verify_checksum", False)
     if not isinstance(verify, bool):
         raise ValueError(f"options['verify_checksum'] must be a bool, got {verify!r}")
-    lib, _ = transfer_lib.library(manager.options)
+    lib, _ = transfer_lib.library()
     who = stream_config.worker_identity(manager.env)
     kwargs = stream_config.rsync_kwargs(cfg, who)
+    wait_s = prefetch.wait_bound(stream_config.recv_timeout(cfg))
     started = time.perf_counter()
     handle = transfer_lib.ensure(manager, lambda: lib.CheckpointTransfer(**kwargs))
-    received = receive(manager, handle, version, verify, prefetch.wait_bound(stream_config.recv_timeout(cfg)))
+    received = receive(manager, handle, version, verify, wait_s)
     synced = time.perf_counter()
     found = problems(received, manager.params, manager.model_list)
-    for line in found:
-        log.error("%s", line)
-    if found:
-        raise ValueError(f"{INVALID}: {len(found)} problem(s): " + "; ".join(found))
+    if found:  # (logged at ERROR, every problem, with the update's failure)
+        raise ValueError(f"{INVALID}: {len(found)} problem(s): {found}")
     store(received, manager.params, bootstrap)
     done = time.perf_counter()
     log.info("rsync version %s: %d tensor(s) in %.3fs", version, len(received), done - started)

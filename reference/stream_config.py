@@ -71,11 +71,8 @@ class WorkerIdentity:
 
 
 def worker_identity(env: Mapping[str, str]) -> WorkerIdentity:
-    selected = (env.get("FLAGS_selected_gpus") or "0").strip()
-    local_rank = int(selected) if selected.isascii() and selected.isdigit() else 0
-    world = (env.get("PADDLE_TRAINERS_NUM") or "1").strip()
-    nranks = int(world) if world.isascii() and world.isdigit() and int(world) > 0 else 1
-    return WorkerIdentity(local_rank, nranks)
+    """From the environment the session was opened with (FLAGS_selected_gpus was checked then)."""
+    return WorkerIdentity(int(env.get("FLAGS_selected_gpus", "0")), int(env.get("PADDLE_TRAINERS_NUM", "1")))
 
 
 RECV_TIMEOUT_S = 60.0  # TransferConfig.recv_bucket_timeout_s's default
@@ -116,7 +113,6 @@ def gdr_transfer_kwargs(cfg: Mapping, who: WorkerIdentity, *, ipc: bool, fields,
     out["role"] = role
     out["group_size"] = _int_setting(out, "group_size", who.nranks)
     index = _int_setting(out, "index", 0)
-    out.pop("index", None)
     if ipc:
         out["global_rank"] = who.local_rank  # int(FLAGS_selected_gpus): ranks are per node in IPC mode
         out["phase1_backend"] = backends[1]
@@ -124,7 +120,4 @@ def gdr_transfer_kwargs(cfg: Mapping, who: WorkerIdentity, *, ipc: bool, fields,
     else:
         out["global_rank"] = index * who.nranks + who.local_rank
         out["phase1_backend"] = backends[0]
-    dropped = sorted(k for k in out if k not in fields)
-    if dropped:
-        log.debug("GDR: rsync_config keys the transfer library does not take, dropped: %s", dropped)
-    return {k: v for k, v in out.items() if k in fields}
+    return {k: v for k, v in out.items() if k in fields}  # index, backend, gdr_*... are not the library's

@@ -1,8 +1,8 @@
 """The transfer library of the streamed paths and the handle a worker keeps across updates.
 
-Which library: ``options['transfer_library']`` (a module name, e.g. ``checkpoint_transfer`` for the real
-one), by default the simulator's stand-in ``sim.checkpoint_transfer``, whose trainer end the suite drives.
-Its ``config`` submodule holds ``TransferConfig``, ``Role`` and ``Phase1Backend``.
+Which library: the simulator's stand-in ``sim.checkpoint_transfer`` (the real CheckpointTransfer is not
+public), whose trainer end the suite drives; a production loader imports ``checkpoint_transfer`` with the
+same surface. Its ``config`` submodule holds ``TransferConfig``, ``Role`` and ``Phase1Backend``.
 
 The handle (FastDeploy #8078/#8079): created and initialized once per worker, reused by every update,
 destroyed (``cleanup()``, errors swallowed) on any failure so that the next update starts a fresh one,
@@ -16,20 +16,18 @@ import importlib
 import inspect
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 log = logging.getLogger("reference.transfer_lib")
 
-DEFAULT_LIBRARY = "sim.checkpoint_transfer"
+LIBRARY = "sim.checkpoint_transfer"
 
 _handles: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
 
 
-def library(options: Mapping):
-    name = options.get("transfer_library", DEFAULT_LIBRARY)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"options['transfer_library'] must be a module name, got {name!r}")
-    return importlib.import_module(name), importlib.import_module(f"{name}.config")
+def library():
+    """(the library module, its ``config`` submodule)."""
+    return importlib.import_module(LIBRARY), importlib.import_module(f"{LIBRARY}.config")
 
 
 async def _await(awaitable):

@@ -31,7 +31,7 @@ class TransferConfig:
     role: Role
     global_rank: int
     group_size: int = 1
-    phase1_backend: Phase1Backend = Phase1Backend.GPU_DIRECT
+    phase1_backend: Phase1Backend | None = None  # the fake's default is not known: a caller must choose
     phase2_backend: Phase2Backend | None = None
     phase2_fan_out: int = 4
     bucket_size_mb: int = 512

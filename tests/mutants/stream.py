@@ -315,8 +315,8 @@ class GdrConsumerErrorDrains(Mutant):
 
 
 class _Unbounded(_Prefetcher):
-    def __init__(self, open_source, *, window, wait_s, where, name="stream-receive"):
-        super().__init__(open_source, window=1 << 20, wait_s=wait_s, where=where, name=name)
+    def __init__(self, open_source, *, window, wait_s, where):
+        super().__init__(open_source, window=1 << 20, wait_s=wait_s, where=where)
 
 
 class GdrPrefetchUnbounded(Mutant):
@@ -428,6 +428,17 @@ class StreamHandleNeverClosed(Mutant):
 
     def patches(self):
         return {"reference.adapter.WeightManager": _manager_with_close(lambda self: None)}
+
+
+class StreamOptionsUnchecked(Mutant):
+    id = "stream_options_unchecked"
+    bug = ("the per-item wait is taken as given (0, negative, a bool): checked by nobody before the library is "
+           "initialized with it, as FastDeploy forwards rsync_config to TransferConfig")
+    kills = frozenset({"STREAM-OPTIONS"})
+
+    def patches(self):
+        return {"reference.stream_config.recv_timeout": lambda cfg: float(cfg.get("recv_bucket_timeout_s", 60.0) or 0.0)
+                if not isinstance(cfg.get("recv_bucket_timeout_s"), str) else 60.0}
 
 
 # -- the draft model ---------------------------------------------------------------------------------
