@@ -152,6 +152,12 @@ def _run(source, states, check_each):
     return session
 
 
+def _expect_loaded(path, i, session, outcome, state):
+    """Update i succeeded and both models hold ``state``."""
+    check.that(outcome is None, f"{path}: update {i + 1} failed: {outcome!r}")
+    check.params_equal(session.observe(), state, f"{path}: update {i + 1}, main + MTP")
+
+
 def _expect_error(outcome, names, where):
     """The update failed with an error naming every one of ``names``."""
     check.that(outcome is not None, f"{where}: the update succeeded")
@@ -166,12 +172,7 @@ def _expect_error(outcome, names, where):
 def test_main_and_draft_updated_together(path_source, path):
     states = [M.state(SPEC, version=v) for v in (1, 2, 3)]
 
-    def judge(i, session, outcome):
-        where = f"{path}: update {i + 1} of version {i + 1}"
-        check.that(outcome is None, f"{where}: failed: {outcome!r}")
-        check.params_equal(session.observe(), states[i], f"{where}, main + MTP")
-
-    _run(path_source(path), states, judge)
+    _run(path_source(path), states, lambda i, session, outcome: _expect_loaded(path, i, session, outcome, states[i]))
 
 
 # -- DRAFT-NOT-STALE -------------------------------------------------------------------------------
@@ -191,8 +192,7 @@ def test_update_leaving_a_model_stale_fails(path_source, path):
             _expect_error(outcome, names, where)
             check.status_not(session, "NORMAL", where)
         else:
-            check.that(outcome is None, f"{path}: update {i + 1} failed: {outcome!r}")
-            check.params_equal(session.observe(), states[i], f"{path}: update {i + 1}, main + MTP")
+            _expect_loaded(path, i, session, outcome, states[i])
 
     _run(path_source(path), states, judge)
 
@@ -211,8 +211,7 @@ def test_fault_in_one_model_named(path_source, path):
 
     def judge(i, session, outcome):
         if i not in bad:
-            check.that(outcome is None, f"{path}: update {i + 1} failed: {outcome!r}")
-            check.params_equal(session.observe(), states[i], f"{path}: update {i + 1}, main + MTP")
+            _expect_loaded(path, i, session, outcome, states[i])
             return
         where = f"{path}: update with {bad[i]} of the wrong dtype"
         _expect_error(outcome, [bad[i]], where)

@@ -44,6 +44,14 @@ def _loaded(loader, trainer, spec=SPEC_MTP, **kw):
     return session, record, v1
 
 
+def _next_loads(session, trainer, spec, where):
+    """The trainer serves version 3 whole; the session's next update loads it bit for bit."""
+    v3 = M.state(spec, version=3)
+    trainer.serve(S.stream_of(v3))
+    session.update()
+    check.params_equal(session.observe(), v3, where)
+
+
 # -- GDR-MAIN-EVERY-ITEM ---------------------------------------------------------------------------
 EVERY_KIND = M.spec(*((f"d.w_{d}", d, (3, 5)) for d in ("bfloat16", "float16", "float32", "float64", "int8", "int32",
                                                           "int64", "uint8", "bool", "float8_e4m3fn", "float8_e5m2")),
@@ -213,10 +221,7 @@ def test_gdr_broken_or_cancelled_stream_fails(loader, ct_trainer):
             with check.raises(error, match=match, where=where):
                 session.update()
             check.status_not(session, "NORMAL", where)
-    v3 = M.state(SPEC_MTP, version=3)
-    ct_trainer.serve(S.stream_of(v3))
-    session.update()
-    check.params_equal(session.observe(), v3, "GDR, the update after six failed ones")
+    _next_loads(session, ct_trainer, SPEC_MTP, "GDR, the update after six failed ones")
 
 
 # -- GDR-SHORT-STREAM ------------------------------------------------------------------------------
@@ -235,10 +240,7 @@ def test_gdr_stream_ending_early_is_incomplete(loader, ct_trainer):
             with check.raises(Exception, match=".", names=[names[-1].name, "17"], where=where):
                 session.update()
             check.status_not(session, "NORMAL", where)
-    v3 = M.state(SPEC, version=3)
-    ct_trainer.serve(S.stream_of(v3))
-    session.update()
-    check.params_equal(session.observe(), v3, "GDR after the short streams")
+    _next_loads(session, ct_trainer, SPEC, "GDR after the short streams")
 
 
 # -- GDR-CONSUMER-ERROR ----------------------------------------------------------------------------
@@ -270,10 +272,7 @@ def test_gdr_loader_error_stops_the_receiver(loader, ct_trainer):
                                                    for b in ct_trainer.of("bye")), 2.0),
                    f"{where}: the receiver never told the trainer it stopped (bye)")
         check.no_new_threads(threads, where)
-    v3 = M.state(SPEC_MTP, version=3)
-    ct_trainer.serve(S.stream_of(v3))
-    session.update()
-    check.params_equal(session.observe(), v3, "GDR after the loader errors")
+    _next_loads(session, ct_trainer, SPEC_MTP, "GDR after the loader errors")
 
 
 # -- GDR-PREFETCH-BOUND ----------------------------------------------------------------------------

@@ -277,35 +277,56 @@ class CheckpointTransfer:
         if self._stream is stream:
             self._active, self._stream = False, None
 
-    # -- sync iteration ----------------------------------------------------------------------------
+    # -- waiting for the trainer: the same deadlines for the sync and the async iterators --------------
+    def _polls(self, stream: _Stream):
+        """The timeout (ms) of each poll of one wait, in slices so that cleanup() from another thread ends it;
+        raises at the per-wait or session deadline."""
+        end = time.monotonic() + stream.wait_budget()
+        while True:
+            if self._closed.is_set():
+                raise ConnectionAbortedError(f"{stream.where}: the handle was cleaned up during the wait")
+            left = end - time.monotonic()
+            if left <= 0:
+                raise stream.timeout_error()
+            yield int(min(left, POLL_SLICE_S) * 1000) or 1
+
+    def _hung(self, stream: _Stream) -> bool:
+        """While the trainer's hang lasts (until cleanup() or the session deadline)."""
+        return not self._closed.is_set() and time.monotonic() < stream.deadline
+
     def _wait_sync(self, stream: _Stream):
-        """The next reply, polled in slices so that cleanup() from another thread ends the wait."""
         self._waiting = True
         try:
-            return self._wait_sync_inner(stream)
+            while True:
+                for ms in self._polls(stream):
+                    if self._sock.poll(ms):
+                        break
+                got = stream.accept(self._sock.recv_multipart(copy=False))
+                if got is wire.HANG:
+                    while self._hung(stream):
+                        self._closed.wait(POLL_SLICE_S)
+                    raise stream.hang_error()
+                if got is not _STALE:
+                    return got
         finally:
             self._waiting = False
 
-    def _wait_sync_inner(self, stream: _Stream):
-        while True:
-            budget = stream.wait_budget()
-            end = time.monotonic() + budget
+    async def _wait_async(self, stream: _Stream, asock):
+        self._waiting = True
+        try:
             while True:
-                if self._closed.is_set():
-                    raise ConnectionAbortedError(f"{stream.where}: the handle was cleaned up during the wait")
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise stream.timeout_error()
-                if self._sock.poll(int(min(left, POLL_SLICE_S) * 1000) or 1):
-                    break
-            got = stream.accept(self._sock.recv_multipart(copy=False))
-            if got is _STALE:
-                continue
-            if got is wire.HANG:
-                while not self._closed.is_set() and time.monotonic() < stream.deadline:
-                    self._closed.wait(POLL_SLICE_S)
-                raise stream.hang_error()
-            return got
+                for ms in self._polls(stream):
+                    if await asock.poll(ms):
+                        break
+                got = stream.accept(self._sock.recv_multipart(copy=False))
+                if got is wire.HANG:
+                    while self._hung(stream):
+                        await asyncio.sleep(POLL_SLICE_S)
+                    raise stream.hang_error()
+                if got is not _STALE:
+                    return got
+        finally:
+            self._waiting = False
 
     def _iterate(self, stream: _Stream):
         self._claim(stream)
@@ -350,32 +371,3 @@ class CheckpointTransfer:
             raise
         finally:
             self._release(stream, reason)
-
-    async def _wait_async(self, stream: _Stream, asock):
-        self._waiting = True
-        try:
-            return await self._wait_async_inner(stream, asock)
-        finally:
-            self._waiting = False
-
-    async def _wait_async_inner(self, stream: _Stream, asock):
-        while True:
-            budget = stream.wait_budget()
-            end = time.monotonic() + budget
-            while True:
-                if self._closed.is_set():
-                    raise ConnectionAbortedError(f"{stream.where}: the handle was cleaned up during the wait")
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise stream.timeout_error()
-                if await asock.poll(int(min(left, POLL_SLICE_S) * 1000) or 1):
-                    break
-            got = stream.accept(self._sock.recv_multipart(copy=False))
-            if got is _STALE:
-                continue
-            if got is wire.HANG:
-                while not self._closed.is_set() and time.monotonic() < stream.deadline:
-                    await asyncio.sleep(POLL_SLICE_S)
-                raise stream.hang_error()
-            return got
-
