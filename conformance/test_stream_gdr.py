@@ -279,23 +279,24 @@ def test_gdr_loader_error_stops_the_receiver(loader, ct_trainer):
 @pytest.mark.rule("GDR-PREFETCH-BOUND")
 @pytest.mark.requires("stream.gdr", "stream.prefetch")
 def test_gdr_prefetch_window(loader, ct_trainer):
-    """While the main loader holds its first item, the trainer has sent exactly gdr_prefetch_queue_size items
-    (absent: 2; 0: 1): received ahead, and no more."""
-    state = M.state(M.spec(*((f"p.{i}", "float32", (4,)) for i in range(8))), version=1)
-    spec = M.spec(*((f"p.{i}", "float32", (4,)) for i in range(8)))
-    for size, window in ((None, 2), (1, 1), (3, 3), (0, 1)):
-        ct_trainer.serve(S.stream_of(state))
+    """While the main loader holds item k, the trainer has sent exactly k + gdr_prefetch_queue_size items
+    (absent: 2; 0: 1): received ahead, and no more. Held at its first item; and with size 3 held at item 5,
+    after a trainer slow for the first 4 items (the window filled up again after the receiver fell behind)."""
+    spec = M.spec(*((f"p.{i}", "float32", (4,)) for i in range(10)))
+    state = M.state(spec, version=1)
+    for size, window, hold in ((None, 2, 0), (1, 1, 0), (3, 3, 5), (0, 1, 0)):
+        ct_trainer.serve(S.Stream(list(state.items()), pauses={i: 0.02 for i in range(4)} if hold else {}))
         extra = {} if size is None else {"gdr_prefetch_queue_size": size}
-        session, record = _gdr(loader, ct_trainer, spec, loaders={"hold_at": {0: 0}}, **extra)
+        session, record = _gdr(loader, ct_trainer, spec, loaders={"hold_at": {0: hold}}, **extra)
         held = session.models[0].load_weights
         done = threading.Thread(target=lambda: session.update(), daemon=True)
         where = f"gdr_prefetch_queue_size {size!r}"
         done.start()
         try:
-            check.that(held.holding.wait(5), f"{where}: the main loader never got its first item")
-            ct_trainer.wait_for(lambda: ct_trainer.sent() >= window, 1.0)
+            check.that(held.holding.wait(5), f"{where}: the main loader never got item {hold}")
+            ct_trainer.wait_for(lambda: ct_trainer.sent() >= hold + window, 1.0)
             time.sleep(0.02)
-            check.equal(ct_trainer.sent(), window, f"{where}: items sent while the loader holds item 0")
+            check.equal(ct_trainer.sent(), hold + window, f"{where}: items sent while the loader holds item {hold}")
         finally:
             held.release.set()
             done.join(10)

@@ -99,7 +99,7 @@ def test_rsync_version_from_argument_or_yaml(loader, ct_trainer):
 
 
 VERSION_ERRORS = {"no-file": None, "not-a-mapping": "- 1\n- 2\n", "missing-step": "other: 1\n", "step-null": "step:\n",
-                  "invalid-yaml": "step: [1\n", "empty-file": ""}
+                  "empty-step": "step: ''\n", "invalid-yaml": "step: [1\n", "empty-file": ""}
 
 
 @pytest.mark.rule("RSYNC-VERSION")

@@ -47,8 +47,7 @@ def _step(manager, ipc: bool) -> str:
 def _loaders(models) -> None:
     lacking = [i for i, m in enumerate(models) if not callable(getattr(m, "load_weights", None))]
     if lacking:
-        raise TypeError(f"GDR loads through each model's load_weights(weights_iterator); model(s) {lacking} "
-                        "(0 is the main model) have none")
+        raise TypeError(f"GDR loads through each model's load_weights(weights_iterator); model(s) {lacking} (0 is the main model) have none")
 
 
 def _incomplete(manager, delivery, step: str) -> None:

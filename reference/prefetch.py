@@ -41,14 +41,10 @@ def wait_bound(recv_timeout_s: float) -> float:
 
 
 async def _stepped(source):
-    """A plain iterator as an async one, each step taken in the receiving loop's thread."""
-    try:
-        for item in source:
-            yield item
-    finally:
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()  # a generator left mid-stream tells its library now, not at garbage collection
+    """A plain iterator as an async one, each step taken in the receiving loop's thread (one left mid-stream
+    is the library's to end: the caller cleans its handle up on any failure)."""
+    for item in source:
+        yield item
 
 
 class _Window:
