@@ -253,7 +253,7 @@ def test_gdr_loader_error_stops_the_receiver(loader, ct_trainer):
     session, _, _ = _loaded(loader, ct_trainer, gdr_mtp_chunk_size=1)
     threads = check.live_threads()  # the trainer's among them
     stream = [f"filler.{i}" for i in range(20)]  # items no model has: the stream goes on past the failure
-    for model, k, delay in ((0, 0, 0.0), (0, 2, 0.0), (0, 4, 0.0), (1, 0, 0.0), (0, 2, 0.05)):
+    for model, k, delay in ((0, 0, 0.0), (0, 2, 0.0), (0, 4, 0.0), (1, 0, 0.0), (0, 2, 0.03)):
         v2 = M.state(SPEC_MTP, version=2)
         items = {**v2, **{n: v2["model.norm.weight"] for n in stream}}
         ct_trainer.serve(S.stream_of(items))
@@ -285,7 +285,7 @@ def test_gdr_prefetch_window(loader, ct_trainer):
     spec = M.spec(*((f"p.{i}", "float32", (4,)) for i in range(10)))
     state = M.state(spec, version=1)
     for size, window, hold in ((None, 2, 0), (1, 1, 0), (3, 3, 5), (0, 1, 0)):
-        ct_trainer.serve(S.Stream(list(state.items()), pauses={i: 0.02 for i in range(4)} if hold else {}))
+        ct_trainer.serve(S.Stream(list(state.items()), pauses={i: 0.01 for i in range(4)} if hold else {}))
         extra = {} if size is None else {"gdr_prefetch_queue_size": size}
         session, record = _gdr(loader, ct_trainer, spec, loaders={"hold_at": {0: hold}}, **extra)
         held = session.models[0].load_weights

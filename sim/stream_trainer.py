@@ -87,6 +87,9 @@ class StreamTrainer:
         self._open: dict[tuple[str, int], _Open] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        # id(array) -> CRC-32: a stream served again is not checksummed again (scripts, and so their arrays,
+        # live as long as the trainer: an id is never reused for another array meanwhile)
+        self._crc: dict[int, int] = {}
         self._thread: threading.Thread | None = None
         self.gone = False
 
@@ -195,7 +198,10 @@ class StreamTrainer:
             name, arr = script.items[k]
             arr = np.asarray(arr)
             data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))  # C order, no copy
-            message = wire.item(stream, k, name, arr.dtype.name, arr.shape, data)
+            crc = self._crc.get(id(arr)) if arr is script.items[k][1] else None
+            if crc is None:
+                crc = self._crc[id(arr)] = wire.checksum(data)
+            message = wire.item(stream, k, name, arr.dtype.name, arr.shape, data, crc)
             if fault == ("corrupt", k) and len(data):
                 corrupted = bytearray(data)
                 corrupted[0] ^= 0xFF

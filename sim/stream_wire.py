@@ -83,10 +83,10 @@ def checksum(data) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
-def item(stream: int, index: int, name: str, dtype: str, shape: Sequence[int], data) -> dict:
-    """The header of an item whose bytes are ``data`` (sent as the next frame)."""
+def item(stream: int, index: int, name: str, dtype: str, shape: Sequence[int], data, crc32: int | None = None) -> dict:
+    """The header of an item whose bytes are ``data`` (sent as the next frame); ``crc32`` if already known."""
     return {"type": ITEM, "stream": stream, "index": index, "name": name, "dtype": dtype, "shape": list(shape),
-            "nbytes": len(data), "crc32": checksum(data)}
+            "nbytes": len(data), "crc32": checksum(data) if crc32 is None else crc32}
 
 
 def check_item(message: dict, data, where: str) -> None:
