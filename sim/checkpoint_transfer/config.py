@@ -3,7 +3,7 @@
 The fields and defaults are those of the fake in FastDeploy's tests (fd-spec §3.6a); that list mirrors a
 fake, so it is what FastDeploy's config translation is written against, not the real library's. One field is
 the stand-in's own: ``endpoint``, the trainer's address (the real library discovers its peers through
-redis; without it the stand-in dials ``tcp://{redis_host}:{redis_port}``).
+redis; without it the stand-in refuses to initialize).
 """
 from __future__ import annotations
 
@@ -53,7 +53,11 @@ class TransferConfig:
 
     @property
     def address(self) -> str:
-        return self.endpoint or f"tcp://{self.redis_host}:{self.redis_port}"
+        """The trainer's address: ``endpoint``. The stand-in has no redis to discover its peers through."""
+        if not self.endpoint:
+            raise ConnectionRefusedError("CheckpointTransfer stand-in: no endpoint configured (it does not discover "
+                                         f"peers through redis at {self.redis_host}:{self.redis_port})")
+        return self.endpoint
 
     def as_wire(self) -> dict:
         """Every field, enums by value: what ``register`` tells the trainer."""

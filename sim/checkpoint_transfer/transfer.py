@@ -199,7 +199,7 @@ class CheckpointTransfer:
         self.initialized = False
 
     def __repr__(self) -> str:
-        return f"<CheckpointTransfer stand-in {self.id} -> {self.config.address}>"
+        return f"<CheckpointTransfer stand-in {self.id} -> {self.config.endpoint}>"
 
     def _next_stream(self) -> int:
         return next(self._streams)
