@@ -1,14 +1,16 @@
 """GDR's prefetch: receiving the next item while the model loads this one, against no read-ahead.
 
-    python -m benchmarks.prefetch --tensors 48 --tensor-mib 4 --repeat 5
+    python -m benchmarks.prefetch --tensors 96 --tensor-mib 2 --repeat 7 --loader device
 
 A trainer process (``sim.stream_trainer.serve_process``, spawn) streams a model of ``--tensors`` float32
 tensors of ``--tensor-mib`` MiB through the CheckpointTransfer stand-in to reference ``WeightManager``s on the
 ``gdr`` strategy in this process. The model's ``load_weights`` copies each item into its parameter and then
 reads it back (a CRC-32 of the parameter's bytes: a loader verifying what landed). Loading alone and receiving
-alone (an unpaced trainer, a loader that discards) are timed first; the trainer then pauses before each
-item so that receiving takes about as long as loading (on a real deployment the NIC, not the CPU, receives:
-the pauses stand for that time, the receiving CPU measured here is added to it). Each ``update()`` is then timed with ``gdr_prefetch_queue_size`` 1 (no
+alone (an unpaced trainer, a loader that discards) are timed first; loading is made at least as slow as
+receiving (``--load-over-receive``), and the trainer then pauses before each item so that receiving takes about
+as long as loading. Two loaders: ``cpu`` (CRC passes: loading costs host CPU, as receiving through this
+stand-in does, so both compete for the cores) and ``device`` (after the copy the host waits for device work,
+as a GPU loader does; on a real deployment the NIC receives without the host CPU either). Each ``update()`` is then timed with ``gdr_prefetch_queue_size`` 1 (no
 read-ahead: receive an item, load it, receive the next) and with the prefetch queue (2, FastDeploy's default,
 and 4), interleaved in one run after a warm-up of each; the median and the best of ``--repeat`` are reported
 with the ratio of the medians to a queue of one. The last update of each is checked bit for bit.
@@ -38,12 +40,15 @@ TARGET = 1.7
 
 
 class VerifyingLoader:
-    """``load_weights``: copy each item into its parameter, then CRC-32 the parameter's bytes."""
+    """``load_weights``: copy each item into its parameter, then either CRC-32 the parameter's bytes
+    ``rounds`` times (``cpu``: loading costs host CPU) or wait ``device_s_per_byte`` per byte (``device``: the
+    host waits for device work, as a GPU loader's copies and transposes are; the host CPU is free)."""
 
     def __init__(self, model):
         self.params = model.state_dict()
         self.crc = {}
         self.rounds = 1  # CRC passes per item: how heavy loading is
+        self.device_s_per_byte = 0.0
 
     def __call__(self, weights_iterator) -> None:
         import paddle
@@ -54,6 +59,9 @@ class VerifyingLoader:
                 param.set_value(tensor)
                 nbytes = int(np.prod(param.shape)) * param.element_size()
                 view = (ctypes.c_uint8 * nbytes).from_address(param.data_ptr())
+                if self.device_s_per_byte:
+                    time.sleep(self.device_s_per_byte * nbytes)
+                    continue
                 for _ in range(self.rounds):  # zlib releases the GIL: the receiving thread runs meanwhile
                     self.crc[name] = zlib.crc32(view)
 
@@ -142,7 +150,10 @@ def measure(args) -> dict:
     one_round = loader_seconds(models, state)
     rounds = max(1, round(recv_s * args.load_over_receive / one_round))  # loading at least as slow as receiving
     for model in models:
-        model.load_weights.rounds = rounds
+        if args.loader == "device":
+            model.load_weights.device_s_per_byte = recv_s * args.load_over_receive / nbytes
+        else:
+            model.load_weights.rounds = rounds
     load_s = loader_seconds(models, state)
     pause_s = max(load_s - recv_s, 0.0)  # the trainer's pauses make receiving as slow as loading
     rate = nbytes / pause_s if pause_s > 0 else 0.0  # 0: unpaced
@@ -172,7 +183,7 @@ def measure(args) -> dict:
         rows.append({"window": w, "best_s": best, "median_s": med, "gb_s": nbytes / med / 1e9,
                      "speedup_median": base / med, "speedup_best": min(times[1]) / best, "verified": True})
     return {"tensors": args.tensors, "tensor_mib": args.tensor_mib, "model_mib": nbytes / MIB, "loader_s": load_s,
-            "crc_rounds": rounds,
+            "loader": args.loader, "crc_rounds": rounds if args.loader == "cpu" else 0,
             "receive_s": recv_s, "pause_s": pause_s, "rows": rows, "target": TARGET,
             "met": max(r["speedup_median"] for r in rows if r["window"] > 1) >= TARGET,
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
@@ -180,7 +191,8 @@ def measure(args) -> dict:
 
 
 def show(result: dict) -> None:
-    print(f"model: {result['tensors']} x {result['tensor_mib']} MiB float32 = {result['model_mib']:.0f} MiB; loading alone "
+    print(f"model: {result['tensors']} x {result['tensor_mib']} MiB float32 = {result['model_mib']:.0f} MiB; "
+          f"loader {result['loader']}; loading alone "
           f"{result['loader_s']:.3f} s, receiving alone {result['receive_s']:.3f} s: the trainer pauses "
           f"{result['pause_s']:.3f} s in all so that receiving takes about as long as loading; load average "
           f"{result['machine']['load_average'][0]:.1f} on {result['machine']['cpus']} CPUs")
@@ -193,14 +205,16 @@ def show(result: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tensors", type=int, default=48)
-    parser.add_argument("--tensor-mib", type=int, default=4)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--tensors", type=int, default=96)
+    parser.add_argument("--tensor-mib", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--windows", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4],
                         help="prefetch queue sizes to compare with 1 (comma-separated)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load-over-receive", type=float, default=1.0,
-                        help="how much slower than receiving loading is made (CRC passes per item, calibrated)")
+                        help="how much slower than receiving loading is made (calibrated on receiving alone)")
+    parser.add_argument("--loader", choices=("cpu", "device"), default="device",
+                        help="cpu: loading is CRC passes on the host; device: the host waits for device work")
     parser.add_argument("--timeout-s", type=float, default=30.0)
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
