@@ -31,7 +31,7 @@ class UnsupportedLoadPath(Exception):
 
 @dataclass(frozen=True)
 class LoaderConfig:
-    load_strategy: str  # "ipc_snapshot" | "ipc" | "ipc_bucket"
+    load_strategy: str  # "ipc_snapshot" | "ipc" | "ipc_bucket" | "rsync" | "gdr" | "gdr_ipc"
     model_dir: str  # snapshot files live here
     shared_dir: str  # the /shared_ipc_meta stand-in: pickle fallback and ipc_metas_{id}
     options: Mapping[str, Any] = field(default_factory=dict)  # path-specific settings

@@ -23,6 +23,12 @@ CAPABILITIES = {
     "transposes (2-D, 3-D per expert), fused and dequantised buffers, frozen models left alone (SPEC.md MODEL)",
     "model.hooks": "session.register_hook(name, fn): fn() runs once after each committed update, never after "
     "a failed one (stale-state hooks: reset the prefix cache, recapture graphs; SPEC.md MODEL-HOOKS)",
+    "stream.rsync": "rsync (update_weights_by_rdma): a CheckpointTransfer handle streams a step's (name, tensor) pairs, "
+    "validated whole, then applied; version from options['version'] or {model_dir}/version.yaml",
+    "stream.gdr": "GDR in rsync mode (update_weights_by_gdr, GPU_DIRECT): a CheckpointTransfer stream into each model's "
+    "load_weights, MTP items routed to the MTP models in chunks",
+    "stream.gdr_ipc": "GDR in IPC mode (Phase1Backend.IPC): step '0' unless options['version'] is given",
+    "stream.prefetch": "GDR items received ahead of the loader on a receiving thread, bounded by gdr_prefetch_queue_size",
 }
 
 

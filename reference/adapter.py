@@ -17,8 +17,8 @@ class ReferenceSession:
             options=config.options,
         )
 
-    def update(self) -> None:
-        self.manager.update()
+    def update(self):
+        return self.manager.update()
 
     def clear(self) -> None:
         self.manager.clear()
@@ -42,8 +42,10 @@ class ReferenceSession:
         self.manager.hooks.register(name, fn)
 
     def close(self) -> None:
-        """Nothing to release: every path frees its files, mappings, sockets and threads before
-        ``update()`` returns (FILE-RELEASED, IPC-NO-LEAK, BKT-NO-LEAK)."""
+        """Every path frees its files, mappings, sockets and threads before ``update()`` returns
+        (FILE-RELEASED, IPC-NO-LEAK, BKT-NO-LEAK); the streamed paths keep one transfer handle across
+        updates (GDR-HANDLE-REUSE), released here."""
+        self.manager.close()
 
 
 class ReferenceAdapter:
@@ -64,6 +66,10 @@ class ReferenceAdapter:
             "digest.debug",
             "model.post_load",
             "model.hooks",
+            "stream.rsync",
+            "stream.gdr",
+            "stream.gdr_ipc",
+            "stream.prefetch",
         }
     )
     session_class = ReferenceSession

@@ -29,7 +29,13 @@ STRATEGIES = {
     "ipc_snapshot": "reference.snapshot:update_from_snapshot",
     "ipc": "reference.ipc_meta:update_from_ipc_meta",
     "ipc_bucket": "reference.buckets:update_from_buckets",
+    "rsync": "reference.rsync:update_from_rsync",
+    "gdr": "reference.gdr:update_from_gdr",
+    "gdr_ipc": "reference.gdr:update_from_gdr_ipc",
 }
+# Streamed strategies write into loaded parameters (FastDeploy runs rsync and GDR without a clear), so
+# they may start from NORMAL, or again after a failure; never during a clear.
+IN_PLACE_STRATEGIES = frozenset({"rsync", "gdr", "gdr_ipc"})
 
 
 @dataclass(frozen=True)
@@ -96,9 +102,11 @@ class WeightManager:
         log.info("cleared %d parameters", len(self.params))
 
     # -- update ------------------------------------------------------------------------------
-    def update(self) -> None:
-        """Load every parameter from the configured source, then verify; raises on any failure."""
-        if self.status != Status.CLEARED:
+    def update(self):
+        """Load every parameter from the configured source, then verify; raises on any failure. Returns
+        what the strategy returns (the streamed paths' cost dictionary; None for the others)."""
+        in_place = self.load_strategy in IN_PLACE_STRATEGIES and self.status != Status.CLEARING
+        if self.status != Status.CLEARED and not in_place:
             raise RuntimeError(
                 f"update() needs cleared weights, status is {self.status.name}: call clear() first"
             )
@@ -108,12 +116,19 @@ class WeightManager:
         try:
             transforms.before_load(self.post_load)
             module, func = STRATEGIES[self.load_strategy].split(":")
-            getattr(importlib.import_module(module), func)(self)
+            result = getattr(importlib.import_module(module), func)(self)
             self.finalize()
         except BaseException as e:
             self.last_error = e
             log.error("update via %s failed: %s", self.load_strategy, e)
             raise
+        return result
+
+    def close(self) -> None:
+        """Release what outlives an update: the streamed paths' cached transfer handle."""
+        from . import transfer_lib
+
+        transfer_lib.destroy(self)
 
     def apply(self, tensors: Iterable[tuple[str, paddle.Tensor]], label: str, source: str | None) -> int:
         """Validate and adopt tensors from one source; an empty source is a ValueError."""

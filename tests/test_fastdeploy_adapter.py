@@ -72,6 +72,11 @@ FACTS = {
     "gdr": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels=ALL_LEVELS,
                 caps=ALL_SNAPSHOT | {"trace", "status", "mtp"}),
 }
+# The streamed paths each generation has, driven against the CheckpointTransfer stand-in (streams.py).
+STREAM_CAPS = {"rsync_tp0": {"stream.rsync"}, "parts": {"stream.rsync"},
+               "gdr": {"stream.rsync", "stream.gdr", "stream.gdr_ipc"}}
+for _gen, _caps in STREAM_CAPS.items():
+    FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | _caps
 _TYPING_OLD = "from typing import Any, Dict"
 _BASE = {"import os", "import time", "from multiprocessing.shared_memory import SharedMemory", "import numpy as np",
          "import paddle", "from paddleformers.utils.log import logger", "from fastdeploy.config import FDConfig"}

@@ -23,6 +23,7 @@ import os
 
 from conformance.adapter import LoaderConfig
 
+from . import streams
 from .generation import Generation, derive
 from .session import STATUS_NAMES, FastDeploySession
 from .stubs import SOURCE_ENV, STUBBED_MODULES, install_stubs, load_class
@@ -45,6 +46,12 @@ class FastDeployAdapter:
         self.version = f"{where}; {self.generation.describe()}"
         self.notes = [f"not claimed: {c} ({why})" for c, why in self.generation.not_claimed.items()]
         self.notes += list(self.generation.notes)
+        # The streamed paths (rsync, GDR) against the CheckpointTransfer stand-in: streams.py.
+        stream_caps, stream_why = streams.capabilities(self.dwm_class, streams.install_standin())
+        self.capabilities = self.capabilities | stream_caps
+        self.notes += [f"not claimed: {c} ({why})" for c, why in stream_why.items()]
 
     def open(self, models, config: LoaderConfig) -> FastDeploySession:
+        if config.load_strategy in streams.STRATEGIES:
+            return streams.StreamSession(self.dwm_class, self.generation, models, config)
         return FastDeploySession(self.dwm_class, self.generation, models, config)

@@ -1,0 +1,93 @@
+"""What the streamed paths' tests share (test_stream_rsync.py, test_stream_gdr.py, test_draft.py).
+
+The trainer is ``sim.stream_trainer.StreamTrainer`` (the CheckpointTransfer stand-in's trainer end) on a
+private ``ipc://`` endpoint, answering from a thread of the test process; the models get the suite's
+``load_weights`` (fixtures.streams). Options follow SPEC.md "Streamed updates": ``rsync_config`` (the
+library's settings: the trainer's ``endpoint`` and ``recv_bucket_timeout_s``, plus the ``gdr_*`` keys),
+``version``, ``verify_checksum``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fixtures import streams as S
+
+STRATEGY_CAPS = {"rsync": "stream.rsync", "gdr": "stream.gdr", "gdr_ipc": "stream.gdr_ipc"}
+FAULT_TIMEOUT_S = 0.15  # the library's per-item wait in fault tests
+
+
+@pytest.fixture
+def ct_trainer():
+    """A stream trainer, closed after the test."""
+    trainer = S.trainer()
+    yield trainer
+    trainer.close()
+
+
+def open_stream(loader, trainer, spec, strategy: str, *, version="1", timeout_s: float = 5.0, worker=None,
+                verify=None, mtp_start=None, loaders=None, **cfg):
+    """A session on ``strategy`` fed by ``trainer``, its models given the suite's ``load_weights``
+    (``loaders``: options of fixtures.streams.attach_loaders) and, with ``mtp_start``, their MTP layers.
+    ``version`` None leaves the version to ``version.yaml``. Returns (session, load record)."""
+    options = {"rsync_config": S.rsync_config(trainer, timeout_s, **cfg)}
+    if version is not None:
+        options["version"] = version
+    if verify is not None:
+        options["verify_checksum"] = verify
+    session = loader.open(spec, strategy=strategy, options=options, worker=worker)
+    record = S.attach_loaders(session.models, **(loaders or {}))
+    if mtp_start is not None:
+        S.mark_mtp_layers(session.models, mtp_start)
+    return session, record
+
+
+def socket_fds() -> int:
+    """Socket descriptors this process holds (ZMQ closes them asynchronously: compare within a grace)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                count += 1
+        except OSError:
+            pass
+    return count
+
+
+def case(strategy: str, *values, extra=(), id=None):
+    """A pytest.param for one streamed strategy, requiring its capability and ``extra``."""
+    return pytest.param(strategy, *values, marks=pytest.mark.requires(STRATEGY_CAPS[strategy], *extra), id=id)
+
+
+def concurrently(calls: dict) -> dict:
+    """Run each ``name -> fn()`` on its own thread at once (sessions waiting out timeouts together, so
+    that the phases of a stall cost one timeout, not one each); returns ``name -> (exception or None,
+    seconds)``. Every thread is joined (bounded) before returning."""
+    import threading
+    import time
+
+    results: dict = {}
+
+    def run(name, fn):
+        started = time.monotonic()
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - judged by the caller
+            results[name] = (e, time.monotonic() - started)
+        else:
+            results[name] = (None, time.monotonic() - started)
+
+    threads = [threading.Thread(target=run, args=item, name=f"conformance-{item[0]}") for item in calls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def reraise(outcome) -> None:
+    """Raise the exception of a ``concurrently`` outcome (for ``check.raises``); nothing if it succeeded."""
+    error, _ = outcome
+    if error is not None:
+        raise error

@@ -1,0 +1,104 @@
+"""What both streamed paths (rsync, GDR) owe whatever the library does: options checked first, nothing left
+behind. Spec: SPEC.md § STREAM (STREAM-HANG-BOUNDED: test_stream_timing.py).
+"""
+import asyncio
+import time
+
+import pytest
+
+from conformance import check
+from conformance.stream_support import FAULT_TIMEOUT_S, case, ct_trainer, open_stream, socket_fds  # noqa: F401
+from fixtures import models as M
+from fixtures import streams as S
+
+pytestmark = pytest.mark.streams
+
+SPEC = M.spec(("model.layers.0.q.weight", "bfloat16", (4, 4)), ("model.layers.1.mlp.weight", "float32", (4, 8)),
+              ("model.norm.weight", "float16", (4,)))
+SPEC_MTP = M.spec(*((p.name, p.dtype, p.shape) for p in SPEC.main), mtp=[(("mtp_block.0.w", "float32", (4,)),)])
+
+
+def _failures(strategy, session, state):
+    """(name, stream, prepare) of the failing updates each path goes through."""
+    def loader_breaks():
+        session.models[0].load_weights.fail_at = 1
+
+    broken = [("stream breaks mid-way", S.stream_of(state, fault=("fail", 1)), None),
+              ("stream cancelled", S.stream_of(state, fault=("cancel", 2)), None)]
+    if strategy == "rsync":
+        return broken + [("shape mismatch", S.stream_of({**state, "model.norm.weight": state["model.norm.weight"].reshape(2, 2)}), None)]
+    return broken + [("loader fails", S.stream_of(state), loader_breaks)]
+
+
+@pytest.mark.rule("STREAM-NO-LEAK")
+@pytest.mark.parametrize("strategy", [case("rsync"), case("gdr")])
+def test_nothing_left_after_close(loader, ct_trainer, strategy):
+    """A success, each kind of failure, a success, then close(): no thread or socket of the session is
+    left, and every library handle it initialized was cleaned up."""
+    state = M.state(SPEC, version=2)
+    session, _ = open_stream(loader, ct_trainer, SPEC, strategy, timeout_s=FAULT_TIMEOUT_S)
+    failures = _failures(strategy, session, state)
+    ct_trainer.serve(S.stream_of(state), *(stream for _, stream, _ in failures), S.stream_of(state))
+    threads, sockets = check.live_threads(), socket_fds()  # the trainer's own already among them
+    session.update()
+    for name, _, prepare in failures:
+        if prepare:
+            prepare()
+        with check.raises((Exception, asyncio.CancelledError), match=".", where=f"{strategy}: {name}"):
+            session.update()
+        session.models[0].load_weights.fail_at = None
+    session.update()
+    check.params_equal(session.observe(), state, f"{strategy}: after the failures")
+    session.close()
+    where = f"{strategy}: after close()"
+    check.no_new_threads(threads, where)
+    deadline = time.monotonic() + 2.0
+    while socket_fds() > sockets and time.monotonic() < deadline:
+        time.sleep(0.02)
+    check.that(socket_fds() <= sockets, f"{where}: {socket_fds()} socket descriptors, {sockets} before the first update")
+    registered = {r["handle"] for r in ct_trainer.of("register")}
+    check.that(ct_trainer.wait_for(lambda: registered <= {u["handle"] for u in ct_trainer.of("unregister")}, 2.0),
+               f"{where}: handles never cleaned up: {sorted(registered - {u['handle'] for u in ct_trainer.of('unregister')})}")
+
+
+# -- STREAM-OPTIONS --------------------------------------------------------------------------------
+def _bad_options(strategy):
+    """(what, rsync_config edit (None: no rsync_config at all), other options, the name the error must carry)."""
+    common = [("no rsync_config", None, {}, "rsync_config"), ("rsync_config a str", "x", {}, "rsync_config")]
+    common += [(f"recv_bucket_timeout_s {v!r}", {"recv_bucket_timeout_s": v}, {}, "recv_bucket_timeout_s")
+               for v in (0, -1.0, float("nan"), True, "1")]
+    if strategy == "rsync":
+        return common + [("verify_checksum a str", {}, {"verify_checksum": "yes"}, "verify_checksum")]
+    gdr = [(f"{k} {v!r}", {k: v}, {}, k) for k, v in (("gdr_mtp_chunk_size", "x"), ("gdr_prefetch_queue_size", "2.5"),
+                                                       ("index", "one"), ("group_size", "eight"))]
+    return common + gdr + ([("qsize 'x'", {"qsize": "x"}, {}, "qsize")] if strategy == "gdr_ipc" else [])
+
+
+@pytest.mark.rule("STREAM-OPTIONS")
+@pytest.mark.parametrize("strategy", [case("rsync"), case("gdr"), case("gdr_ipc")])
+def test_options_checked_before_the_trainer_hears_of_them(loader, ct_trainer, strategy):
+    state = M.state(SPEC, version=1)
+    ct_trainer.serve()  # answering: a loader that connects anyway is seen at once
+    for what, edit, other, name in _bad_options(strategy):
+        options = dict(other, version="1")
+        if edit is not None:
+            options["rsync_config"] = edit if isinstance(edit, str) else {**S.rsync_config(ct_trainer), **edit}
+        session = loader.open(SPEC, strategy=strategy, options=options)
+        S.attach_loaders(session.models)
+        where = f"{strategy}, {what}"
+        with check.raises(ValueError, match=".", names=[name], where=where):
+            session.update()
+        check.equal(ct_trainer.of("register"), [], f"{where}: what the trainer heard")
+        check.not_loaded(session.observe(), list(state), where)
+    if strategy != "rsync":  # a model GDR cannot load into
+        session = loader.open(SPEC_MTP, strategy=strategy, options={"rsync_config": S.rsync_config(ct_trainer), "version": "1"})
+        S.attach_loaders(session.models[:1])
+        with check.raises(TypeError, match=".", names=["load_weights"], where=f"{strategy}, an MTP model without load_weights"):
+            session.update()
+        check.equal(ct_trainer.of("register"), [], f"{strategy}, an MTP model without load_weights: what the trainer heard")
+    # only the trainer's address: the library's default wait, and the update loads
+    ct_trainer.serve(S.stream_of(state))
+    session = loader.open(SPEC, strategy=strategy, options={"rsync_config": {"endpoint": ct_trainer.endpoint}, "version": "1"})
+    S.attach_loaders(session.models)
+    session.update()
+    check.params_equal(session.observe(), state, f"{strategy} with rsync_config {{'endpoint': ...}} only")

@@ -1,0 +1,21 @@
+"""Smoke run of ``benchmarks/prefetch.py`` on a few MiB, so the script cannot rot."""
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_prefetch_benchmark_smoke(tmp_path):
+    out = tmp_path / "prefetch.json"
+    cmd = [sys.executable, "-m", "benchmarks.prefetch", "--tensors", "6", "--tensor-mib", "1", "--repeat", "1",
+           "--windows", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-3000:]}"
+    for column in ("queue", "median s", "x queue 1 (median)", "verified"):
+        assert column in proc.stdout, f"table column {column!r} missing from the output:\n{proc.stdout}"
+    result = json.loads(out.read_text())
+    assert [r["window"] for r in result["rows"]] == [1, 2], result["rows"]
+    assert all(r["verified"] and r["median_s"] > 0 for r in result["rows"]), result["rows"]
+    assert result["rows"][0]["speedup_median"] == 1.0, "queue 1 is the baseline of the ratios"
