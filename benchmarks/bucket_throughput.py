@@ -119,7 +119,7 @@ def main(argv=None) -> int:
 
     logging.getLogger("reference").setLevel(logging.WARNING)  # one INFO line per bucket otherwise
 
-    from sim import protocol
+    from wire import protocol
     from sim.cli import model_spec
 
     console = Console(width=None if sys.stdout.isatty() else 120)

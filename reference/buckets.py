@@ -1,5 +1,5 @@
 """The ``ipc_bucket`` strategy: flat uint8 buckets in shared memory, announced by msgpack manifests
-over ZMQ (SPEC.md "Async IPC buckets"; wire format in ``sim.protocol``, the receiver's checks in
+over ZMQ (SPEC.md "Async IPC buckets"; wire format in ``wire.protocol``, the receiver's checks in
 ``reference.bucket_checks``).
 
 Options (``LoaderConfig.options``): ``endpoint`` (``ipc://...`` or ``tcp://127.0.0.1:port``, where
@@ -28,8 +28,8 @@ import numpy as np
 import paddle
 import zmq
 
-from sim import protocol
-from sim.ipc_handles import Segment
+from wire import protocol
+from wire.handles import Segment
 
 from . import apply
 from . import bucket_checks as checks
@@ -48,11 +48,14 @@ LOCAL_ENDPOINT = re.compile(r"^(ipc://.+|tcp://(127\.0\.0\.1|localhost|\[::1\]):
 class Link:
     """The receiver's REQ socket: every request gets exactly one reply within ``timeout_s``."""
 
+    #: the largest frame taken in; ZMQ drops a larger one before it is buffered, ``parse`` refuses it
+    max_frame = protocol.MAX_FRAME
+
     def __init__(self, endpoint: str, timeout_s: float):
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.sock = zmq.Context.instance().socket(zmq.REQ)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
         self.sock.connect(endpoint)
         self.can_send = True
 
@@ -69,7 +72,11 @@ class Link:
             )
         frame = self.sock.recv(copy=False).bytes
         self.can_send = True
-        return protocol.decode(frame, f"message from {self.endpoint} for {where}")
+        return self.parse(frame, f"message from {self.endpoint} for {where}")
+
+    def parse(self, frame: bytes, where: str) -> dict:
+        """A trainer's frame -> its message: msgpack only (never a pickle), within the frame limit."""
+        return protocol.decode(frame, where, protocol.TRAINER_TYPES, limit=self.max_frame)
 
     def tell(self, message: dict) -> None:
         """Best effort, no reply expected (error reports, the final done)."""
@@ -226,15 +233,20 @@ def new_update_state(known, version) -> checks.UpdateState:
     return checks.UpdateState(known=frozenset(known), version=version)
 
 
+def check_abort(message: dict, endpoint: str, state: checks.UpdateState) -> None:
+    """A trainer's ``abort`` ends the update with its reason (never read as a malformed manifest)."""
+    if message["type"] == protocol.ABORT:
+        raise RuntimeError(f"ipc_bucket: the trainer at {endpoint} aborted {state.where()}: "
+                           f"{message.get('message', '(no reason given)')}")
+
+
 def receive(link: Link, attached: Attachments, state: checks.UpdateState, staging: Staging, rank: int,
             progress=None) -> None:
     """Run the exchange up to a validated end message; every tensor is staged on return."""
     message = link.request(protocol.hello(state.version, rank), state.where())
     while True:
+        check_abort(message, link.endpoint, state)
         kind = message["type"]
-        if kind == protocol.ABORT:
-            raise RuntimeError(f"ipc_bucket: the trainer at {link.endpoint} aborted {state.where()}: "
-                               f"{message.get('message', '(no reason given)')}")
         if kind == protocol.END:
             checks.validate_end(message, state)
             return

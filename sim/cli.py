@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import protocol
+from wire import protocol
 from .trainer import TrainerConfig, sweep_segments, trainer_main
 
 MiB = 1 << 20
