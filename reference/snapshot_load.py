@@ -27,7 +27,7 @@ import paddle
 
 from .dtypes import ITEMSIZE, SAFETENSORS_TO_NAME, paddle_dtype
 from .errors import SnapshotFormatError, SnapshotPermissionError
-from .host_memory import writable_bytes
+from .host_memory import advise_huge_pages, fill_in_order, writable_bytes
 from .safe_pickle import load_restricted
 
 # paddle.save adds this bookkeeping entry next to the tensors; it is not a parameter.
@@ -202,9 +202,32 @@ def read_header(path: str) -> Header:
     return infos
 
 
+# Tensors are read in pieces of this size, so that the pages of the next piece are populated while
+# this one is read (``host_memory.fill_in_order``), a 1 GiB tensor included.
+READ_CHUNK_BYTES = 16 << 20
+
+
+def _pieces(view: np.ndarray, offset: int) -> list[tuple[np.ndarray, int]]:
+    """``view`` (to be filled from file ``offset``) cut into (piece, file offset) of READ_CHUNK_BYTES."""
+    return [(view[at : at + READ_CHUNK_BYTES], offset + at) for at in range(0, view.nbytes, READ_CHUNK_BYTES)]
+
+
+def _read_exactly_into(fd: int, view: np.ndarray, offset: int, path: str, name: str) -> None:
+    done = 0
+    while done < view.nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise SnapshotFormatError(f"{path}: file changed during load: the read of tensor {name!r} ended early (the file shrank)")
+        done += got
+
+
 def iter_safetensors(path: str, expect: tuple | None = None) -> Iterator[tuple[str, paddle.Tensor]]:
     """Yield (name, tensor) from a safetensors file, each tensor owning its memory. ``expect`` is the
-    file's identity when its header was validated (``read_header(path).identity``)."""
+    file's identity when its header was validated (``read_header(path).identity``).
+
+    Every tensor of the file is allocated first, then the data section is read front to back with
+    ``os.preadv`` straight into the tensors' memory, one chunk ahead of it populated (the file's
+    tensors are alive together anyway: the caller validates them all before adopting any)."""
     fd = _open_fd(path)
     try:
         header = _parse_header(fd, path)
@@ -213,21 +236,21 @@ def iter_safetensors(path: str, expect: tuple | None = None) -> Iterator[tuple[s
                 f"{path}: file changed during load: it is not the file whose header was checked before "
                 f"loading (device, inode, size, mtime, ctime {expect} then {header.identity})"
             )
-        tensors = []
+        tensors, pieces = [], []
         for e in header.entries:
             tensor = paddle.empty(list(e.shape), dtype=paddle_dtype(e.dtype))
+            tensors.append((e.name, tensor))
             nbytes = e.end - e.begin
             if nbytes:
-                view = writable_bytes(tensor, nbytes)
-                done = 0
-                while done < nbytes:
-                    got = os.preadv(fd, [view[done:]], header.data_start + e.begin + done)
-                    if got <= 0:
-                        raise SnapshotFormatError(
-                            f"{path}: file changed during load: the read of tensor {e.name!r} ended early (the file shrank)"
-                        )
-                    done += got
-            tensors.append((e.name, tensor))
+                advise_huge_pages(tensor.data_ptr(), nbytes)
+                pieces += [(e.name, piece, at) for piece, at in _pieces(writable_bytes(tensor, nbytes), header.data_start + e.begin)]
+
+        def fill(i: int) -> None:
+            name, piece, at = pieces[i]
+            _read_exactly_into(fd, piece, at, path, name)
+
+        fill_in_order([piece for _, piece, _ in pieces], fill)
+        pieces.clear()  # views of the tensors' memory: none may outlive the read
         now = _identity(os.fstat(fd))
         if now != header.identity:
             raise SnapshotFormatError(

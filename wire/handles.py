@@ -16,7 +16,6 @@ current device that the harness sets. The trainer side (``share_array``) and a c
 from __future__ import annotations
 
 import functools
-import math
 import mmap
 import os
 import secrets
