@@ -20,15 +20,12 @@ HUGE_PAGE = 2 << 20
 # bytes with a range another thread is filling). Older kernels answer EINVAL: no prefaulting there.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
-_libc = None
+_LIBC = ctypes.CDLL(None, use_errno=True)  # (a call through ctypes releases the GIL)
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def _madvise(start: int, length: int, advice: int) -> bool:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)  # (ctypes releases the GIL for the call)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return _libc.madvise(start, length, advice) == 0
+    return _LIBC.madvise(start, length, advice) == 0
 
 
 def writable_bytes(tensor: paddle.Tensor, nbytes: int) -> np.ndarray:

@@ -203,8 +203,8 @@ def read_header(path: str) -> Header:
 
 
 # Tensors are read in pieces of this size, so that the pages of the next piece are populated while
-# this one is read (``host_memory.fill_in_order``), a 1 GiB tensor included.
-READ_CHUNK_BYTES = 16 << 20
+# this one is read (``host_memory.fill_in_order``), a 1 GiB tensor included (FILE-LARGE).
+READ_CHUNK_BYTES = 4 << 20
 
 
 def _pieces(view: np.ndarray, offset: int) -> list[tuple[np.ndarray, int]]:
