@@ -27,7 +27,7 @@ import paddle
 
 from .dtypes import ITEMSIZE, SAFETENSORS_TO_NAME, paddle_dtype
 from .errors import SnapshotFormatError, SnapshotPermissionError
-from .host_memory import advise_huge_pages, fill_in_order, writable_bytes
+from .host_memory import fill_in_order, writable_bytes
 from .safe_pickle import load_restricted
 
 # paddle.save adds this bookkeeping entry next to the tensors; it is not a parameter.
@@ -242,7 +242,6 @@ def iter_safetensors(path: str, expect: tuple | None = None) -> Iterator[tuple[s
             tensors.append((e.name, tensor))
             nbytes = e.end - e.begin
             if nbytes:
-                advise_huge_pages(tensor.data_ptr(), nbytes)
                 pieces += [(e.name, piece, at) for piece, at in _pieces(writable_bytes(tensor, nbytes), header.data_start + e.begin)]
 
         def fill(i: int) -> None:
