@@ -31,8 +31,11 @@ def _madvise(start: int, length: int, advice: int) -> bool:
 def writable_bytes(tensor: paddle.Tensor, nbytes: int) -> np.ndarray:
     """A writable uint8 numpy view of the first ``nbytes`` of a CPU tensor's own allocation, so that
     one copy (``np.copyto``, ``os.preadv``) lands the bytes in the tensor. ``nbytes`` > 0: a
-    zero-element tensor has no allocation to view."""
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr()), np.uint8)
+    zero-element tensor has no allocation to view. The view keeps the tensor alive (a view of freed
+    memory would be written into by the loader otherwise)."""
+    raw = (ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr())
+    raw.owner = tensor
+    return np.frombuffer(raw, np.uint8)
 
 
 def advise_huge_pages(address: int, nbytes: int) -> None:
