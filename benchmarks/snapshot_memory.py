@@ -24,17 +24,20 @@ since its near-zero peak only says that nothing was read. Exit status 1 when a l
 memory target.
 
 Load time against the disk, measured side by side: each of ``--repeat`` rounds drops the files from
-the page cache (fsync, then ``posix_fadvise(DONTNEED)``, allowed without root) before each of two
-fresh children, one that reads the same files front to back into a reused 1 MiB buffer (a cold
-sequential read, ``cat`` > /dev/null: the disk alone) and the loader's child; the two alternate which
-goes first. Reported: each time's median and best, and load/read as the median of the rounds'
-ratios and as best load over best read. Target: load within 1.1x the cold read.
+the page cache (fsync, then ``posix_fadvise(DONTNEED)``, allowed without root) before each of three
+fresh children, their order rotating from round to round: one reads the same files front to back
+into a reused 1 MiB buffer (a cold sequential read, ``cat`` > /dev/null: the disk alone), one reads
+them the same way into memory mapped just before (the disk plus the first touch of M bytes of new
+memory, which any loader into cleared parameters pays), and the loader's child. Reported: each
+time's median and best, and load/read as the median of the rounds' ratios and as best load over
+best read. Target: load within 1.1x the cold read into the reused buffer.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -187,19 +190,29 @@ def child(args) -> dict:
     }
 
 
-def read_child(paths: list[str]) -> dict:
-    """A cold sequential read of ``paths``, in order, into one reused 1 MiB buffer: the disk alone."""
-    buf = memoryview(bytearray(1 << 20))
+def read_child(paths: list[str], fresh: bool) -> dict:
+    """A cold sequential read of ``paths``, in order: into one reused 1 MiB buffer (the disk alone),
+    or (``fresh``) each file into memory mapped for it just before, 4 MiB per read (the disk plus the
+    first touch of M bytes of new memory, which any loader into cleared parameters pays too)."""
+    reused = memoryview(bytearray(1 << 20))
     total = 0
     start = time.perf_counter()
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
-            while True:
-                got = os.readv(fd, [buf])
-                if not got:
-                    break
-                total += got
+            size = os.fstat(fd).st_size
+            area = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if fresh else None
+            with memoryview(area if fresh else reused) as dest:
+                done = 0
+                while done < size:
+                    with dest[done : done + (4 << 20)] if fresh else dest[:] as window:
+                        got = os.preadv(fd, [window], done)
+                    if not got:
+                        break
+                    done += got
+            total += done
+            if area is not None:
+                area.close()
         finally:
             os.close(fd)
     return {"seconds": time.perf_counter() - start, "bytes": total}
@@ -243,8 +256,9 @@ def measure(args, model_dir: str) -> dict:
                        "--interval-ms", str(args.interval_ms)], model_dir)
 
 
-def measure_read(paths: list[str]) -> dict:
-    return _run_child(["--read-child", *paths], f"the cold read of {os.path.dirname(paths[0])}")
+def measure_read(paths: list[str], fresh: bool) -> dict:
+    return _run_child(["--read-child", *paths] + (["--fresh"] if fresh else []),
+                      f"the cold read of {os.path.dirname(paths[0])}")
 
 
 def target_bytes(model_bytes: int, slack_mib: float) -> float:
@@ -280,25 +294,28 @@ def machine_info() -> dict:
 TIME_TARGET = 1.1  # load time / cold sequential read time
 
 
-def measure_layout(args, paths: list[str]) -> tuple[list[dict], list[float], bool]:
-    """``--repeat`` rounds of (cold read, load), alternating which goes first, the page cache dropped
-    before each child. Returns the loads' results, the reads' seconds and whether every drop worked."""
-    loads, reads, dropped = [], [], True
+def measure_layout(args, paths: list[str]) -> tuple[list[dict], dict[str, list[float]], bool]:
+    """``--repeat`` rounds of (cold read, cold read into fresh memory, load), the order rotating from
+    round to round, the page cache dropped before each child. Returns the loads' results, the reads'
+    seconds by kind and whether every drop worked."""
+    loads, reads, dropped = [], {"reused": [], "fresh": []}, True
+    size = sum(os.path.getsize(p) for p in paths)
+    order = ["reused", "fresh", "load"]
     for round_ in range(args.repeat):
-        for what in (("read", "load") if round_ % 2 == 0 else ("load", "read")):
+        for what in order[round_ % 3:] + order[: round_ % 3]:
             if args.drop_cache:
                 dropped = drop_page_cache(paths) and dropped
-            if what == "read":
-                r = measure_read(paths)
-                if r["bytes"] != sum(os.path.getsize(p) for p in paths):
-                    raise RuntimeError(f"the cold read got {r['bytes']} bytes of {paths}")
-                reads.append(r["seconds"])
-            else:
+            if what == "load":
                 loads.append(measure(args, os.path.dirname(paths[0])))
+                continue
+            r = measure_read(paths, fresh=what == "fresh")
+            if r["bytes"] != size:
+                raise RuntimeError(f"the cold read ({what}) got {r['bytes']} of the {size} bytes of {paths}")
+            reads[what].append(r["seconds"])
     return loads, reads, dropped
 
 
-def layout_row(k: int, loads: list[dict], reads: list[float], slack_mib: float) -> dict:
+def layout_row(k: int, loads: list[dict], all_reads: dict[str, list[float]], slack_mib: float) -> dict:
     """One table row: memory from the round with the highest peak, times over every round."""
     def peak_of(r):
         return max(v for v in (r["peak_hwm"], r["peak_sampled"]) if v is not None)
@@ -312,8 +329,10 @@ def layout_row(k: int, loads: list[dict], reads: list[float], slack_mib: float) 
     weights_file = max(x["weights_file"] for x in loads)
     aliased = weights_file > m / 2
     load_s = [x["seconds"] for x in loads]
+    reads, fresh = all_reads["reused"], all_reads["fresh"]
     ratios = [a / b for a, b in zip(load_s, reads)]
     ratio_median = statistics.median(ratios)
+    fresh_ratios = [a / b for a, b in zip(load_s, fresh)]
     return {
         "layout": "single" if k == 1 else "parts",
         "k": k,
@@ -333,6 +352,10 @@ def layout_row(k: int, loads: list[dict], reads: list[float], slack_mib: float) 
         "load_over_read": ratios,
         "load_over_read_median": ratio_median,
         "load_over_read_best": min(load_s) / min(reads),
+        "fresh_read_seconds": fresh,
+        "load_over_fresh_read": fresh_ratios,
+        "load_over_fresh_read_median": statistics.median(fresh_ratios),
+        "load_over_fresh_read_best": min(load_s) / min(fresh),
         "time_verdict": "pass" if ratio_median <= TIME_TARGET else "miss",
         **r,
         "seconds": statistics.median(load_s),
@@ -380,7 +403,7 @@ def render(rows, info, argv) -> None:
     table = Table(title=f"ipc_snapshot update, peak host RSS over the pre-update baseline (M = {m / MIB:.0f} MiB) "
                         f"and load time against a cold read, {repeat} round(s): median (best)")
     for col in ("layout", "k", "peak/M", "final/M", "target/M", "verdict", "peak MiB", "file-backed weights/M",
-                "load s", "cold read s", "load/read", f"<= {TIME_TARGET}"):
+                "load s", "cold read s", "load/read", f"<= {TIME_TARGET}", "read, fresh memory s", "load/that"):
         table.add_column(col, justify="left" if col in ("layout", "verdict") else "right")
     for r in rows:
         table.add_row(
@@ -388,8 +411,10 @@ def render(rows, info, argv) -> None:
             r["verdict"] if r["verdict"] == "pass" else f"[bold red]{r['verdict']}[/]", f"{r['peak_mib']:.0f}",
             ratio(r["weights_file_over_m"]), spread(r["load_seconds"]), spread(r["read_seconds"]),
             f"{r['load_over_read_median']:.2f} ({r['load_over_read_best']:.2f})", r["time_verdict"],
+            spread(r["fresh_read_seconds"]),
+            f"{r['load_over_fresh_read_median']:.2f} ({r['load_over_fresh_read_best']:.2f})",
         )
-    console = Console(width=None if sys.stdout.isatty() else 170)
+    console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(table)
     console.print("command: python -m benchmarks.snapshot_memory " + " ".join(argv))
     for key, value in info.items():
@@ -411,10 +436,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows and machine info to this file")
     ap.add_argument("--child", metavar="MODEL_DIR", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--read-child", metavar="FILE", nargs="+", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.read_child:
-        print(RESULT_MARK + json.dumps(read_child(args.read_child)), flush=True)
+        print(RESULT_MARK + json.dumps(read_child(args.read_child, args.fresh)), flush=True)
         return 0
     if args.repeat < 1:
         raise SystemExit("--repeat must be at least 1")
