@@ -681,9 +681,8 @@ def test_file_changed_while_loading(loader, tmp_path, where, change, when):
 
 
 # -- FILE-LARGE --------------------------------------------------------------------------------
-# Larger than the reference's read size (4 MiB pieces, the next one's pages populated ahead of the
-# read): a tensor of exactly 4 MiB, and one of 8 MiB + 12 bytes (two full pieces and 12 bytes) that
-# starts 12 bytes into the data section, after a small one.
+# Larger than the chunks a reader may use (1, 2, 4 MiB): a tensor of exactly 4 MiB, and one of
+# 8 MiB + 12 bytes (whole chunks and 12 bytes) that starts 12 bytes into the data section, after a small one.
 LARGE = M.spec(
     ("a.bias", "float32", (3,)),
     ("embed.weight", "float32", ((8 << 20) // 4 + 3,)),
@@ -692,7 +691,7 @@ LARGE = M.spec(
 
 
 def _random_state(spec, seed: int) -> dict:
-    """Random bytes in every tensor (no value repeats at any stride): a piece read from, or landed
+    """Random bytes in every tensor (no value repeats at any stride): a chunk read from, or landed
     at, the wrong place cannot match by chance."""
     rng = np.random.default_rng(seed)
     return {p.name: np.frombuffer(rng.bytes(p.nbytes), M.NUMPY_DTYPES[p.dtype]).reshape(p.shape) for p in spec.main}

@@ -27,7 +27,7 @@ import paddle
 
 from .dtypes import ITEMSIZE, SAFETENSORS_TO_NAME, paddle_dtype
 from .errors import SnapshotFormatError, SnapshotPermissionError
-from .host_memory import fill_in_order, writable_bytes
+from .host_memory import advise_huge_pages, writable_bytes
 from .safe_pickle import load_restricted
 
 # paddle.save adds this bookkeeping entry next to the tensors; it is not a parameter.
@@ -202,17 +202,9 @@ def read_header(path: str) -> Header:
     return infos
 
 
-# Tensors are read in pieces of this size, so that the pages of the next piece are populated while
-# this one is read (``host_memory.fill_in_order``), a 1 GiB tensor included (FILE-LARGE).
-READ_CHUNK_BYTES = 4 << 20
-
-
-def _pieces(view: np.ndarray, offset: int) -> list[tuple[np.ndarray, int]]:
-    """``view`` (to be filled from file ``offset``) cut into (piece, file offset) of READ_CHUNK_BYTES."""
-    return [(view[at : at + READ_CHUNK_BYTES], offset + at) for at in range(0, view.nbytes, READ_CHUNK_BYTES)]
-
-
 def _read_exactly_into(fd: int, view: np.ndarray, offset: int, path: str, name: str) -> None:
+    """Fill ``view`` from file ``offset``. One ``preadv`` returns at most about 2 GiB on Linux: a larger
+    tensor takes several, each continuing where the last one ended (FILE-LARGE)."""
     done = 0
     while done < view.nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
@@ -223,11 +215,8 @@ def _read_exactly_into(fd: int, view: np.ndarray, offset: int, path: str, name: 
 
 def iter_safetensors(path: str, expect: tuple | None = None) -> Iterator[tuple[str, paddle.Tensor]]:
     """Yield (name, tensor) from a safetensors file, each tensor owning its memory. ``expect`` is the
-    file's identity when its header was validated (``read_header(path).identity``).
-
-    Every tensor of the file is allocated first, then the data section is read front to back with
-    ``os.preadv`` straight into the tensors' memory, one chunk ahead of it populated (the file's
-    tensors are alive together anyway: the caller validates them all before adopting any)."""
+    file's identity when its header was validated (``read_header(path).identity``). Each tensor is
+    read with ``os.preadv`` straight into its own allocation, 2 MiB pages asked for first."""
     fd = _open_fd(path)
     try:
         header = _parse_header(fd, path)
@@ -236,20 +225,14 @@ def iter_safetensors(path: str, expect: tuple | None = None) -> Iterator[tuple[s
                 f"{path}: file changed during load: it is not the file whose header was checked before "
                 f"loading (device, inode, size, mtime, ctime {expect} then {header.identity})"
             )
-        tensors, pieces = [], []
+        tensors = []
         for e in header.entries:
             tensor = paddle.empty(list(e.shape), dtype=paddle_dtype(e.dtype))
-            tensors.append((e.name, tensor))
             nbytes = e.end - e.begin
             if nbytes:
-                pieces += [(e.name, piece, at) for piece, at in _pieces(writable_bytes(tensor, nbytes), header.data_start + e.begin)]
-
-        def fill(i: int) -> None:
-            name, piece, at = pieces[i]
-            _read_exactly_into(fd, piece, at, path, name)
-
-        fill_in_order([piece for _, piece, _ in pieces], fill)
-        pieces.clear()  # views of the tensors' memory: none may outlive the read
+                advise_huge_pages(tensor.data_ptr(), nbytes)
+                _read_exactly_into(fd, writable_bytes(tensor, nbytes), header.data_start + e.begin, path, e.name)
+            tensors.append((e.name, tensor))
         now = _identity(os.fstat(fd))
         if now != header.identity:
             raise SnapshotFormatError(

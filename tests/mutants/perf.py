@@ -1,34 +1,36 @@
-"""Mutants of the reference's fast paths (issue 11): a large snapshot tensor read in pieces."""
+"""Mutants of a snapshot reader that reads a large tensor in chunks (FILE-LARGE)."""
 from __future__ import annotations
 
-from reference import snapshot_load
+import os
 
 from .base import Mutant
 
+CHUNK = 1 << 20  # what a chunked reader might use: smaller than the tensors FILE-LARGE loads
 
-class PieceOffsetStuck(Mutant):
-    id = "snapshot_piece_offset_stuck"
-    bug = ("a tensor read in pieces reads every piece from the tensor's first byte in the file (the file offset is not "
-           "advanced with the piece): a tensor larger than one read holds its first piece over and over")
+
+class ChunkOffsetStuck(Mutant):
+    id = "snapshot_chunk_offset_stuck"
+    bug = ("a tensor is read in 1 MiB chunks, every chunk from the tensor's first byte in the file (the file offset is "
+           "not advanced with the chunk): a tensor larger than one chunk holds its first chunk over and over")
     kills = frozenset({"FILE-LARGE"})
 
     def patches(self):
-        def pieces(view, offset):
-            size = snapshot_load.READ_CHUNK_BYTES
-            return [(view[at : at + size], offset) for at in range(0, view.nbytes, size)]
+        def read_into(fd, view, offset, path, name):
+            for at in range(0, view.nbytes, CHUNK):
+                os.preadv(fd, [view[at : at + CHUNK]], offset)
 
-        return {"reference.snapshot_load._pieces": pieces}
+        return {"reference.snapshot_load._read_exactly_into": read_into}
 
 
-class PieceLandsAtStart(Mutant):
-    id = "snapshot_piece_lands_at_start"
-    bug = ("each piece of a large tensor is landed at the start of the tensor's memory (the destination is not advanced): "
-           "the head holds the last piece, the rest is whatever the fresh allocation held")
+class ChunkLandsAtStart(Mutant):
+    id = "snapshot_chunk_lands_at_start"
+    bug = ("a tensor is read in 1 MiB chunks, each landed at the start of the tensor's memory (the destination is not "
+           "advanced): the head holds the last chunk, the rest is whatever the fresh allocation held")
     kills = frozenset({"FILE-LARGE"})
 
     def patches(self):
-        def pieces(view, offset):
-            size = snapshot_load.READ_CHUNK_BYTES
-            return [(view[: min(size, view.nbytes - at)], offset + at) for at in range(0, view.nbytes, size)]
+        def read_into(fd, view, offset, path, name):
+            for at in range(0, view.nbytes, CHUNK):
+                os.preadv(fd, [view[: min(CHUNK, view.nbytes - at)]], offset + at)
 
-        return {"reference.snapshot_load._pieces": pieces}
+        return {"reference.snapshot_load._read_exactly_into": read_into}
