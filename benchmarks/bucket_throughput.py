@@ -10,7 +10,8 @@ Paddle tensors it owns and acknowledging, and the final commit. The first update
 warm-up (first touch of the shared buffers); ``--repeat`` timed updates follow (``clear()`` before
 each, as in RL), and the last one is verified: sha256 of every parameter as landed equals the trainer's.
 
-Baseline, measured in the same run, before each timed update (once the trainer is ready and idle):
+Baseline, measured in the same run, before each timed update (once the trainer is ready and idle;
+one untimed warm-up first, as the first update is):
 the same two copies back to back in this one process and one thread, on the same bytes and the
 same bucket layout (``wire.protocol.plan_layout``): pack every bucket into one reused, already
 touched buffer, then land it into freshly allocated arrays (numpy asks large ones for 2 MiB pages,
@@ -99,6 +100,8 @@ def measure(model, bucket_bytes: int, repeat: int, timeout_s: float, src: dict[s
         for v in versions:
             if v != versions[0]:  # side by side: the baseline right before each timed update
                 rt._wait_status("ready", v, range(rt.ranks))  # the trainer has built version v: idle
+                if not landed:  # warm-up, as the untimed first update: later rounds free a landing first
+                    two_copy(src, layout, bucket, landed)
                 baseline.append(two_copy(src, layout, bucket, landed))
             runs.append(rt.run_version(v))
         buckets = next((m["buckets"] for m in rt.messages if m.get("type") == "sent"), None)

@@ -67,3 +67,13 @@ def test_bucket_benchmark_smoke(tmp_path):
     assert row["x_two_copy_best"] == min(row["two_copy_s"]) / min(row["seconds"]), row
     for column in ("end to end s", "two copies s", "x two-copy"):
         assert column in proc.stdout, f"table column {column!r} missing from the output:\n{proc.stdout}"
+
+
+def test_fresh_memory_benchmark_smoke(tmp_path):
+    out = tmp_path / "fresh.json"
+    cmd = [sys.executable, "-m", "benchmarks.fresh_memory", "--mib", "16", "--repeat", "1", "--gap-s", "0.1",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 4 and all(len(v) == 1 and v[0] > 0 for v in results.values()), results
