@@ -32,7 +32,7 @@ def _spec() -> M.ModelSpec:
     return M.spec(("dup.weight", "float32", BIG), *[(f"own.{i}.weight", "float32", (8, 8)) for i in range(PARTS)])
 
 
-def _write(model_dir) -> None:
+def _write(model_dir, rank: int, gpu_id: int) -> None:
     parts = {}
     for i in range(PARTS):
         parts[i] = {
@@ -40,7 +40,7 @@ def _write(model_dir) -> None:
             f"extra.{i}": np.full(BIG, -1.0, np.float32),  # a name the model does not have
             f"own.{i}.weight": np.full((8, 8), i, np.float32),
         }
-    S.write_parts(model_dir, 0, 0, parts)
+    S.write_parts(model_dir, rank, gpu_id, parts)
 
 
 def _update_without_collector(manager: WeightManager) -> dict:
@@ -60,9 +60,11 @@ def _update_without_collector(manager: WeightManager) -> dict:
 
 
 def test_parts_are_freed_without_a_garbage_collection(tmp_path):
-    _write(tmp_path)
     manager = WeightManager(M.build_models(_spec()), model_dir=str(tmp_path), shared_dir=str(tmp_path / "none"),
-                            env={"CUDA_VISIBLE_DEVICES": "0", "FLAGS_selected_gpus": "0", "PADDLE_TRAINER_ID": "0"})
+                            env={"CUDA_VISIBLE_DEVICES": "0", "FLAGS_selected_gpus": "0"})
+    # The files of whatever rank this process is (an earlier test in the same worker may have left
+    # Paddle's cached rank at another value): the subject is memory, not naming.
+    _write(tmp_path, manager.rank, manager.gpu_id)
     result = harness.in_child(_update_without_collector, manager)
     where = f"update from {PARTS} parts in {tmp_path}, each with a 16 MiB tensor replaced later and a 16 MiB unknown one"
     assert result["status"] == "NORMAL" and result["applied"] == [2] * PARTS, f"{where}: {result}"
