@@ -62,7 +62,7 @@ class Worker:
 def _set_device(selected) -> None:
     """Make the worker's CUDA ordinal the device stand-in's current device, as an engine's
     ``set_device`` at worker start does; it then stays put when the environment changes."""
-    from sim import ipc_handles
+    from wire import handles as ipc_handles
 
     try:
         ipc_handles.set_current_device(int(selected))

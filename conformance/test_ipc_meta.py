@@ -17,7 +17,7 @@ from conformance import check
 from conformance.harness import Worker
 from fixtures import ipc as I
 from fixtures import models as M
-from sim.ipc_handles import PREFIX, leaked_segments
+from wire.handles import PREFIX, leaked_segments
 
 pytestmark = pytest.mark.ipc
 

@@ -678,3 +678,31 @@ def test_file_changed_while_loading(loader, tmp_path, where, change, when):
     session.clear()
     session.update()
     check.params_equal(session.observe(), v1, f"after {change} ({when}) of {path}: rewritten file, clear() and update()")
+
+
+# -- FILE-LARGE --------------------------------------------------------------------------------
+# Larger than the chunks a reader may use (1, 2, 4 MiB): a tensor of exactly 4 MiB, and one of
+# 8 MiB + 12 bytes (whole chunks and 12 bytes) that starts 12 bytes into the data section, after a small one.
+LARGE = M.spec(
+    ("a.bias", "float32", (3,)),
+    ("embed.weight", "float32", ((8 << 20) // 4 + 3,)),
+    ("lm_head.weight", "bfloat16", (2048, 1024)),
+)
+
+
+def _random_state(spec, seed: int) -> dict:
+    """Random bytes in every tensor (no value repeats at any stride): a chunk read from, or landed
+    at, the wrong place cannot match by chance."""
+    rng = np.random.default_rng(seed)
+    return {p.name: np.frombuffer(rng.bytes(p.nbytes), M.NUMPY_DTYPES[p.dtype]).reshape(p.shape) for p in spec.main}
+
+
+@pytest.mark.rule("FILE-LARGE")
+@pytest.mark.parametrize("where", [SINGLE, PART_FIRST])
+def test_large_tensors_load_bit_exact(loader, where):
+    _safetensors_only(where, "a safetensors layout")
+    state = _random_state(LARGE, 11)
+    _, _, paths = _write(loader, where, state)
+    session = loader.open(LARGE)
+    session.update()
+    check.params_equal(session.observe(), state, f"{where}: tensors of 4 MiB and 8 MiB + 12 bytes from {paths}")

@@ -16,7 +16,7 @@ start = text.index("[tool.mutmut]")
 end = text.find("\n[", start + 1)
 table = '''[tool.mutmut]
 source_paths = ["conformance/expectations.py", "conformance/report.py", "conformance/matrix.py"]
-also_copy = ["conformance/", "reference/", "fixtures/", "sim/", "tests/", "conftest.py", "SPEC.md"]
+also_copy = ["conformance/", "reference/", "fixtures/", "sim/", "wire/", "tests/", "conftest.py", "SPEC.md"]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-k", "not real_browser"]
 pytest_add_cli_args_test_selection = ["tests/test_gate_units.py", "tests/test_matrix.py"]
 '''

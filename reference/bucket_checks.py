@@ -1,11 +1,11 @@
 """The receiver's checks of the ``ipc_bucket`` wire format (SPEC.md "Async IPC buckets", BKT rules).
 
-``sim.protocol`` holds what both ends must agree on (message schema, codec, layout planning,
+``wire.protocol`` holds what both ends must agree on (message schema, codec, layout planning,
 constants); this module holds what only the receiver does with a message: parse it into
 :class:`Bucket`/:class:`Entry`, validate it against the update so far (:class:`UpdateState`) before a
 byte of the buffer is read, and check the closing message. Each check is a separate function so that
 SPEC.md can name it and a mutant can break it alone. The dependency runs one way: this module imports
-``sim.protocol``; ``sim.protocol`` never imports ``reference``.
+``wire.protocol``, which imports neither ``reference`` nor ``sim``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from sim.protocol import ALIGN, DTYPES, HANDLE_SIZE, PROTO, ManifestError, name_digest
+from wire.protocol import ALIGN, DTYPES, HANDLE_SIZE, PROTO, ManifestError, name_digest
 
 
 @dataclass(frozen=True)

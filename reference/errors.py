@@ -24,3 +24,7 @@ class SnapshotPermissionError(PermissionError):
 class SnapshotNotAFileError(ValueError):
     """A snapshot candidate exists at a priority level but is not a regular file (a directory, a
     dangling symlink, a FIFO, a device): the loader refuses to fall through to a lower level."""
+
+
+class MetaError(ValueError):
+    """A stored IPC meta that is malformed; the message names the tensor and the field."""

@@ -11,8 +11,8 @@ steps so that a bad entry changes no parameter:
    copy the bytes once, straight into a Paddle tensor the worker owns, and unmap;
 3. apply: one source, label ``raw``, source = the meta file path.
 
-The receiver's checks live here (not in ``sim.ipc_handles``, which is only the transport: segments,
-the device a handle opens on, and the trainer side).
+The receiver's checks live here; ``wire.handles`` holds only what both ends agree on (the handle
+format, segments, the meta's fields and dtype codes, the device a handle opens on).
 """
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ import os
 import numpy as np
 import paddle
 
-from sim.ipc_handles import HANDLE_SIZE, META_FIELDS, HandleError, MetaError, attach_on_device, phi_dtype_codes
+from wire.handles import HANDLE_SIZE, META_FIELDS, HandleError, attach_on_device, phi_dtype_codes
 
 from .dtypes import ITEMSIZE, paddle_dtype
+from .errors import MetaError
 from .host_memory import writable_bytes
 from .safe_pickle import load_restricted
 

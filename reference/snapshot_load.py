@@ -27,7 +27,7 @@ import paddle
 
 from .dtypes import ITEMSIZE, SAFETENSORS_TO_NAME, paddle_dtype
 from .errors import SnapshotFormatError, SnapshotPermissionError
-from .host_memory import writable_bytes
+from .host_memory import advise_huge_pages, writable_bytes
 from .safe_pickle import load_restricted
 
 # paddle.save adds this bookkeeping entry next to the tensors; it is not a parameter.
@@ -202,9 +202,21 @@ def read_header(path: str) -> Header:
     return infos
 
 
+def _read_exactly_into(fd: int, view: np.ndarray, offset: int, path: str, name: str) -> None:
+    """Fill ``view`` from file ``offset``. One ``preadv`` returns at most about 2 GiB on Linux: a larger
+    tensor takes several, each continuing where the last one ended (FILE-LARGE)."""
+    done = 0
+    while done < view.nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise SnapshotFormatError(f"{path}: file changed during load: the read of tensor {name!r} ended early (the file shrank)")
+        done += got
+
+
 def iter_safetensors(path: str, expect: tuple | None = None) -> Iterator[tuple[str, paddle.Tensor]]:
     """Yield (name, tensor) from a safetensors file, each tensor owning its memory. ``expect`` is the
-    file's identity when its header was validated (``read_header(path).identity``)."""
+    file's identity when its header was validated (``read_header(path).identity``). Each tensor is
+    read with ``os.preadv`` straight into its own allocation, 2 MiB pages asked for first."""
     fd = _open_fd(path)
     try:
         header = _parse_header(fd, path)
@@ -218,15 +230,8 @@ def iter_safetensors(path: str, expect: tuple | None = None) -> Iterator[tuple[s
             tensor = paddle.empty(list(e.shape), dtype=paddle_dtype(e.dtype))
             nbytes = e.end - e.begin
             if nbytes:
-                view = writable_bytes(tensor, nbytes)
-                done = 0
-                while done < nbytes:
-                    got = os.preadv(fd, [view[done:]], header.data_start + e.begin + done)
-                    if got <= 0:
-                        raise SnapshotFormatError(
-                            f"{path}: file changed during load: the read of tensor {e.name!r} ended early (the file shrank)"
-                        )
-                    done += got
+                advise_huge_pages(tensor.data_ptr(), nbytes)
+                _read_exactly_into(fd, writable_bytes(tensor, nbytes), header.data_start + e.begin, path, e.name)
             tensors.append((e.name, tensor))
         now = _identity(os.fstat(fd))
         if now != header.identity:

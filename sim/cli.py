@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import interrupt, protocol
+from wire import protocol
+
+from . import interrupt
 from .trainer import TrainerConfig, sweep_segments, trainer_main
 
 MiB = 1 << 20

@@ -6,7 +6,7 @@ recompute exactly what was sent. Status goes to the orchestrator as msgpack over
 nothing is pickled except what ``multiprocessing`` itself needs to start the process.
 
 Bucket path: :class:`BucketTrainer` binds a ROUTER socket and, per update, answers the worker's
-hello with bucket manifests (``sim.protocol``), packing bucket k+1 into the other buffer while the
+hello with bucket manifests (``wire.protocol``), packing bucket k+1 into the other buffer while the
 worker copies bucket k. Meta path: :class:`MetaTrainer` writes ``ipc_metas_{gpu}`` (7-field metas,
 ``sim.ipc_handles.share_array``) and keeps the segment until the orchestrator releases it.
 """
@@ -26,9 +26,10 @@ import numpy as np
 import zmq
 
 from reference import digest  # the digest both ends compute (SPEC.md § DIGEST); it needs no Paddle
+from wire import protocol
+from wire.handles import SHM_DIR, Segment
 
-from . import interrupt, protocol
-from .ipc_handles import SHM_DIR, Segment
+from . import interrupt
 
 log = logging.getLogger("sim.trainer")
 
@@ -262,7 +263,7 @@ def trainer_main(cfg: TrainerConfig) -> None:
             control.setsockopt(zmq.LINGER, 0)
             control.bind(cfg.endpoint)
         if cfg.path == "meta":
-            from .ipc_handles import phi_dtype_codes
+            from wire.handles import phi_dtype_codes
 
             phi_dtype_codes()  # imports Paddle now rather than inside the first timed update
             signal.signal(signal.SIGTERM, _on_sigterm)  # Paddle's import set a C handler that dumps a stack and dies

@@ -1,7 +1,8 @@
-"""Smoke run of ``benchmarks/snapshot_memory.py`` with a few MiB, so the script cannot rot.
+"""Smoke runs of the benchmarks with a few MiB, so the scripts cannot rot.
 
-Small enough to be quick (two child processes), yet it still catches a loader whose parameters
-stay views of the snapshot file's mmap: their final RSS is then near 0, not near M.
+Small enough to be quick, yet the snapshot one still catches a loader whose parameters stay views
+of the snapshot file's mmap: their final RSS is then near 0, not near M. Times are not judged here
+(a loaded machine would make that flaky): only that every figure is measured and reported.
 """
 import json
 import subprocess
@@ -13,11 +14,11 @@ from tests.conftest import REPO
 def test_snapshot_memory_benchmark_smoke(tmp_path):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "benchmarks.snapshot_memory", "--model-mib", "64", "--parts", "2",
-           "--tensors", "4", "--work-dir", str(tmp_path), "--json", str(out)]
+           "--tensors", "4", "--repeat", "1", "--work-dir", str(tmp_path), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-3000:]}"
-    for column in ("layout", "peak/M", "final/M", "target/M", "verdict"):
+    for column in ("layout", "peak/M", "final/M", "target/M", "verdict", "load s", "cold read s", "load/read"):
         assert column in proc.stdout, f"table column {column!r} missing from the output:\n{proc.stdout}"
     report = json.loads(out.read_text())
     rows = {(r["layout"], r["k"]): r for r in report["rows"]}
@@ -32,4 +33,47 @@ def test_snapshot_memory_benchmark_smoke(tmp_path):
         assert r["weights_file_over_m"] < 0.5, (
             f"{key}: {r['weights_file_over_m']:.2f} x M of the weights are file-backed (views of the snapshot mmap)"
         )
+        assert len(r["load_seconds"]) == len(r["read_seconds"]) == 1 and min(r["read_seconds"]) > 0, (
+            f"{key}: one round of load and cold read expected, got {r['load_seconds']} and {r['read_seconds']}"
+        )
+        assert r["load_over_read_median"] == r["load_seconds"][0] / r["read_seconds"][0], f"{key}: {r}"
     assert list(tmp_path.glob("snapshot-memory-*")) == [], "the benchmark left its snapshot files behind"
+
+
+def test_snapshot_parts_benchmark_smoke(tmp_path):
+    out = tmp_path / "parts.json"
+    cmd = [sys.executable, "-m", "benchmarks.snapshot_parts", "--parts", "40", "--repeat", "1",
+           "--work-dir", str(tmp_path), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert report["parts"] == 40 and run["read_bytes"] > 40 * 16 * 64 * 4, f"baseline read {run['read_bytes']} bytes"
+    for key in ("update_s", "read_s", "gc_collect_s"):
+        assert run[key] > 0, f"{key} not measured: {run}"
+    assert "update()" in proc.stdout and "gc.collect()" in proc.stdout, proc.stdout
+    assert list(tmp_path.glob("snapshot-parts-*")) == [], "the benchmark left its part files behind"
+
+
+def test_bucket_benchmark_smoke(tmp_path):
+    out = tmp_path / "buckets.json"
+    cmd = [sys.executable, "-m", "benchmarks.bucket_throughput", "--model-mib", "16", "--buckets", "4",
+           "--repeat", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+    (row,) = json.loads(out.read_text())["rows"]
+    assert len(row["seconds"]) == len(row["two_copy_s"]) == 2, f"two rounds of each expected: {row}"
+    assert row["verified"] > 0 and row["mismatches"] == [], f"landed bytes not verified: {row}"
+    assert row["x_two_copy_best"] == min(row["two_copy_s"]) / min(row["seconds"]), row
+    for column in ("end to end s", "two copies s", "x two-copy"):
+        assert column in proc.stdout, f"table column {column!r} missing from the output:\n{proc.stdout}"
+
+
+def test_fresh_memory_benchmark_smoke(tmp_path):
+    out = tmp_path / "fresh.json"
+    cmd = [sys.executable, "-m", "benchmarks.fresh_memory", "--mib", "16", "--repeat", "1", "--gap-s", "0.1",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 4 and all(len(v) == 1 and v[0] > 0 for v in results.values()), results

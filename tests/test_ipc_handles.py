@@ -1,4 +1,4 @@
-"""Unit tests of sim.ipc_handles (segments, 7-field metas, the CPU _new_shared_cuda) and fixtures.ipc."""
+"""Unit tests of the IPC handle transport (``wire.handles`` through ``sim.ipc_handles``: segments, 7-field metas, the CPU _new_shared_cuda) and fixtures.ipc."""
 import os
 import pickle
 

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference import bucket_checks as C
-from sim import protocol as P
-from sim.ipc_handles import leaked_segments
+from wire import protocol as P
+from wire.handles import leaked_segments
 from tests.conftest import REPO
 
 

@@ -8,7 +8,7 @@ import time
 from reference import apply, buckets
 from reference import bucket_checks as checks
 from reference.dtypes import paddle_dtype
-from sim import protocol
+from wire import protocol
 
 from .base import Mutant
 
@@ -18,7 +18,6 @@ _check_nbytes = checks.check_nbytes
 _check_version = checks.check_version
 _check_targets = buckets.check_targets
 _new_state = buckets.new_update_state
-_decode = protocol.decode
 
 
 def _skip(*args, **kwargs) -> None:
@@ -243,7 +242,7 @@ class NoDeadline(Mutant):
             def receive(self, where):
                 frame = self.sock.recv()
                 self.can_send = True
-                return protocol.decode(frame, where)
+                return self.parse(frame, where)
 
         return {"reference.buckets.Link": BlockingLink}
 
@@ -270,13 +269,14 @@ class ManifestUnpickled(Mutant):
     kills = frozenset({"BKT-NO-PICKLE"})
 
     def patches(self):
-        def decode(frame, where, allowed=protocol.TRAINER_TYPES):
-            try:
-                return pickle.loads(frame)
-            except Exception:
-                return _decode(frame, where, allowed)
+        class PickleFirst(_Link):
+            def parse(self, frame, where):
+                try:
+                    return pickle.loads(frame)
+                except Exception:
+                    return super().parse(frame, where)
 
-        return {"sim.protocol.decode": decode}
+        return {"reference.buckets.Link": PickleFirst}
 
 
 class MappingCached(Mutant):
@@ -406,7 +406,7 @@ class DeadlinePerUpdate(Mutant):
                     raise protocol.TransferTimeout(f"ipc_bucket: update not finished within {self.timeout_s}s at {where}")
                 frame = self.sock.recv(copy=False).bytes
                 self.can_send = True
-                return protocol.decode(frame, where)
+                return self.parse(frame, where)
 
         return {"reference.buckets.Link": Deadline}
 
@@ -600,7 +600,7 @@ class AbortUnhandled(Mutant):
     kills = frozenset({"BKT-ABORT"})
 
     def patches(self):
-        return {"sim.protocol.ABORT": "abort (unhandled)"}
+        return {"reference.buckets.check_abort": _skip}
 
 
 class StatusClearedUntilCommit(Mutant):
@@ -893,7 +893,10 @@ class FrameLimitTypo(Mutant):
     kills = frozenset({"BKT-FRAME-LIMIT"})
 
     def patches(self):
-        return {"sim.protocol.MAX_FRAME": 64 << 30}
+        class Typo(_Link):
+            max_frame = 64 << 30
+
+        return {"reference.buckets.Link": Typo}
 
 
 class FrameLimitInclusive(Mutant):
@@ -902,4 +905,7 @@ class FrameLimitInclusive(Mutant):
     kills = frozenset({"BKT-FRAME-LIMIT"})
 
     def patches(self):
-        return {"sim.protocol.MAX_FRAME": (64 << 20) - 1}
+        class Inclusive(_Link):
+            max_frame = (64 << 20) - 1
+
+        return {"reference.buckets.Link": Inclusive}

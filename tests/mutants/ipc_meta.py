@@ -36,7 +36,7 @@ def _read_bytes(meta, check_range=True):
     dtype = ipc_handles.numpy_dtype(ipc_meta.dtype_of_code(type_idx))
     with ipc_handles.attach_on_device(handle, device_id) as seg:
         if check_range and offset + size > seg.size:
-            raise ipc_handles.MetaError(f"field offset_bytes {offset} + size {size} outside segment of {seg.size} bytes")
+            raise ipc_meta.MetaError(f"field offset_bytes {offset} + size {size} outside segment of {seg.size} bytes")
         data = bytes(seg.buf[offset : offset + size])
     return np.frombuffer(data, dtype).reshape(dims).copy()
 
@@ -123,7 +123,7 @@ def _unchecked_open(name, meta, path):
     try:
         return _to_paddle(_read_bytes(meta, check_range=False))
     except ipc_handles.HandleError as e:
-        raise ipc_handles.MetaError(f"{path}: cannot open IPC handle of tensor {name!r}: {e}") from None
+        raise ipc_meta.MetaError(f"{path}: cannot open IPC handle of tensor {name!r}: {e}") from None
 
 
 class RangeUnchecked(Mutant):
@@ -176,8 +176,8 @@ class ApplyAsYouGo(Mutant):
             for name, meta in ipc_meta.read_metas(path).items():
                 try:
                     fixed = ipc_meta.normalize_meta(meta, name=name, device=device)
-                except ipc_handles.MetaError as e:
-                    raise ipc_handles.MetaError(f"{path}: {e}") from None
+                except ipc_meta.MetaError as e:
+                    raise ipc_meta.MetaError(f"{path}: {e}") from None
                 known = name in manager.params
                 manager.apply([(name, ipc_meta.open_tensor(name, fixed, path) if known else None)], ipc_meta.LABEL, path)
 
@@ -243,7 +243,7 @@ class RangeEndExclusive(Mutant):
             with ipc_handles.attach_on_device(meta[0], meta[6]) as seg:
                 size = seg.size
             if meta[2] and meta[1] + meta[2] >= size:
-                raise ipc_handles.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} outside segment of {size} bytes")
+                raise ipc_meta.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} outside segment of {size} bytes")
             return _open(name, meta, path)
 
         return {"reference.ipc_meta.open_tensor": open_tensor}
@@ -259,7 +259,7 @@ class RangeStartOnly(Mutant):
             with ipc_handles.attach_on_device(meta[0], meta[6]) as seg:
                 size = seg.size
             if meta[1] >= size and meta[2]:
-                raise ipc_handles.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} past segment of {size} bytes")
+                raise ipc_meta.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} past segment of {size} bytes")
             return _unchecked_open(name, meta, path)
 
         return {"reference.ipc_meta.open_tensor": open_tensor}
@@ -276,7 +276,7 @@ class RangeWraps64(Mutant):
             with ipc_handles.attach_on_device(meta[0], meta[6]) as seg:
                 size = seg.size
             if end > size:
-                raise ipc_handles.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} outside segment of {size} bytes")
+                raise ipc_meta.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} outside segment of {size} bytes")
             return _unchecked_open(name, meta, path)
 
         return {"reference.ipc_meta.open_tensor": open_tensor}
@@ -394,7 +394,7 @@ class OpenAllLeakOnError(Mutant):
                 if meta is not None:
                     attached.append(ipc_handles.attach_on_device(meta[0], meta[6]))  # not closed if a later one fails
                     if meta[1] + meta[2] > attached[-1].size:
-                        raise ipc_handles.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} outside its segment")
+                        raise ipc_meta.MetaError(f"{path}: tensor {name!r}: field offset_bytes {meta[1]} outside its segment")
             for seg in attached:
                 seg.close()
             return _update(manager)
