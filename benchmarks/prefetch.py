@@ -90,7 +90,9 @@ def loader_seconds(models, state, repeat: int = 3) -> float:
 
 def manager(models, endpoint: str, window: int, timeout_s: float):
     from reference.manager import WeightManager
+    from sim.checkpoint_transfer import install_as_library
 
+    install_as_library()  # the worker's `import checkpoint_transfer` (the stand-in where no real one is)
     cfg = {"endpoint": endpoint, "recv_bucket_timeout_s": timeout_s, "gdr_prefetch_queue_size": window}
     return WeightManager(models, load_strategy="gdr", model_dir=REPO, options={"rsync_config": cfg, "version": "1"})
 

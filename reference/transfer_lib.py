@@ -1,8 +1,9 @@
 """The transfer library of the streamed paths and the handle a worker keeps across updates.
 
-Which library: the simulator's stand-in ``sim.checkpoint_transfer`` (the real CheckpointTransfer is not
-public), whose trainer end the suite drives; a production loader imports ``checkpoint_transfer`` with the
-same surface. Its ``config`` submodule holds ``TransferConfig``, ``Role`` and ``Phase1Backend``.
+Which library: ``checkpoint_transfer``, as a production loader imports it. Its ``config`` submodule holds
+``TransferConfig``, ``Role`` and ``Phase1Backend``. The real library is not public; where it is absent the
+suite installs the simulator's stand-in under that name (``sim.checkpoint_transfer.install_as_library``),
+so the reference never names the simulator.
 
 The handle (FastDeploy #8078/#8079): created and initialized once per worker, reused by every update,
 destroyed (``cleanup()``, errors swallowed) on any failure so that the next update starts a fresh one,
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 log = logging.getLogger("reference.transfer_lib")
 
-LIBRARY = "sim.checkpoint_transfer"
+LIBRARY = "checkpoint_transfer"
 
 _handles: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
 

@@ -33,6 +33,26 @@ def test_never_shadows_a_real_installation():
     assert ct.STANDIN is True
 
 
+def test_install_as_library_maps_the_name_only_where_no_real_library_imports():
+    """The worker imports `checkpoint_transfer`: the stand-in is mapped there, submodules included, unless a
+    real (non-stand-in) module already holds the name, which is never replaced."""
+    import types
+
+    modules = {}
+    assert ct.install_as_library(modules) is True
+    assert modules["checkpoint_transfer"] is ct
+    assert {name: modules[f"checkpoint_transfer.{name}"].__name__ for name in ("config", "transfer", "core")} == {
+        name: f"sim.checkpoint_transfer.{name}" for name in ("config", "transfer", "core")}
+    real = types.ModuleType("checkpoint_transfer")
+    modules = {"checkpoint_transfer": real}
+    assert ct.install_as_library(modules) is False
+    assert modules == {"checkpoint_transfer": real}, "a real library was replaced by the stand-in"
+    stub = types.ModuleType("checkpoint_transfer")
+    stub.__conformance_stub__ = True  # the FastDeploy adapter's import stub is not a library
+    modules = {"checkpoint_transfer": stub}
+    assert ct.install_as_library(modules) is True and modules["checkpoint_transfer"] is ct
+
+
 def test_initialize_and_cleanup_work_called_plainly_and_through_asyncio_run():
     state = M.state(SPEC, version=2)
     with StreamTrainer() as trainer:

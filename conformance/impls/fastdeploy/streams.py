@@ -23,9 +23,7 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
-import sys
 import threading
 
 from .session import FastDeploySession
@@ -35,32 +33,14 @@ from .world import fd_config, worker_world
 
 STRATEGIES = {"rsync": "rsync", "gdr": "rsync", "gdr_ipc": "ipc"}  # suite strategy -> FastDeploy load_strategy
 LIBRARY = "checkpoint_transfer"
-STANDIN = "sim.checkpoint_transfer"
-SUBMODULES = ("config", "transfer", "core")
-
-
-def _real_library(modules) -> bool:
-    module = modules.get(LIBRARY)
-    if module is not None:
-        return not getattr(module, "__conformance_stub__", False) and not getattr(module, "STANDIN", False)
-    try:
-        importlib.import_module(LIBRARY)
-    except Exception:  # noqa: BLE001 - absent, or broken here: either way not usable
-        return False
-    return True
 
 
 def install_standin(modules=None) -> bool:
-    """Map ``checkpoint_transfer`` and its submodules onto the stand-in, unless a real library imports.
-    Returns whether the stand-in is (now) what FastDeploy will import."""
-    modules = sys.modules if modules is None else modules
-    if _real_library(modules):
-        return False
-    standin = importlib.import_module(STANDIN)
-    modules[LIBRARY] = standin
-    for name in SUBMODULES:
-        modules[f"{LIBRARY}.{name}"] = importlib.import_module(f"{STANDIN}.{name}")
-    return True
+    """Map ``checkpoint_transfer`` onto the simulator's stand-in, unless a real library imports
+    (``sim.checkpoint_transfer.install_as_library``). Returns whether the stand-in is what FastDeploy imports."""
+    from sim.checkpoint_transfer import install_as_library
+
+    return install_as_library(modules)
 
 
 def capabilities(cls, standin: bool) -> tuple[set, dict]:
