@@ -147,14 +147,18 @@ class BucketTrainer:
             # names bucket k; a SIGKILL right after send() could lose the queued manifest.
             self.sock.poll(int(self.timeout_s * 1000))
         dst = np.frombuffer(self.segments[k % 2].buf, np.uint8)
-        for i, p in enumerate(layout[k]):
-            if kill and i >= max(1, len(layout[k]) // 2):
-                os.kill(os.getpid(), signal.SIGKILL)  # die mid-bucket, as a crashed trainer would
-            if p.nbytes:
-                np.copyto(dst[p.offset : p.offset + p.nbytes], flat[p.name][p.chunk_offset : p.chunk_offset + p.nbytes])
-        if kill:
-            os.kill(os.getpid(), signal.SIGKILL)
-        del dst
+        try:
+            for i, p in enumerate(layout[k]):
+                if kill and i >= max(1, len(layout[k]) // 2):
+                    os.kill(os.getpid(), signal.SIGKILL)  # die mid-bucket, as a crashed trainer would
+                if p.nbytes:
+                    np.copyto(dst[p.offset : p.offset + p.nbytes], flat[p.name][p.chunk_offset : p.chunk_offset + p.nbytes])
+            if kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            # A SIGTERM mid-copy unwinds with this frame in its traceback: a view left here would keep
+            # the mapping exported and close() would fail.
+            del dst
 
     def publish(self, state: Mapping[str, np.ndarray], version: int, kill_at_bucket: int | None = None,
                 on_bucket: Callable[[int], None] | None = None, hold: tuple | None = None) -> int:
@@ -198,8 +202,8 @@ class BucketTrainer:
         if self.sock is not None:
             self.sock.close()
         for seg in self.segments:
+            seg.unlink()  # first: the name must leave /dev/shm even if closing the mapping fails
             seg.close()
-            seg.unlink()
         self.segments = []
 
 

@@ -7,10 +7,13 @@ report a failed update); no traceback, no Paddle stack dump, no failed update re
 process gone (psutil), no /dev/shm segment of the run's processes, and the run's directory removed.
 """
 import os
+import pathlib
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -100,16 +103,20 @@ def _pid(segment: str) -> int | None:
 
 
 @pytest.fixture
-def held(tmp_path):
+def held():
+    # A short TMPDIR of its own, not pytest's tmp_path: the run's ZMQ ipc sockets live there, and under
+    # pytest-xdist tmp_path is long enough to pass the 107-byte limit of a socket's path.
+    base = pathlib.Path(tempfile.mkdtemp(prefix="wsig"))
     runs = []
 
     def start(hold, args=RUN):
-        runs.append(Run(tmp_path / str(len(runs)), hold, args))
+        runs.append(Run(base / str(len(runs)), hold, args))
         return runs[-1]
 
     yield start
     for r in runs:
         r.kill()
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def _nothing_left(run: Run, code: int, output: str, elapsed: float, signum: int, where: str) -> None:

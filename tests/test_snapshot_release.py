@@ -45,6 +45,9 @@ def _write(model_dir, rank: int, gpu_id: int) -> None:
 
 def _update_without_collector(manager: WeightManager) -> dict:
     """In the forked child: update with the collector off and ``gc.collect`` counted."""
+    # Buffers this big must be returned when freed: an earlier test in this process may have raised
+    # glibc's threshold so that they sit in heap holes that stay resident.
+    assert harness.pin_malloc_threshold(), "mallopt(M_MMAP_THRESHOLD) refused"
     gc.freeze()
     gc.disable()
     collections = []

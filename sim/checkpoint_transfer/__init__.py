@@ -22,15 +22,20 @@ LIBRARY = "checkpoint_transfer"
 SUBMODULES = ("config", "transfer", "core")
 
 
+def _is_real(module) -> bool:
+    return not getattr(module, "__conformance_stub__", False) and not getattr(module, "STANDIN", False)
+
+
 def _real_library(modules) -> bool:
     module = modules.get(LIBRARY)
     if module is not None:
-        return not getattr(module, "__conformance_stub__", False) and not getattr(module, "STANDIN", False)
+        return _is_real(module)
     try:
-        importlib.import_module(LIBRARY)
+        # Through sys.modules: an earlier install in this process answers with the stand-in, not a library.
+        module = importlib.import_module(LIBRARY)
     except Exception:  # noqa: BLE001 - absent, or broken here: either way not usable
         return False
-    return True
+    return _is_real(module)
 
 
 def install_as_library(modules=None) -> bool:
