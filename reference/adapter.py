@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from conformance.adapter import LoaderConfig, LoadEvent, Observed, observe_paddle
 
-from . import __version__
+from . import __version__, worker_loop
+from .control import WeightControl
 from .manager import WeightManager
 
 
@@ -32,6 +33,12 @@ class ReferenceSession:
     def status(self) -> str:
         return self.manager.status.name
 
+    def version(self):
+        return self.manager.version
+
+    def worker_iteration(self, run_model, *, block: bool, sync=None) -> str:
+        return worker_loop.iteration(self.manager, run_model, block=block, sync=sync)
+
     def close(self) -> None:
         """Nothing to release: every path frees its files, mappings, sockets and threads before
         ``update()`` returns (FILE-RELEASED, IPC-NO-LEAK, BKT-NO-LEAK)."""
@@ -51,9 +58,18 @@ class ReferenceAdapter:
             "trace",
             "status",
             "mtp",
+            "status.cell",
+            "control",
+            "staged",
+            "version",
+            "multirank",
         }
     )
     session_class = ReferenceSession
+    control_class = WeightControl
 
     def open(self, models, config: LoaderConfig) -> ReferenceSession:
         return self.session_class(models, config)
+
+    def control(self, cell_name: str) -> WeightControl:
+        return self.control_class(cell_name)

@@ -4,6 +4,12 @@ Lifecycle: ``clear()`` -> ``update()`` (load with the configured strategy, then 
 Status values follow ModelWeightsStatus; a failed update leaves the status at UPDATING (never
 NORMAL) with the exception in ``last_error``. ``update()`` needs ``CLEARED``: after a failed update the
 caller clears, then updates again (SPEC LIFE-RECOVERY; the contract always clears first).
+
+Across ranks (``reference.agreement``): every rank votes at the end of a clear and of an update, a
+failure included, and none reports CLEARED or NORMAL unless all succeeded; tensor-parallel rank 0 then
+writes the shared status cell (``reference.status_cell``; never for the first load). ``finalize()`` is
+the commit point every path shares: verify, agree, adopt what a staged update kept
+(``reference.commit``), stamp the version, NORMAL.
 """
 from __future__ import annotations
 
@@ -15,8 +21,10 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import apply, identity
+from . import apply, commit, identity
+from .agreement import Agreement
 from .status import Status
+from .status_cell import CellWriter
 
 log = logging.getLogger("reference.manager")
 
@@ -64,6 +72,15 @@ class WeightManager:
         self.status = Status.CLEARED if not apply.still_loaded(self.params) else Status.NORMAL
         self.trace: list[LoadEvent] = []
         self.last_error: BaseException | None = None
+        self.commit_options = commit.CommitOptions.parse(self.options)
+        self.agreement = Agreement(self.commit_options.agree_timeout_s)
+        self.cell = CellWriter(self.commit_options.status_cell,
+                               self.commit_options.tp_rank(self.rank, self.agreement.world_size()))
+        self.version: int | None = None  # of the last committed update
+        self.first_load = True
+        self._stage: commit.Stage | None = None
+        self._pending_version: int | None = None
+        self._voted = self._committed = False
 
     def _capture(self) -> dict[str, paddle.Tensor]:
         # Never initialize here: capturing must not allocate (FastDeploy #7171, OOM on ipc).
@@ -82,36 +99,66 @@ class WeightManager:
     # -- clear -------------------------------------------------------------------------------
     def clear(self) -> None:
         self.status = Status.CLEARING
-        for param in self.params.values():
-            param._clear_data()
-        left = apply.still_loaded(self.params)
-        if left:
-            raise RuntimeError(f"Model Parameter clearance verification failed: still initialized: {', '.join(left)}")
+        try:
+            for param in self.params.values():
+                param._clear_data()
+            left = apply.still_loaded(self.params)
+            if left:
+                raise RuntimeError(f"Model Parameter clearance verification failed: still initialized: {', '.join(left)}")
+        except Exception as e:
+            self.agreement.report_failure("clear", e)
+            raise
+        self.agreement.require_all("clear")
         self.status = Status.CLEARED
+        self.cell.publish(Status.CLEARED, self.first_load)
         log.info("cleared %d parameters", len(self.params))
 
     # -- update ------------------------------------------------------------------------------
     def update(self) -> None:
         """Load every parameter from the configured source, then verify; raises on any failure."""
-        if self.status != Status.CLEARED:
-            raise RuntimeError(
-                f"update() needs cleared weights, status is {self.status.name}: call clear() first"
-            )
-        self.status = Status.UPDATING
-        self.trace = []
-        self.last_error = None
+        self._voted = self._committed = False
+        self._pending_version = None
+        self._stage = commit.Stage() if self.commit_options.staged else None
         try:
+            if self.status != Status.CLEARED:
+                raise RuntimeError(
+                    f"update() needs cleared weights, status is {self.status.name}: call clear() first"
+                )
+            self.status = Status.UPDATING
+            self.trace = []
+            self.last_error = None
+            self.announce(commit.read_version_file(self._version_dir()))
             module, func = STRATEGIES[self.load_strategy].split(":")
             getattr(importlib.import_module(module), func)(self)
             self.finalize()
         except BaseException as e:
             self.last_error = e
+            self._stage = None  # a staged update's tensors are dropped, never adopted
+            if not self._voted:  # the other ranks learn of it now, not at their deadline
+                self.agreement.report_failure("update", e)
             log.error("update via %s failed: %s", self.load_strategy, e)
             raise
 
+    def _version_dir(self) -> str | None:
+        """Where a trainer leaves ``version.yaml`` for paths that carry no version in-band."""
+        return {"ipc_snapshot": self.model_dir, "ipc": self.shared_dir}.get(self.load_strategy)
+
+    def announce(self, version: int | None) -> None:
+        """The version this update carries, as soon as its path knows it; refused at once if older
+        than the one reported."""
+        if version is None:
+            return
+        where = f"{self.load_strategy} update on rank {self.rank}"
+        if self._pending_version not in (None, version):
+            raise commit.VersionError(f"{where}: announced version {version} after {self._pending_version}")
+        commit.check_forward(version, self.version, where)
+        self._pending_version = version
+
     def apply(self, tensors: Iterable[tuple[str, paddle.Tensor]], label: str, source: str | None) -> int:
-        """Validate and adopt tensors from one source; an empty source is a ValueError."""
-        applied, seen, unknown = apply.apply_tensors(self.params, tensors, source or label)
+        """Validate and adopt tensors from one source (staged: keep them for the commit); an empty
+        source is a ValueError."""
+        applied, seen, unknown = (self._stage.apply if self._stage is not None else apply.apply_tensors)(
+            self.params, tensors, source or label)
         if seen == 0:
             raise ValueError(f"No parameter found in state dict from {source or label} ({label})")
         for name in unknown:
@@ -121,10 +168,26 @@ class WeightManager:
         return applied
 
     def finalize(self) -> None:
-        missing = apply.unloaded(self.params)
+        """The commit point: verify, agree with every rank, adopt the staged tensors, stamp the version,
+        NORMAL. A path that must answer its trainer only after the commit calls it itself; ``update()``
+        calls it for the others. Idempotent within one update."""
+        if self._committed:
+            return
+        staged = self._stage.holds if self._stage is not None else (lambda name: False)
+        missing = [name for name in apply.unloaded(self.params) if not staged(name)]
         if missing:
             raise RuntimeError(
                 f"Model Parameter update verification failed: {len(missing)} parameter(s) not loaded: "
                 + ", ".join(missing)
             )
+        self._voted = True
+        self.agreement.require_all("update")
+        if self._stage is not None:
+            self._stage.commit(self.params)
+            self._stage = None
+        if self._pending_version is not None:
+            self.version = self._pending_version
+        self._committed = True
         self.status = Status.NORMAL
+        self.cell.publish(Status.NORMAL, self.first_load)
+        self.first_load = False
