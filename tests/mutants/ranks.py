@@ -1,0 +1,104 @@
+"""Mutants of the status state machine, staged commits, versions, multi-rank agreement and the resources
+of repeated cycles (SPEC.md STATUS, STAGE, VER, MR, CYCLE): the reference with one real bug put back,
+each the way a worker written from the contract plausibly gets it wrong (FastDeploy #5249, #5493,
+#5527 are three of them, found in production).
+
+Patches follow tests/mutants/lifecycle.py: module attributes looked up at call time. Mutants of the
+multi-rank rules patch the reference in the pytest process; the rank processes resolve the same mutant
+by name (``--impl=tests.mutants:mutant --impl-opt name=ID``), so the patch is in every rank.
+"""
+from __future__ import annotations
+
+import time
+
+from reference import worker_loop as _loop
+from reference.status import Status
+from reference.status_cell import StatusCell
+
+from .base import Mutant
+
+_real_iteration = _loop.iteration
+_real_check_status = _loop.check_status
+
+
+# -- the worker loop (STATUS) ---------------------------------------------------------------------
+class WritesBackReadStatus(Mutant):
+    id = "loop_writes_back_read_status"
+    bug = ("the worker writes the value it read (and broadcast) back into the cell before acting on it, as "
+           "FastDeploy's loop did before #5493: an UPDATING written by the API during the broadcast of a stale "
+           "CLEARED is erased, and the update times out")
+    kills = frozenset({"STATUS-REQUEST-KEPT"})
+
+    def patches(self):
+        def iteration(manager, run_model, *, block, sync=None, poll_s=_loop.POLL_S):
+            name = manager.commit_options.status_cell
+            with StatusCell(name) as cell:
+                value = cell.read()
+                value = sync(value) if sync is not None else manager.agreement.broadcast(value)
+                if value != Status.NORMAL and manager.cell.writes:
+                    cell.write(value)
+                if value == Status.NORMAL:
+                    run_model()
+                    return "ran"
+                return _loop.check_status(manager, cell, value, block=block, poll_s=poll_s)
+
+        return {"reference.worker_loop.iteration": iteration}
+
+
+class NonBlockingWaits(Mutant):
+    id = "loop_nonblocking_waits_for_update"
+    bug = ("block=False is ignored: the loop stays inside after CLEARED until the next update, as before "
+           "FastDeploy #5249 (the worker cannot keep its communication group alive while idle)")
+    kills = frozenset({"STATUS-NONBLOCK-RETURNS"})
+
+    def patches(self):
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S):
+            return _real_check_status(manager, cell, value, block=True, poll_s=poll_s)
+
+        return {"reference.worker_loop.check_status": check_status}
+
+
+class BlockingReturnsAtCleared(Mutant):
+    id = "loop_blocking_returns_at_cleared"
+    bug = "block=True is ignored: the blocking loop returns at CLEARED like the non-blocking one"
+    kills = frozenset({"STATUS-BLOCK-WAITS"})
+
+    def patches(self):
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S):
+            return _real_check_status(manager, cell, value, block=False, poll_s=poll_s)
+
+        return {"reference.worker_loop.check_status": check_status}
+
+
+class RunsModelAfterChange(Mutant):
+    id = "loop_runs_model_after_change"
+    bug = ("after a clear or an update the iteration falls through to the model run instead of continuing, as "
+           "before FastDeploy #5527 (EP crashed on the missing weights and cache)")
+    kills = frozenset({"STATUS-NO-RUN-AFTER-CHANGE"})
+
+    def patches(self):
+        def iteration(manager, run_model, *, block, sync=None, poll_s=_loop.POLL_S):
+            result = _real_iteration(manager, run_model, block=block, sync=sync, poll_s=poll_s)
+            if result in ("cleared", "updated"):
+                run_model()
+            return result
+
+        return {"reference.worker_loop.iteration": iteration}
+
+
+class SlowWriteBack(Mutant):
+    id = "loop_writes_back_after_idle"
+    bug = ("an idle iteration (CLEARED) re-asserts CLEARED into the cell after a short wait, 'to be safe': an "
+           "UPDATING the API wrote meanwhile is lost (the #5493 race outside the broadcast)")
+    kills = frozenset({"STATUS-REQUEST-KEPT"})
+
+    def patches(self):
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S):
+            if value == Status.CLEARED and not block:
+                time.sleep(0.0005)
+                if manager.cell.writes:
+                    cell.write(Status.CLEARED)
+                return "idle"
+            return _real_check_status(manager, cell, value, block=block, poll_s=poll_s)
+
+        return {"reference.worker_loop.check_status": check_status}
