@@ -43,8 +43,10 @@ def broken_state(spec, version: int, fault: str | None) -> dict[str, np.ndarray]
 
 
 class Sources:
-    def __init__(self, loader, kind: str, *, timeout_s: float = 1.0):
+    def __init__(self, loader, kind: str, *, timeout_s: float = 1.0, rank: int = 0, gpu: int = 0):
+        """``rank``/``gpu``: the worker whose shard is published (global rank, physical GPU id)."""
         self.loader, self.kind, self.timeout_s = loader, kind, timeout_s
+        self.rank, self.gpu = rank, gpu
         self.exports: list = []
         self.publisher = None
         self.where = ""
@@ -65,7 +67,7 @@ class Sources:
             d = self.loader.model_dir
             for name in os.listdir(d):
                 os.remove(os.path.join(d, name))
-            paths = S.write_parts(d, 0, 0, dict(enumerate(S.split(st, min(3, len(st))))))
+            paths = S.write_parts(d, self.rank, self.gpu, dict(enumerate(S.split(st, min(3, len(st))))))
             if fault == "gone":
                 with open(paths[-1], "r+b") as f:
                     f.truncate(os.path.getsize(paths[-1]) // 2)
@@ -77,7 +79,7 @@ class Sources:
                 old.close()
             export = I.Export(st, per_segment=2)
             self.exports = [export]
-            path = I.write_metas(I.meta_path(self.loader.shared_dir, 0), export.metas)
+            path = I.write_metas(I.meta_path(self.loader.shared_dir, self.gpu), export.metas)
             if fault == "gone":
                 export.free(list(st)[-1])
             if write_version:

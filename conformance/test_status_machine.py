@@ -8,6 +8,7 @@ seeded number of microseconds after its CLEARED. Every failure names its seed an
 ``CONFORMANCE_LOOP_SEED=N`` reruns that seed alone.
 """
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -15,13 +16,14 @@ import pytest
 from conformance import check
 from conformance import loop_schedule as L
 from conformance.harness import Worker
+from conformance.loop_driver import END_RESULTS, LoopChild
 from conformance.path_sources import CAPS, Sources
 from fixtures import models as M
 from fixtures import status_cell as C
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
 LOOP = ("status.cell", "snapshot.single")
-VALUES = {"NORMAL": C.NORMAL, "UPDATING": C.UPDATING, "CLEARING": C.CLEARING, "CLEARED": C.CLEARED, "other(7)": 7}
+VALUES = {"NORMAL": C.NORMAL, "UPDATING": C.UPDATING, "CLEARING": C.CLEARING, "CLEARED": C.CLEARED, "UNKNOWN(7)": 7}
 
 
 @pytest.fixture
@@ -103,3 +105,130 @@ def test_blocking_loop_stays_until_updated(loader, cell):
     where = f"blocking worker loop, seeds {seed_list[0]}..{seed_list[-1]}"
     _violations(outcome, L.BLOCK, where)
     _completed(outcome, seed_list, where)
+
+
+# -- who writes the cell, and when --------------------------------------------------------------------
+def _cycle(loader, sources, session, spec, version):
+    session.clear()
+    sources.publish(spec, version)
+    session.update()
+    sources.settle()
+
+
+@pytest.mark.rule("STATUS-FIRST-LOAD-SILENT")
+@pytest.mark.parametrize(
+    "kind,initial",
+    [pytest.param("snapshot", name, marks=pytest.mark.requires("status.cell", *CAPS["snapshot"]), id=f"snapshot:{name}")
+     for name in VALUES]
+    + [pytest.param(kind, "UPDATING", marks=pytest.mark.requires("status.cell", *CAPS[kind]), id=f"{kind}:UPDATING")
+       for kind in ("ipc", "bucket")],
+)
+def test_first_load_writes_no_status(loader, kind, initial):
+    sources = Sources(loader, kind)
+    with C.Cell(VALUES[initial]) as cell:
+        try:
+            sources.publish(SPEC, 1)
+            session = sources.open(SPEC, status_cell=cell.name)
+            session.update()
+            sources.settle()
+            where = f"{kind}: the first load of {sources.where}"
+            check.params_equal(session.observe(), M.state(SPEC, version=1), where)
+            check.equal(C.name_of(cell.read()), initial, f"{where}: the cell the engine set to {initial} afterwards")
+            _cycle(loader, sources, session, SPEC, 2)
+            check.equal(C.name_of(cell.read()), "NORMAL", f"{kind}: the cell after clear() and a second update")
+        finally:
+            sources.close()
+
+
+WRITERS = [  # (rank, world, tp_size option, writes)
+    (0, 1, None, True), (1, 2, None, False), (3, 4, None, False), (2, 4, 2, True), (3, 4, 2, False), (1, 4, 1, True)]
+
+
+@pytest.mark.rule("STATUS-RANK0-WRITES")
+@pytest.mark.parametrize(
+    "rank,world,tp_size,writes",
+    [pytest.param(*w, marks=pytest.mark.requires("status.cell", "snapshot.parts"),
+                  id=f"rank{w[0]}of{w[1]}:tp{w[2] or 'world'}") for w in WRITERS],
+)
+def test_only_tensor_parallel_rank0_writes(loader, monkeypatch, rank, world, tp_size, writes):
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", str(world))
+    gpu = 5 + rank  # physical id != ordinal != rank
+    sources = Sources(loader, "snapshot", rank=rank, gpu=gpu)
+    who = f"rank {rank} of {world} (tp_size {tp_size or world}: tensor-parallel rank {rank % (tp_size or world)})"
+    with C.Cell(7) as cell:  # a value no worker writes: any write shows
+        options = {"status_cell": cell.name, **({"tp_size": tp_size} if tp_size else {})}
+        sources.publish(SPEC, 1)
+        visible = ",".join(str(5 + r) for r in range(world))
+        session = loader.open(SPEC, worker=Worker(rank, visible, str(rank)), options=options)
+        session.update()
+        check.params_equal(session.observe(), M.state(SPEC, version=1), f"{who}: first load of {sources.where}")
+        check.equal(cell.read(), 7, f"{who}: the cell after the first load")
+        for step, want in (("clear()", C.CLEARED), ("update()", C.NORMAL), ("clear()", C.CLEARED)):
+            (session.update if step == "update()" else session.clear)()
+            expected = want if writes else 7
+            check.equal(C.name_of(cell.read()), C.name_of(expected), f"{who}: the cell after {step}")
+
+
+# -- the API side: what a request does in each state ------------------------------------------------
+def _runs(loop, count, timeout_s=3.0):
+    """Wait for ``count`` more model runs of a free-running loop; returns the results seen meanwhile."""
+    seen, runs, deadline = [], 0, time.monotonic() + timeout_s
+    while runs < count and time.monotonic() < deadline:
+        event = loop.next_event(0.05)
+        if event is not None:
+            seen.append(event)
+            runs += event[0] == "run"
+    return seen
+
+
+@pytest.mark.rule("STATUS-UPDATE-WHILE-NORMAL")
+@pytest.mark.requires("status.cell", "control", "snapshot.single")
+def test_update_while_normal_reloads_nothing(loader, impl, cell):
+    session = _loaded(loader, cell)
+    control = impl.control(cell.name)
+    L.publish(loader.model_dir, SPEC, 2)  # the trainer has a new version on disk
+    with LoopChild(session, block=False) as loop:
+        check.that(loop.next_event(L.EVENT_TIMEOUT_S) is not None, "the worker loop never started")
+        loop.free()
+        answer = control.update_model_weight(2.0)
+        check.equal(answer, (200, "model weight is updated"), "update_model_weight() while NORMAL")
+        seen = _runs(loop, 5)
+        changed = [e for e in seen if e[0] == "end" and e[1] != END_RESULTS.index("ran")]
+        check.that(not changed and C.name_of(cell.read()) == "NORMAL",
+                   f"after update_model_weight() while NORMAL: the cell reads {C.name_of(cell.read())} and the loop did "
+                   f"{[END_RESULTS[e[1]] for e in changed]} (expected only model runs, cell NORMAL)")
+        check.equal(control.clear_load_weight(5.0), (200, "clear model weight successfully"), "clear_load_weight() while NORMAL")
+        check.equal(control.clear_load_weight(5.0), (200, "model weight is cleared"), "clear_load_weight() while CLEARED")
+        check.equal(control.update_model_weight(5.0), (200, "update model weight successfully"), "update_model_weight() while CLEARED")
+        L.publish(loader.model_dir, SPEC, 3)
+        check.equal(control.update_model_weight(2.0), (200, "model weight is updated"), "update_model_weight() while NORMAL again")
+        _runs(loop, 3)
+        report = loop.stop()
+    check.equal(report.get("digests"), _digests(SPEC, 2),
+                "after update while NORMAL with version 3 on disk: every parameter still version 2 (sha256)")
+
+
+GUARDS = [  # cell value, request, answer; the worker is absent: nothing else writes the cell
+    ("UPDATING", "clear_load_weight", (403, "worker is updating model weight, cannot clear now")),
+    ("UPDATING", "update_model_weight", (400, "worker is updating model weight already")),
+    ("CLEARING", "clear_load_weight", (400, "worker is clearing model weight already")),
+    ("CLEARING", "update_model_weight", (403, "worker is clearing model weight, cannot update now")),
+    ("NORMAL", "clear_load_weight", (404, "clear model weight timeout")),
+    ("CLEARED", "update_model_weight", (404, "update model weight timeout")),
+]
+
+
+@pytest.mark.rule("STATUS-UPDATE-WHILE-NORMAL")
+@pytest.mark.parametrize("state,request_name,answer",
+                         [pytest.param(*g, marks=pytest.mark.requires("control", "snapshot.single"), id=f"{g[0]}:{g[1]}")
+                          for g in GUARDS])
+def test_request_guards(loader, impl, state, request_name, answer):
+    session = loader.open(SPEC)  # a worker that never serves the cell
+    L.publish(loader.model_dir, SPEC, 1)
+    with C.Cell(VALUES[state]) as cell:
+        got = getattr(impl.control(cell.name), request_name)(0.05)
+        check.equal(got, answer, f"{request_name}() with the cell at {state} and no worker serving it")
+        requested = {"clear_load_weight": "CLEARING", "update_model_weight": "UPDATING"}[request_name]
+        want = requested if answer[0] == 404 else state  # a request is written only from NORMAL/CLEARED
+        check.equal(C.name_of(cell.read()), want, f"the cell after {request_name}() at {state}")
+    check.status_is(session, "CLEARED", f"the worker after {request_name}() at {state}: nothing loaded")

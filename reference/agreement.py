@@ -100,6 +100,10 @@ class Agreement:
     def rank(self) -> int:
         return int(self._dist().get_rank())
 
+    def declared_world_size(self) -> int:
+        """The job's size as launched (``PADDLE_TRAINERS_NUM``), whether or not a group is up."""
+        return int(self._dist().get_world_size())
+
     def _bounded(self, what: str, fn):
         """Run one collective in a thread joined with the deadline."""
         if self.broken:

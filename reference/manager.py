@@ -75,7 +75,7 @@ class WeightManager:
         self.commit_options = commit.CommitOptions.parse(self.options)
         self.agreement = Agreement(self.commit_options.agree_timeout_s)
         self.cell = CellWriter(self.commit_options.status_cell,
-                               self.commit_options.tp_rank(self.rank, self.agreement.world_size()))
+                               self.commit_options.tp_rank(self.rank, self.agreement.declared_world_size()))
         self.version: int | None = None  # of the last committed update
         self.first_load = True
         self._stage: commit.Stage | None = None

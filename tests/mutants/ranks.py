@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import time
 
+from reference import control
 from reference import worker_loop as _loop
+from reference.commit import CommitOptions
+from reference.control import WeightControl
 from reference.status import Status
-from reference.status_cell import StatusCell
+from reference.status_cell import CellWriter, StatusCell
 
 from .base import Mutant
 
@@ -102,3 +105,88 @@ class SlowWriteBack(Mutant):
             return _real_check_status(manager, cell, value, block=block, poll_s=poll_s)
 
         return {"reference.worker_loop.check_status": check_status}
+
+
+# -- who writes the cell (STATUS) -----------------------------------------------------------------
+class _SilentFirstLoadIgnored(CellWriter):
+    def publish(self, status, first_load):
+        return super().publish(status, False)
+
+
+class FirstLoadWritesNormal(Mutant):
+    id = "status_first_load_writes_normal"
+    bug = ("the first load writes NORMAL like every later one, overwriting whatever the engine's API wrote while "
+           "the worker was starting (FastDeploy's finalize_update skips it, fd-spec rule 32)")
+    kills = frozenset({"STATUS-FIRST-LOAD-SILENT"})
+
+    def patches(self):
+        return {"reference.manager.CellWriter": _SilentFirstLoadIgnored}
+
+
+class _EveryRankWriter(CellWriter):
+    @property
+    def writes(self):
+        return self.name is not None
+
+
+class EveryRankWrites(Mutant):
+    id = "status_every_rank_writes"
+    bug = "every rank writes the cell, not only tensor-parallel rank 0 (fd-spec rule 30): ranks race on it"
+    kills = frozenset({"STATUS-RANK0-WRITES"})
+
+    def patches(self):
+        return {"reference.manager.CellWriter": _EveryRankWriter}
+
+
+class _GlobalRankOptions(CommitOptions):
+    def tp_rank(self, rank, world_size):
+        return rank
+
+
+class TpRankIsGlobalRank(Mutant):
+    id = "status_tp_rank_is_global_rank"
+    bug = ("the writer is global rank 0 instead of tensor-parallel rank 0: with several tensor-parallel groups "
+           "(data parallel) the other groups' cells are never written")
+    kills = frozenset({"STATUS-RANK0-WRITES"})
+
+    def patches(self):
+        return {"reference.commit.CommitOptions": _GlobalRankOptions}
+
+
+class _ReloadingControl(WeightControl):
+    def update_model_weight(self, timeout_s):
+        if self._read() == Status.NORMAL:
+            self.clear_load_weight(timeout_s)
+        return super().update_model_weight(timeout_s)
+
+
+class UpdateWhileNormalReloads(Mutant):
+    id = "control_update_while_normal_reloads"
+    bug = ("update_model_weight() while NORMAL forces a reload (clear, then update) instead of answering that the "
+           "weights are current: a no-op request reloads the model")
+    kills = frozenset({"STATUS-UPDATE-WHILE-NORMAL"})
+    control_class = _ReloadingControl
+
+
+class _UnguardedControl(WeightControl):
+    def _call(self, request, done, ok, verb, timeout_s):
+        if self._read() == done:
+            return 200, ok
+        self._request(request)
+        if control._wait_for(self.cell_name, done, timeout_s, self.poll_s):
+            return 200, f"{verb} model weight successfully"
+        return 404, f"{verb} model weight timeout"
+
+    def clear_load_weight(self, timeout_s):
+        return self._call(Status.CLEARING, Status.CLEARED, "model weight is cleared", "clear", timeout_s)
+
+    def update_model_weight(self, timeout_s):
+        return self._call(Status.UPDATING, Status.NORMAL, "model weight is updated", "update", timeout_s)
+
+
+class ControlIgnoresState(Mutant):
+    id = "control_requests_in_any_state"
+    bug = ("the API writes its request whatever the cell holds (no EngineClient guard): a clear requested mid-update "
+           "overwrites UPDATING, an update requested mid-clear overwrites CLEARING")
+    kills = frozenset({"STATUS-UPDATE-WHILE-NORMAL"})
+    control_class = _UnguardedControl
