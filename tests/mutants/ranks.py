@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import time
 
+from reference import commit as _commit
 from reference import control
+from reference import manager as _manager
 from reference import worker_loop as _loop
-from reference.commit import CommitOptions
+from reference.commit import CommitOptions, Stage
 from reference.control import WeightControl
 from reference.status import Status
 from reference.status_cell import CellWriter, StatusCell
@@ -22,6 +24,7 @@ from .base import Mutant
 
 _real_iteration = _loop.iteration
 _real_check_status = _loop.check_status
+_real_read_version_file = _commit.read_version_file
 
 
 # -- the worker loop (STATUS) ---------------------------------------------------------------------
@@ -190,3 +193,77 @@ class ControlIgnoresState(Mutant):
            "overwrites UPDATING, an update requested mid-clear overwrites CLEARING")
     kills = frozenset({"STATUS-UPDATE-WHILE-NORMAL"})
     control_class = _UnguardedControl
+
+
+# -- staged commits and versions (STAGE, VER) ---------------------------------------------------------
+class _NeverStaged(CommitOptions):
+    @classmethod
+    def parse(cls, options):
+        parsed = CommitOptions.parse.__func__(cls, options)
+        return cls(False, parsed.status_cell, parsed.agree_timeout_s, parsed.tp_size)
+
+
+class StagedAdoptsAsItLands(Mutant):
+    id = "staged_adopts_as_it_lands"
+    bug = ("options['staged'] is accepted but ignored: each source is adopted as it lands, so a failure in a later "
+           "part leaves the earlier parts applied")
+    kills = frozenset({"STAGE-ATOMIC"})
+
+    def patches(self):
+        return {"reference.commit.CommitOptions": _NeverStaged}
+
+
+class _FirstWinsStage(Stage):
+    def _land(self, name, tensor, target):
+        self.tensors.setdefault(name, tensor)
+
+
+class StageKeepsFirstDuplicate(Mutant):
+    id = "stage_keeps_first_duplicate"
+    bug = "the stage keeps the first tensor landed under a name: a later part's duplicate is dropped at the commit"
+    kills = frozenset({"STAGE-ATOMIC"})
+
+    def patches(self):
+        return {"reference.commit.Stage": _FirstWinsStage}
+
+
+class _EarlyStampManager(_manager.WeightManager):
+    def announce(self, version):
+        super().announce(version)
+        if version is not None:
+            self.version = version
+
+
+class VersionStampedAtAnnounce(Mutant):
+    id = "version_stamped_before_commit"
+    bug = ("the version is stamped as soon as the update announces it, before anything is loaded: a reader sees "
+           "the new version with the old (or no) weights, and a failed update reports the version it never loaded")
+    kills = frozenset({"VER-STAMP-AT-COMMIT", "VER-FAILED-KEEPS"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _EarlyStampManager}
+
+
+class VersionGoesBackwards(Mutant):
+    id = "version_goes_backwards"
+    bug = "any announced version is accepted: a stale trainer moves the reported version (and the weights) back"
+    kills = frozenset({"VER-MONOTONIC"})
+
+    def patches(self):
+        return {"reference.commit.check_forward": lambda new, reported, where: None}
+
+
+class LenientVersionFile(Mutant):
+    id = "version_file_lenient"
+    bug = ("an unreadable version.yaml counts as no version (FastDeploy's read_model_version_from_file returns None): "
+           "a broken trainer's update loads, and the version stays whatever it was")
+    kills = frozenset({"VER-MONOTONIC"})
+
+    def patches(self):
+        def read_version_file(directory):
+            try:
+                return _real_read_version_file(directory)
+            except ValueError:
+                return None
+
+        return {"reference.commit.read_version_file": read_version_file}
