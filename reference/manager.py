@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -81,6 +82,8 @@ class WeightManager:
         self._stage: commit.Stage | None = None
         self._pending_version: int | None = None
         self._voted = self._committed = False
+        # Seconds per phase of the last clear/update cycle (benchmarks; no rule reads them).
+        self.phases: dict[str, float] = {}
 
     def _capture(self) -> dict[str, paddle.Tensor]:
         # Never initialize here: capturing must not allocate (FastDeploy #7171, OOM on ipc).
@@ -99,6 +102,8 @@ class WeightManager:
     # -- clear -------------------------------------------------------------------------------
     def clear(self) -> None:
         self.status = Status.CLEARING
+        self.phases = {}
+        start = time.perf_counter()
         try:
             for param in self.params.values():
                 param._clear_data()
@@ -108,7 +113,10 @@ class WeightManager:
         except Exception as e:
             self.agreement.report_failure("clear", e)
             raise
+        self._timed("clear", start)
+        start = time.perf_counter()
         self.agreement.require_all("clear")
+        self._timed("agree", start)
         self.status = Status.CLEARED
         self.cell.publish(Status.CLEARED, self.first_load)
         log.info("cleared %d parameters", len(self.params))
@@ -129,8 +137,10 @@ class WeightManager:
             self.last_error = None
             self.announce(commit.read_version_file(self._version_dir()))
             module, func = STRATEGIES[self.load_strategy].split(":")
+            start, inner = time.perf_counter(), self._inner_seconds()
             getattr(importlib.import_module(module), func)(self)
             self.finalize()
+            self.phases["transfer"] = time.perf_counter() - start - (self._inner_seconds() - inner)
         except BaseException as e:
             self.last_error = e
             self._stage = None  # a staged update's tensors are dropped, never adopted
@@ -138,6 +148,12 @@ class WeightManager:
                 self.agreement.report_failure("update", e)
             log.error("update via %s failed: %s", self.load_strategy, e)
             raise
+
+    def _timed(self, phase: str, start: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - start
+
+    def _inner_seconds(self) -> float:
+        return sum(self.phases.get(p, 0.0) for p in ("apply", "agree", "finalize"))
 
     def _version_dir(self) -> str | None:
         """Where a trainer leaves ``version.yaml`` for paths that carry no version in-band."""
@@ -157,8 +173,10 @@ class WeightManager:
     def apply(self, tensors: Iterable[tuple[str, paddle.Tensor]], label: str, source: str | None) -> int:
         """Validate and adopt tensors from one source (staged: keep them for the commit); an empty
         source is a ValueError."""
+        start = time.perf_counter()
         applied, seen, unknown = (self._stage.apply if self._stage is not None else apply.apply_tensors)(
             self.params, tensors, source or label)
+        self._timed("apply", start)
         if seen == 0:
             raise ValueError(f"No parameter found in state dict from {source or label} ({label})")
         for name in unknown:
@@ -173,6 +191,7 @@ class WeightManager:
         calls it for the others. Idempotent within one update."""
         if self._committed:
             return
+        start = time.perf_counter()
         staged = self._stage.holds if self._stage is not None else (lambda name: False)
         missing = [name for name in apply.unloaded(self.params) if not staged(name)]
         if missing:
@@ -181,7 +200,11 @@ class WeightManager:
                 + ", ".join(missing)
             )
         self._voted = True
+        self._timed("finalize", start)
+        start = time.perf_counter()
         self.agreement.require_all("update")
+        self._timed("agree", start)
+        start = time.perf_counter()
         if self._stage is not None:
             self._stage.commit(self.params)
             self._stage = None
@@ -191,3 +214,4 @@ class WeightManager:
         self.status = Status.NORMAL
         self.cell.publish(Status.NORMAL, self.first_load)
         self.first_load = False
+        self._timed("finalize", start)
