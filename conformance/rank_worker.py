@@ -78,24 +78,28 @@ def wait_for_master(deadline: float) -> None:
     raise TimeoutError(f"rendezvous store at {host}:{port} not listening")
 
 
+RUN, WAIT, STOP = 0, 1, 2
+
+
 class Collective:
-    """The harness's own bounded collective: rank 0's flag on every rank."""
+    """The harness's own bounded collective: rank 0's word on every rank. Every rank takes the same
+    decision from it, so the harness's collectives and the implementation's stay in step."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
 
-    def flag_of_rank0(self, flag: bool) -> bool:
+    def word_of_rank0(self, word: int) -> int:
         import numpy as np
         import paddle
         import paddle.distributed as dist
 
-        box = paddle.to_tensor(np.array([int(flag)], np.int32))
+        box = paddle.to_tensor(np.array([word], np.int32))
         result: dict = {}
 
         def run():
             try:
                 dist.broadcast(box, src=0)
-                result["value"] = bool(box.numpy()[0])
+                result["value"] = int(box.numpy()[0])
             except BaseException as e:  # noqa: BLE001
                 result["error"] = e
 
@@ -148,18 +152,20 @@ def run_path(job: dict, config: dict, adapter, rank: int, report: Reporter, coll
 
     failed = False
     while True:
+        # Rank 0 decides for all: stop, wait (after a failed update the cell stays UPDATING until the
+        # orchestrator recovers with a CLEARING), or run one iteration of the implementation's loop.
+        word = STOP if os.path.exists(stop_file) else WAIT if failed and cell.read() == UPDATING else RUN
         try:
-            if collective.flag_of_rank0(os.path.exists(stop_file)):
-                break
+            word = collective.word_of_rank0(word)
         except Exception as e:  # noqa: BLE001
             report("left", job=name, error=f"{type(e).__name__}: {e}", runs=runs[0])
             return False
-        if failed:
-            # A failed update leaves UPDATING; the orchestrator recovers with a CLEARING (or ends the path).
-            if cell.read() == UPDATING and not os.path.exists(stop_file):
-                time.sleep(0.005)
-                continue
-            failed = False
+        if word == STOP:
+            break
+        if word == WAIT:
+            time.sleep(0.005)
+            continue
+        failed = False
         try:
             result = session.worker_iteration(run_model, block=config["block"])
         except Exception as e:  # noqa: BLE001

@@ -311,6 +311,9 @@ class Job:
             fault = step.fault if step.rank == r else ("slow" if step.slow_rank == r else None)
             reply = trainer.request({"type": "publish", "version": step.version, "fault": fault}, self.step_timeout_s)
             sent[r] = reply["hashes"] if reply else None
+            if reply is None:  # died publishing: its memory goes with it, as a dead process's device memory does
+                trainer.proc.join(5)
+                sweep_segments(trainer.proc.pid)
         return sent
 
     def _served(self, p: dict) -> dict:
