@@ -61,6 +61,20 @@ def resources() -> dict:
             "py_threads": sorted(t.name for t in threading.enumerate()), "shm_maps": sorted(shm)}
 
 
+def settled_resources(wait_s: float = 0.5) -> dict:
+    """``resources()`` once two samples 20 ms apart agree on every count: a socket closed with a linger
+    (the last ``done`` still being flushed) is released, not leaked."""
+    keys = ("fds", "sockets", "threads", "shm_maps")
+    last, deadline = resources(), time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = resources()
+        if all(now[k] == last[k] for k in keys):
+            return now
+        last = now
+    return last
+
+
 def digests(session) -> dict:
     return {n: (None if o.data is None else hashlib.sha256(o.data).hexdigest()) for n, o in session.observe().items()}
 
@@ -138,7 +152,7 @@ def run_path(job: dict, config: dict, adapter, rank: int, report: Reporter, coll
     def state(**extra) -> dict:
         phases = session.phases() if hasattr(session, "phases") else {}
         return {"job": name, "status": session.status(), "version": session.version(), "digests": digests(session),
-                "resources": resources(), "phases": phases, **extra}
+                "resources": settled_resources(), "phases": phases, **extra}
 
     try:
         session.update()

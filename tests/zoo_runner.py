@@ -50,7 +50,13 @@ def conformance_args(name: str, report: str) -> list[str]:
 
     kills = sorted(all_mutants()[name].kills)
     return ["conformance", "-q", "-p", "no:cacheprovider", f"--conformance-report={report}",
-            "--impl=tests.mutants:mutant", f"--impl-opt=name={name}", *(f"--rule={r}" for r in kills)]
+            "--impl=tests.mutants:mutant", f"--impl-opt=name={name}", *(f"--rule={r}" for r in kills),
+            "-m", TIERS_AND_THE_REST]
+
+
+# Every test of the mutant's rules, the tiers' included (a tier runs when -m names it; the multi-rank job
+# starts only when a selected test needs it).
+TIERS_AND_THE_REST = "multirank or cycles or not (multirank or cycles)"
 
 
 def _child(name: str, out_dir: str) -> None:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import time
 
+from reference import agreement as _agreement
+from reference import apply as _apply
 from reference import commit as _commit
 from reference import control
+from reference import ipc_meta as _ipc_meta
 from reference import manager as _manager
 from reference import worker_loop as _loop
 from reference.commit import CommitOptions, Stage
@@ -20,11 +23,16 @@ from reference.control import WeightControl
 from reference.status import Status
 from reference.status_cell import CellWriter, StatusCell
 
+from sim import rank_trainer as _rank_trainer  # noqa: F401 (patched by the trainer mutant)
+from sim import trainer as _trainer
+
 from .base import Mutant
 
 _real_iteration = _loop.iteration
 _real_check_status = _loop.check_status
 _real_read_version_file = _commit.read_version_file
+_real_adopt = _apply.adopt
+_real_open_tensor = _ipc_meta.open_tensor
 
 
 # -- the worker loop (STATUS) ---------------------------------------------------------------------
@@ -267,3 +275,172 @@ class LenientVersionFile(Mutant):
                 return None
 
         return {"reference.commit.read_version_file": read_version_file}
+
+
+# -- ranks (MR) ---------------------------------------------------------------------------------------
+class _EarlyNormalManager(_manager.WeightManager):
+    def finalize(self):
+        if not self._committed and not [n for n in _apply.unloaded(self.params)
+                                        if not (self._stage is not None and self._stage.holds(n))]:
+            self.cell.publish(Status.NORMAL, self.first_load)  # "this rank is done": before the others agree
+        super().finalize()
+
+
+class NormalBeforeAgreement(Mutant):
+    id = "rank0_normal_before_agreement"
+    bug = ("tensor-parallel rank 0 writes NORMAL as soon as its own shard is loaded, before the ranks agree: the API "
+           "serves while another rank is still loading, or has failed")
+    kills = frozenset({"MR-AGREE-BEFORE-NORMAL", "MR-FAILURE-EVERY-RANK"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _EarlyNormalManager}
+
+
+class _OwnVoteOnly(_agreement.Agreement):
+    def require_all(self, what):
+        self.vote(what, True)  # takes part, but only its own success counts
+
+
+class FailureReportedAsSuccess(Mutant):
+    id = "rank_failure_reported_as_success"
+    bug = ("a rank commits when its own update succeeded, whatever the other ranks voted: another rank's failure is "
+           "reported as success here (NORMAL, the new version) and the ranks serve different weights")
+    kills = frozenset({"MR-FAILURE-EVERY-RANK", "MR-AGREE-BEFORE-NORMAL"})
+
+    def patches(self):
+        return {"reference.manager.Agreement": _OwnVoteOnly}
+
+
+class _SilentFailure(_agreement.Agreement):
+    def report_failure(self, what, error):
+        return None  # the others are not told: they wait for this rank's vote
+
+
+class FailedRankStaysSilent(Mutant):
+    id = "failed_rank_does_not_vote"
+    bug = ("a rank whose update fails raises at once without telling the others: they wait at the agreement for a "
+           "vote that never comes (until its deadline), and then the ranks are out of step")
+    kills = frozenset({"MR-FAILURE-EVERY-RANK"})
+
+    def patches(self):
+        return {"reference.manager.Agreement": _SilentFailure}
+
+
+class _Unbounded(_agreement.Agreement):
+    def _bounded(self, what, fn):
+        return fn()  # a collective with no deadline: gloo waits for the peer as long as it takes
+
+
+class AgreementWithoutDeadline(Mutant):
+    id = "agreement_without_deadline"
+    bug = ("collectives run without a deadline (a plain barrier, as FastDeploy's): a rank stuck in its transfer holds "
+           "every other rank at the agreement for as long as it is stuck")
+    kills = frozenset({"MR-DEADLINE"})
+
+    def patches(self):
+        return {"reference.manager.Agreement": _Unbounded}
+
+
+class _EarlyCommitManager(_manager.WeightManager):
+    def finalize(self):
+        if self._stage is not None and not self._committed:
+            self._stage.commit(self.params)  # adopted before the others agreed
+            self._stage = None
+        super().finalize()
+
+
+class StagedCommitBeforeAgreement(Mutant):
+    id = "staged_commit_before_agreement"
+    bug = ("a staged update is adopted as soon as this rank has it all, before the ranks agree: a failure on another "
+           "rank leaves this rank's parameters replaced")
+    kills = frozenset({"STAGE-ATOMIC"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _EarlyCommitManager}
+
+
+class _EarlyVersionManager(_manager.WeightManager):
+    def finalize(self):
+        if self._pending_version is not None:
+            self.version = self._pending_version  # stamped when this rank is done, not at the commit
+        super().finalize()
+
+
+class VersionStampedBeforeAgreement(Mutant):
+    id = "version_stamped_before_agreement"
+    bug = "the version is stamped once this rank has loaded, before the ranks agree: a failed update reports it"
+    kills = frozenset({"MR-FAILURE-EVERY-RANK"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _EarlyVersionManager}
+
+
+class EveryRankLoadsRankZeroShard(Mutant):
+    id = "every_rank_loads_rank0_shard"
+    bug = ("every rank reads rank 0's identity (rank 0, its physical GPU), as FastDeploy did before #6852: all ranks "
+           "load the first shard")
+    kills = frozenset({"MR-OWN-SHARD"})
+
+    def patches(self):
+        def physical_gpu_id(env=None):
+            import os
+
+            env = os.environ if env is None else env
+            return int(env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+
+        return {"reference.identity.global_rank": lambda: 0, "reference.identity.physical_gpu_id": physical_gpu_id}
+
+
+# -- cycles (CYCLE) -----------------------------------------------------------------------------------
+_kept: list = []
+
+
+class KeepsEveryUpdate(Mutant):
+    id = "cycle_worker_keeps_each_update"
+    bug = ("the worker keeps a reference to every tensor it adopts (a 'last update' list never trimmed): clear() "
+           "releases the parameters but not their memory, one model per cycle")
+    kills = frozenset({"CYCLE-NO-LEAK"})
+
+    def patches(self):
+        def adopt(name, new, target):
+            _kept.append(new)
+            _real_adopt(name, new, target)
+
+        return {"reference.apply.adopt": adopt}
+
+
+class KeepsTrainerMappings(Mutant):
+    id = "cycle_worker_keeps_mappings"
+    bug = ("the worker never unmaps a trainer's buffer (slime #1731): each update's segment stays mapped, pinning the "
+           "trainer's memory after it freed it")
+    kills = frozenset({"CYCLE-NO-LEAK"})
+
+    def patches(self):
+        def release(attached):
+            _kept.extend(attached.segments.values())
+            attached.segments.clear()
+
+        def open_tensor(name, meta, path):
+            from sim.ipc_handles import attach_on_device
+
+            _kept.append(attach_on_device(meta[0], meta[6]))
+            return _real_open_tensor(name, meta, path)
+
+        return {"reference.buckets.release": release, "reference.ipc_meta.open_tensor": open_tensor}
+
+
+class _LeakyMetaTrainer(_trainer.MetaTrainer):
+    def release(self):
+        if self.segment is not None:
+            self.segment.close()  # unmapped but never unlinked: the segment outlives its version
+            self.segment = None
+
+
+class TrainerLeaksSegments(Mutant):
+    id = "cycle_trainer_leaks_segments"
+    bug = ("the trainer (the simulator's side) frees each version's segment without unlinking it: a segment per "
+           "cycle accumulates in /dev/shm. Proves the rule watches the trainer side as well")
+    kills = frozenset({"CYCLE-NO-LEAK"})
+
+    def patches(self):
+        return {"sim.rank_trainer.MetaTrainer": _LeakyMetaTrainer}
