@@ -28,8 +28,8 @@ from sim.ranks import Job, PathPlan, Step, default_params
 RANKS = 2
 MODEL_MIB = 4.0  # per rank; a leak of one shard per cycle is then far beyond 2% of a rank's memory
 CYCLES = 20
-AGREE_TIMEOUT_S = 3.0
-TRANSFER_TIMEOUT_S = 0.5
+AGREE_TIMEOUT_S = 4.0
+TRANSFER_TIMEOUT_S = 1.0
 STALL_TIMEOUT_S = 8.0  # the stalled rank's own transfer deadline: well past the agreement's
 PATH_CAPS = {"snapshot": "snapshot.parts", "meta": "ipc.meta", "bucket": "ipc.buckets"}
 NEEDS = ("multirank", "status.cell")
@@ -71,18 +71,32 @@ def run(adapter, config, selected) -> dict:
 
 
 def path_result(job: dict, path: str) -> dict:
-    """The part of the job's result for ``path``; a job that failed fails the caller with its error."""
-    if "error" in job:
-        raise AssertionError(f"the multi-rank job could not be driven: {job['error']}")
+    """The part of the job's result for ``path``; a job that failed before reaching it fails the caller
+    with its error."""
     for p in job.get("paths", []):
-        if p["path"] == path:
+        if p["path"] == path and "first" in p:
             return p
-    raise AssertionError(f"the multi-rank job has no result for path {path} ({job.get('skipped', 'not run')})")
+    raise AssertionError(f"the multi-rank job has no result for path {path}: "
+                         f"{job.get('error') or job.get('skipped') or 'not run'}")
+
+
+def step(job: dict, p: dict, key) -> dict:
+    """Step ``key`` (a version, or "hang") of a path; the job's error when it did not get that far."""
+    found = p.get("hang") if key == "hang" else next((s for s in p["steps"] if s["version"] == key), None)
+    if found is None or "update" not in found:
+        raise AssertionError(f"the multi-rank job stopped before {p['path']} step {key}: {job.get('error', 'not run')}")
+    return found
+
+
+def cycles(job: dict, p: dict) -> list:
+    if job.get("error") and len(p["cycles"]) < CYCLES:
+        raise AssertionError(f"the multi-rank job stopped after {len(p['cycles'])} cycles on {p['path']}: {job['error']}")
+    return p["cycles"]
 
 
 def reported(p: dict) -> int:
     """How many rank events a path's result holds (each is a call of the implementation)."""
     count = len(p["first"]) + len(p.get("ended", {}))
-    for step in p["steps"] + p["cycles"] + ([p["hang"]] if "hang" in p else []):
-        count += len(step["clear"]) + len(step["update"])
+    for s in p["steps"] + p["cycles"] + ([p["hang"]] if "hang" in p else []):
+        count += len(s.get("clear", {})) + len(s.get("update", {}))
     return count

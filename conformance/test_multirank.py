@@ -12,7 +12,7 @@ from conformance import check, harness
 from conformance import multirank_plan as P
 from sim.ranks import NORMAL, UPDATING
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]  # the job runs in the first test's setup
 NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", -1: "CLEARING", -2: "CLEARED"}
 FAILURE_STEPS = [(3, "kill", None), (5, "missing", 1), (7, "bad-dtype", 0)]
 SLACK_S = 20.0  # a failure must reach every rank well within this after the UPDATING (loaded machine)
@@ -28,18 +28,16 @@ def _path(rank_job, path):
     return p
 
 
-def _step(p, version):
-    return next(s for s in p["steps"] if s["version"] == version)
 
 
 def _cell(history):
     return [NAMES.get(v, v) for _, v in history]
 
 
-def _healthy(p):
+def _healthy(rank_job, p):
     """(where, sent by rank, what each rank reported) for the first load and every healthy update."""
     yield "first load of version 1", p["first_sent"], p["first"], 1
-    for s in p["steps"] + p["cycles"]:
+    for s in [P.step(rank_job, p, v) for v in range(2, 9)] + p["cycles"]:
         if s["fault"] is None:
             yield f"update to version {s['version']}", s["sent"], s["update"], s["version"]
 
@@ -48,7 +46,7 @@ def _healthy(p):
 @pytest.mark.parametrize("path", _paths())
 def test_every_rank_loads_its_own_shard(rank_job, path):
     p = _path(rank_job, path)
-    for where, sent, got, version in _healthy(p):
+    for where, sent, got, version in _healthy(rank_job, p):
         for rank, event in got.items():
             rank = int(rank)
             at = f"{path}, rank {rank} (physical GPU {rank_job['visible'][rank]}): {where}"
@@ -63,7 +61,7 @@ def test_every_rank_loads_its_own_shard(rank_job, path):
 @pytest.mark.parametrize("path", _paths())
 def test_normal_only_after_every_rank(rank_job, path):
     p = _path(rank_job, path)
-    for s in p["steps"]:
+    for s in [P.step(rank_job, p, v) for v in range(2, 9)]:
         history = _cell(s["cell"])
         where = f"{path}: update to version {s['version']}" + (f" with {s['fault']} on rank {s['rank']}" if s["fault"] else "")
         if s["fault"]:
@@ -87,7 +85,7 @@ def test_normal_only_after_every_rank(rank_job, path):
 @pytest.mark.parametrize("version,fault,rank", FAILURE_STEPS, ids=[f[1] for f in FAILURE_STEPS])
 def test_failure_reaches_every_rank(rank_job, path, version, fault, rank):
     p = _path(rank_job, path)
-    s = _step(p, version)
+    s = P.step(rank_job, p, version)
     failing = s["rank"]
     where = f"{path}: version {version} with {fault} on rank {failing}"
     for r, event in s["update"].items():
@@ -99,7 +97,7 @@ def test_failure_reaches_every_rank(rank_job, path, version, fault, rank):
         if int(r) != failing:
             check.that(f"rank {failing}" in event["error"], f"{at}: the error does not name the failing rank {failing}: {event['error']!r}")
     check.that("NORMAL" not in _cell(s["cell"]), f"{where}: the cell after the UPDATING: {_cell(s['cell'])}")
-    nxt = _step(p, version + 1)
+    nxt = P.step(rank_job, p, version + 1)
     check.that(all(e["event"] == "updated" and e["digests"] == nxt["sent"][r] for r, e in nxt["update"].items()),
                f"{where}: the recovery (clear, then version {version + 1}) on every rank: "
                f"{[(r, e['event'], e.get('error')) for r, e in nxt['update'].items()]}")
@@ -109,7 +107,7 @@ def test_failure_reaches_every_rank(rank_job, path, version, fault, rank):
 @pytest.mark.parametrize("path", [pytest.param("bucket", marks=pytest.mark.requires(*P.NEEDS, "ipc.buckets"), id="bucket")])
 def test_no_rank_waits_past_its_deadline(rank_job, path):
     p = _path(rank_job, path)
-    s = p["hang"]
+    s = P.step(rank_job, p, "hang")
     stalled = s["rank"]
     where = f"{path}: rank {stalled}'s trainer never answers (its transfer deadline {P.STALL_TIMEOUT_S:g}s, the agreement's {P.AGREE_TIMEOUT_S:g}s)"
     times = {int(r): e["t"] - s["t_update"] for r, e in s["update"].items()}
@@ -130,7 +128,7 @@ def test_no_rank_waits_past_its_deadline(rank_job, path):
 def test_failure_on_one_rank_changes_no_rank(rank_job, path):
     p = _path(rank_job, path)
     for version, fault, _ in FAILURE_STEPS:
-        s = _step(p, version)
+        s = P.step(rank_job, p, version)
         for r, event in s["update"].items():
             loaded = sorted(n for n, d in event["digests"].items() if d is not None)
             check.that(not loaded, f"{path}: version {version} with {fault} on rank {s['rank']}: rank {r} holds "

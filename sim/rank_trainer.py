@@ -36,10 +36,19 @@ from .trainer import BucketTrainer, MetaTrainer
 FAULTS = ("missing", "bad-dtype", "kill", "stall", "slow")
 
 
-def shard(spec, rank: int, version: int, fault: str | None) -> dict[str, np.ndarray]:
-    from fixtures.models import state
+def shard(spec, rank: int, version: int, fault: str | None, fast: bool = False) -> dict[str, np.ndarray]:
+    """The shard of (rank, version); ``fast``: random bytes instead of ``fixtures.models`` values
+    (benchmarks: generating values for hundreds of MiB takes seconds)."""
+    if fast:
+        from fixtures.models import NUMPY_DTYPES
 
-    st = dict(sorted(state(spec, seed=rank, version=version).items()))
+        rng = np.random.default_rng([rank, version])
+        st = {p.name: np.frombuffer(rng.bytes(p.nbytes), np.uint8).view(NUMPY_DTYPES[p.dtype]).reshape(p.shape)
+              for p in sorted(spec.all_params, key=lambda p: p.name)}
+    else:
+        from fixtures.models import state
+
+        st = dict(sorted(state(spec, seed=rank, version=version).items()))
     last = list(st)[-1]
     if fault == "bad-dtype":
         st[last] = st[last].astype(np.float64 if st[last].dtype != np.float64 else np.float32)
@@ -194,7 +203,7 @@ def serve(config: dict) -> None:
                 control.send(protocol.encode({"type": "served", "served": list(source.trainer.ends)}))
                 continue
             version, fault = request["version"], request.get("fault")
-            st = shard(spec, rank, version, fault)
+            st = shard(spec, rank, version, fault, config.get("fast_fill", False))
             sent = hashes(st)
             source.publish(st, version, fault)
             control.send(protocol.encode({"type": "published", "version": version, "hashes": sent}))

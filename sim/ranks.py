@@ -253,14 +253,14 @@ class Events:
 class Job:
     def __init__(self, impl: str, plans: list[PathPlan], *, ranks: int = 2, impl_opts: dict | None = None,
                  block: bool = False, agree_timeout_s: float = 3.0, transfer_timeout_s: float = 0.5,
-                 stall_timeout_s: float = 5.0, step_timeout_s: float = 60.0, bucket_bytes: int = 1 << 20,
-                 slow_pause_s: float = 0.05, keep: bool = False, progress=None):
+                 stall_timeout_s: float = 5.0, step_timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
+                 slow_pause_s: float = 0.05, keep: bool = False, progress=None, fast_fill: bool = False):
         self.impl, self.plans, self.ranks = impl, plans, ranks
         self.impl_opts = dict(impl_opts or {})
         self.block, self.agree_timeout_s = block, agree_timeout_s
         self.transfer_timeout_s, self.stall_timeout_s = transfer_timeout_s, stall_timeout_s
         self.step_timeout_s, self.bucket_bytes, self.slow_pause_s = step_timeout_s, bucket_bytes, slow_pause_s
-        self.keep = keep
+        self.keep, self.fast_fill = keep, fast_fill
         self.progress = progress or (lambda text: None)
         self.visible = [2 + 2 * (ranks - 1 - r) for r in range(ranks)]  # physical ids: neither rank nor ordinal
 
@@ -281,7 +281,7 @@ class Job:
                     "path": plan.path, "rank": r, "gpu": self.visible[r], "params": plan.params,
                     "model_dir": model_dir, "shared_dir": shared_dir, "control": f"ipc://{base}/ctl{r}",
                     "endpoint": f"ipc://{base}/bkt{r}", "bucket_bytes": self.bucket_bytes, "timeout_s": 120.0,
-                    "slow_pause_s": self.slow_pause_s,
+                    "slow_pause_s": self.slow_pause_s, "fast_fill": self.fast_fill,
                 }))
             paths.append({"plan": plan, "cell": cell, "trainers": trainers, "model_dir": model_dir,
                           "shared_dir": shared_dir, "base": base})
@@ -327,8 +327,15 @@ class Job:
     def _revive(self, p: dict) -> dict:
         return {r: t.revive() for r, t in enumerate(p["trainers"]) if not t.alive()}
 
-    def _collect(self, events: Events, job: str, kinds: tuple) -> dict:
-        return {r: events.next(r, job, kinds, self.step_timeout_s) for r in range(self.ranks)}
+    def _collect(self, events: Events, job: str | None, kinds: tuple, *, leaving_ok: bool = False) -> dict:
+        """Each rank's next event of ``kinds``. A rank that left the job (or crashed) ends it at once,
+        unless ``leaving_ok``: the steps after a rank is gone could only time out."""
+        got = {r: events.next(r, job, kinds, self.step_timeout_s) for r in range(self.ranks)}
+        gone = {r: e for r, e in got.items() if e["event"] in TERMINAL and e["event"] not in kinds}
+        if gone and not leaving_ok:
+            raise JobError(f"{job}: rank(s) {sorted(gone)} left the job while {'/'.join(kinds)} was awaited: "
+                           + "; ".join(f"rank {r}: {e['event']} {e.get('error', '')}" for r, e in gone.items()))
+        return got
 
     def _cycle(self, events: Events, p: dict, watch: CellWatch, step: Step, measure: bool = False) -> dict:
         job = p["plan"].path
@@ -360,16 +367,18 @@ class Job:
         out["sent"] = self._publish(p, Step(version, "stall", rank))
         t_update = out["t_update"] = time.time()
         watch.write(UPDATING)
-        out["update"] = self._collect(events, job, ("updated", "failed"))
+        out["update"] = self._collect(events, job, ("updated", "failed"), leaving_ok=True)
         time.sleep(0.05)
         out["cell"] = watch.since(t_update)
         return out
 
-    def _run_path(self, events: Events, p: dict) -> dict:
+    def _run_path(self, events: Events, p: dict, result: dict) -> None:
+        """Fills ``result`` step by step, so that what ran before an error is kept."""
         plan = p["plan"]
         job = plan.path
         open(os.path.join(self._run_dir, f"go.{job}"), "w").close()  # the ranks may open this path now
-        result = {"path": job, "first": self._collect(events, job, ("loaded", "failed")), "steps": [], "cycles": []}
+        result.update({"path": job, "steps": [], "cycles": []})
+        result["first"] = self._collect(events, job, ("loaded", "failed"))
         result["first_cell"] = p["cell"].read()
         result["first_sent"] = p["first_sent"]
         watch = CellWatch(p["cell"].name)
@@ -389,8 +398,7 @@ class Job:
         finally:
             open(os.path.join(self._run_dir, f"stop.{job}"), "w").close()
             watch.close()
-        result["ended"] = self._collect(events, job, ("ended",))
-        return result
+        result["ended"] = self._collect(events, job, ("ended",), leaving_ok=plan.hang_rank is not None)
 
     def run(self) -> dict:
         run_dir = self._run_dir = tempfile.mkdtemp(prefix="wscf-ranks-")
@@ -412,13 +420,17 @@ class Job:
             result["joined"] = self._collect(events, None, ("joined",))
             result["start_s"] = time.monotonic() - started
             for p in paths:
-                result["paths"].append(self._run_path(events, p))
-            result["exit"] = self._collect(events, None, ("exit",))
+                result["paths"].append({"path": p["plan"].path})
+                self._run_path(events, p, result["paths"][-1])
+            result["exit"] = self._collect(events, None, ("exit",), leaving_ok=True)
             out, _ = launch.communicate(timeout=self.step_timeout_s)
             result["launch_rc"] = launch.returncode
             result["launch_tail"] = out.decode(errors="replace")[-3000:]
             result["events"] = events.all
             result["wall_s"] = time.monotonic() - started
+            return result
+        except JobError as e:
+            result["error"] = str(e)  # what ran before it stays in the result
             return result
         finally:
             if launch is not None and launch.poll() is None:

@@ -291,6 +291,7 @@ class NormalBeforeAgreement(Mutant):
     bug = ("tensor-parallel rank 0 writes NORMAL as soon as its own shard is loaded, before the ranks agree: the API "
            "serves while another rank is still loading, or has failed")
     kills = frozenset({"MR-AGREE-BEFORE-NORMAL", "MR-FAILURE-EVERY-RANK"})
+    zoo_args = ("-k", "bucket")  # one path of the multi-rank job is enough
 
     def patches(self):
         return {"reference.adapter.WeightManager": _EarlyNormalManager}
@@ -306,6 +307,7 @@ class FailureReportedAsSuccess(Mutant):
     bug = ("a rank commits when its own update succeeded, whatever the other ranks voted: another rank's failure is "
            "reported as success here (NORMAL, the new version) and the ranks serve different weights")
     kills = frozenset({"MR-FAILURE-EVERY-RANK", "MR-AGREE-BEFORE-NORMAL"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
 
     def patches(self):
         return {"reference.manager.Agreement": _OwnVoteOnly}
@@ -321,6 +323,7 @@ class FailedRankStaysSilent(Mutant):
     bug = ("a rank whose update fails raises at once without telling the others: they wait at the agreement for a "
            "vote that never comes (until its deadline), and then the ranks are out of step")
     kills = frozenset({"MR-FAILURE-EVERY-RANK"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
 
     def patches(self):
         return {"reference.manager.Agreement": _SilentFailure}
@@ -354,6 +357,7 @@ class StagedCommitBeforeAgreement(Mutant):
     bug = ("a staged update is adopted as soon as this rank has it all, before the ranks agree: a failure on another "
            "rank leaves this rank's parameters replaced")
     kills = frozenset({"STAGE-ATOMIC"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
 
     def patches(self):
         return {"reference.adapter.WeightManager": _EarlyCommitManager}
@@ -370,6 +374,7 @@ class VersionStampedBeforeAgreement(Mutant):
     id = "version_stamped_before_agreement"
     bug = "the version is stamped once this rank has loaded, before the ranks agree: a failed update reports it"
     kills = frozenset({"MR-FAILURE-EVERY-RANK"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
 
     def patches(self):
         return {"reference.adapter.WeightManager": _EarlyVersionManager}
@@ -380,6 +385,7 @@ class EveryRankLoadsRankZeroShard(Mutant):
     bug = ("every rank reads rank 0's identity (rank 0, its physical GPU), as FastDeploy did before #6852: all ranks "
            "load the first shard")
     kills = frozenset({"MR-OWN-SHARD"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
 
     def patches(self):
         def physical_gpu_id(env=None):
@@ -400,6 +406,7 @@ class KeepsEveryUpdate(Mutant):
     bug = ("the worker keeps a reference to every tensor it adopts (a 'last update' list never trimmed): clear() "
            "releases the parameters but not their memory, one model per cycle")
     kills = frozenset({"CYCLE-NO-LEAK"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
 
     def patches(self):
         def adopt(name, new, target):
@@ -414,6 +421,7 @@ class KeepsTrainerMappings(Mutant):
     bug = ("the worker never unmaps a trainer's buffer (slime #1731): each update's segment stays mapped, pinning the "
            "trainer's memory after it freed it")
     kills = frozenset({"CYCLE-NO-LEAK"})
+    zoo_args = ("-k", "meta")  # one path of the multi-rank job is enough
 
     def patches(self):
         def release(attached):
@@ -441,6 +449,7 @@ class TrainerLeaksSegments(Mutant):
     bug = ("the trainer (the simulator's side) frees each version's segment without unlinking it: a segment per "
            "cycle accumulates in /dev/shm. Proves the rule watches the trainer side as well")
     kills = frozenset({"CYCLE-NO-LEAK"})
+    zoo_args = ("-k", "meta")  # one path of the multi-rank job is enough
 
     def patches(self):
         return {"sim.rank_trainer.MetaTrainer": _LeakyMetaTrainer}
