@@ -78,8 +78,8 @@ def test_request_never_overwritten(loader, cell, block, count):
 
 
 @pytest.mark.rule("STATUS-NO-RUN-AFTER-CHANGE")
-@pytest.mark.parametrize("block,count", [pytest.param(False, 8, marks=pytest.mark.requires(*LOOP), id="non-blocking"),
-                                         pytest.param(True, 3, marks=pytest.mark.requires(*LOOP), id="blocking")])
+@pytest.mark.parametrize("block,count", [pytest.param(False, 6, marks=pytest.mark.requires(*LOOP), id="non-blocking"),
+                                         pytest.param(True, 2, marks=pytest.mark.requires(*LOOP), id="blocking")])
 def test_model_never_runs_in_the_changing_iteration(loader, cell, block, count):
     outcome, seed_list = _run(loader, cell, block=block, count=count, base=200 if not block else 600)
     where = f"worker loop (block={block}), seeds {seed_list[0]}..{seed_list[-1]}"
@@ -92,7 +92,7 @@ def test_model_never_runs_in_the_changing_iteration(loader, cell, block, count):
 @pytest.mark.rule("STATUS-NONBLOCK-RETURNS")
 @pytest.mark.requires(*LOOP)
 def test_nonblocking_loop_returns_at_cleared(loader, cell):
-    outcome, seed_list = _run(loader, cell, block=False, count=6, base=300)
+    outcome, seed_list = _run(loader, cell, block=False, count=5, base=300)
     where = f"non-blocking worker loop, seeds {seed_list[0]}..{seed_list[-1]}"
     _violations(outcome, L.NONBLOCK, where)
     _completed(outcome, seed_list, where)
@@ -101,7 +101,7 @@ def test_nonblocking_loop_returns_at_cleared(loader, cell):
 @pytest.mark.rule("STATUS-BLOCK-WAITS")
 @pytest.mark.requires(*LOOP)
 def test_blocking_loop_stays_until_updated(loader, cell):
-    outcome, seed_list = _run(loader, cell, block=True, count=4, base=700)
+    outcome, seed_list = _run(loader, cell, block=True, count=3, base=700)
     where = f"blocking worker loop, seeds {seed_list[0]}..{seed_list[-1]}"
     _violations(outcome, L.BLOCK, where)
     _completed(outcome, seed_list, where)

@@ -135,7 +135,7 @@ BAD_FILES = ["step: -1", "step: two", "step: 1.5", "[1, 2]", "step: [", "other: 
 
 @pytest.mark.rule("VER-MONOTONIC")
 @pytest.mark.parametrize("kind,text", [pytest.param(k, t, marks=_needs(k), id=f"{k}:{t}") for k in ("snapshot", "ipc")
-                                       for t in BAD_FILES])
+                                       for t in (BAD_FILES if k == "snapshot" else BAD_FILES[:2])])
 def test_unreadable_version_file_is_refused(loader, sources, kind, text):
     src = sources(kind)
     session = _load(src, SPEC, 2)
