@@ -38,27 +38,9 @@ class Reporter:
 
 def resources() -> dict:
     """What this process holds now: the numbers the CYCLE rules compare between cycles."""
-    rss = 0
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1])
-    fds, sockets = 0, 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        fds += 1
-        sockets += link.startswith("socket:")
-    shm = set()
-    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
-                shm.add(parts[5].strip())
-    return {"rss_kib": rss, "fds": fds, "sockets": sockets, "threads": len(os.listdir("/proc/self/task")),
-            "py_threads": sorted(t.name for t in threading.enumerate()), "shm_maps": sorted(shm)}
+    from sim.ranks import process_resources
+
+    return dict(process_resources(os.getpid()), py_threads=sorted(t.name for t in threading.enumerate()))
 
 
 def settled_resources(wait_s: float = 0.5) -> dict:

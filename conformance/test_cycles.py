@@ -44,18 +44,14 @@ def _compare(first: dict, last: dict, where: str) -> None:
                         f"last: {last[key]})")
 
 
-@pytest.mark.rule("CYCLE-NO-LEAK")
-@pytest.mark.parametrize("path", _paths())
-def test_ranks_keep_nothing_across_cycles(rank_job, path):
-    first, last = _cycles(rank_job, path)
-    for r, event in last["update"].items():
-        _compare(first["update"][r]["resources"], event["resources"],
-                 f"{path}, rank {r}: {len(P.path_result(rank_job, path)['cycles'])} cycles")
+SIDES = {"rank": lambda c: {r: e["resources"] for r, e in c["update"].items()}, "trainer": lambda c: c["trainers"]}
 
 
 @pytest.mark.rule("CYCLE-NO-LEAK")
+@pytest.mark.parametrize("side", sorted(SIDES))
 @pytest.mark.parametrize("path", _paths())
-def test_trainers_keep_nothing_across_cycles(rank_job, path):
+def test_nothing_kept_across_cycles(rank_job, path, side):
     first, last = _cycles(rank_job, path)
-    for r, after in last["trainers"].items():
-        _compare(first["trainers"][r], after, f"{path}, trainer of rank {r}")
+    before = SIDES[side](first)
+    for r, after in SIDES[side](last).items():
+        _compare(before[r], after, f"{path}, {side} {r}: {len(P.path_result(rank_job, path)['cycles'])} cycles")

@@ -44,20 +44,16 @@ def _digests(spec, version):
     return {n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for n, a in M.state(spec, version=version).items()}
 
 
-def _run(loader, cell, *, block, count, base):
+def _judged(loader, cell, invariant, *, block, count, base):
+    """Run ``count`` seeded cycles from seed ``base`` against a loop in mode ``block``; fail on any
+    violation of ``invariant``, a cycle that could not complete, or weights that are not the last
+    version's. Returns the outcome and where it ran (for further checks)."""
     session = _loaded(loader, cell)
     seed_list = L.seeds(count, base)
     outcome = L.run(session, cell, loader.model_dir, SPEC, block=block, seed_list=seed_list)
-    return outcome, seed_list
-
-
-def _violations(outcome, invariant, where):
+    where = f"worker loop (block={block}), seeds {seed_list[0]}..{seed_list[-1]}"
     found = outcome.violations.get(invariant, [])
     check.that(not found, f"{where}: {len(found)} violation(s):\n  " + "\n  ".join(found[:5]))
-
-
-def _completed(outcome, seed_list, where):
-    """Every seed's cycle ran to NORMAL and the worker ends on the last version, bit for bit."""
     stuck = outcome.violations.get(L.PROGRESS, [])
     check.that(not stuck and outcome.cycles == len(seed_list),
                f"{where}: {outcome.cycles}/{len(seed_list)} cycles completed; " + "; ".join(stuck[:3]))
@@ -65,46 +61,40 @@ def _completed(outcome, seed_list, where):
     check.that("error" not in report, f"{where}: the worker loop failed: {report.get('error')}")
     last = outcome.versions[-1] if outcome.versions else 1
     check.equal(report.get("digests"), _digests(SPEC, last), f"{where}: sha256 of every parameter after the last cycle (version {last})")
+    return outcome, where
+
+
+def _modes(non_blocking: int, blocking: int):
+    """(block, number of seeds) for both loop modes."""
+    return pytest.mark.parametrize("block,count", [
+        pytest.param(False, non_blocking, marks=pytest.mark.requires(*LOOP), id="non-blocking"),
+        pytest.param(True, blocking, marks=pytest.mark.requires(*LOOP), id="blocking")])
 
 
 @pytest.mark.rule("STATUS-REQUEST-KEPT")
-@pytest.mark.parametrize("block,count", [pytest.param(False, 24, marks=pytest.mark.requires(*LOOP), id="non-blocking"),
-                                         pytest.param(True, 6, marks=pytest.mark.requires(*LOOP), id="blocking")])
+@_modes(24, 6)
 def test_request_never_overwritten(loader, cell, block, count):
-    outcome, seed_list = _run(loader, cell, block=block, count=count, base=100 if not block else 500)
-    where = f"worker loop (block={block}), seeds {seed_list[0]}..{seed_list[-1]}"
-    _violations(outcome, L.KEPT, where)
-    _completed(outcome, seed_list, where)
+    _judged(loader, cell, L.KEPT, block=block, count=count, base=500 if block else 100)
 
 
 @pytest.mark.rule("STATUS-NO-RUN-AFTER-CHANGE")
-@pytest.mark.parametrize("block,count", [pytest.param(False, 6, marks=pytest.mark.requires(*LOOP), id="non-blocking"),
-                                         pytest.param(True, 2, marks=pytest.mark.requires(*LOOP), id="blocking")])
+@_modes(6, 2)
 def test_model_never_runs_in_the_changing_iteration(loader, cell, block, count):
-    outcome, seed_list = _run(loader, cell, block=block, count=count, base=200 if not block else 600)
-    where = f"worker loop (block={block}), seeds {seed_list[0]}..{seed_list[-1]}"
-    _violations(outcome, L.NO_RUN, where)
+    outcome, where = _judged(loader, cell, L.NO_RUN, block=block, count=count, base=600 if block else 200)
     runs = sum(1 for kind, _, _ in outcome.events if kind == "run")
     check.that(runs > 0, f"{where}: the loop never ran the model at NORMAL: the rule was not exercised")
-    _completed(outcome, seed_list, where)
 
 
 @pytest.mark.rule("STATUS-NONBLOCK-RETURNS")
 @pytest.mark.requires(*LOOP)
 def test_nonblocking_loop_returns_at_cleared(loader, cell):
-    outcome, seed_list = _run(loader, cell, block=False, count=5, base=300)
-    where = f"non-blocking worker loop, seeds {seed_list[0]}..{seed_list[-1]}"
-    _violations(outcome, L.NONBLOCK, where)
-    _completed(outcome, seed_list, where)
+    _judged(loader, cell, L.NONBLOCK, block=False, count=5, base=300)
 
 
 @pytest.mark.rule("STATUS-BLOCK-WAITS")
 @pytest.mark.requires(*LOOP)
 def test_blocking_loop_stays_until_updated(loader, cell):
-    outcome, seed_list = _run(loader, cell, block=True, count=3, base=700)
-    where = f"blocking worker loop, seeds {seed_list[0]}..{seed_list[-1]}"
-    _violations(outcome, L.BLOCK, where)
-    _completed(outcome, seed_list, where)
+    _judged(loader, cell, L.BLOCK, block=True, count=3, base=700)
 
 
 # -- who writes the cell, and when --------------------------------------------------------------------

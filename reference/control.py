@@ -14,6 +14,18 @@ from .status import Status
 from .status_cell import StatusCell
 
 POLL_S = 0.01
+# request -> (the status it ends in, the status it starts from, verb, the answer when already done)
+GUARDS = {
+    Status.CLEARING: (Status.CLEARED, Status.NORMAL, "clear", "model weight is cleared"),
+    Status.UPDATING: (Status.NORMAL, Status.CLEARED, "update", "model weight is updated"),
+}
+# request -> {status found: the refusal}
+REFUSED = {
+    Status.CLEARING: {Status.CLEARING: (400, "worker is clearing model weight already"),
+                      Status.UPDATING: (403, "worker is updating model weight, cannot clear now")},
+    Status.UPDATING: {Status.UPDATING: (400, "worker is updating model weight already"),
+                      Status.CLEARING: (403, "worker is clearing model weight, cannot update now")},
+}
 
 
 def _wait_for(name: str, want: Status, timeout_s: float, poll_s: float) -> bool:
@@ -40,34 +52,24 @@ class WeightControl:
         with StatusCell(self.cell_name) as cell:
             cell.write(value)
 
-    def clear_load_weight(self, timeout_s: float) -> tuple[int, str]:
+    def _guarded(self, request: Status, timeout_s: float) -> tuple[int, str]:
+        """FastDeploy's guard table: answer from the status found, or write ``request`` and wait for its end."""
+        done, where_from, verb, already = GUARDS[request]
         with self._lock:
             status = self._read()
-            if status == Status.CLEARED:
-                return 200, "model weight is cleared"
-            if status == Status.CLEARING:
-                return 400, "worker is clearing model weight already"
-            if status == Status.UPDATING:
-                return 403, "worker is updating model weight, cannot clear now"
-            if status != Status.NORMAL:
+            if status == done:
+                return 200, already
+            if status in REFUSED[request]:
+                return REFUSED[request][status]
+            if status != where_from:
                 return 500, f"model weight status is {status}, not a ModelWeightsStatus value"
-            self._request(Status.CLEARING)
-            if _wait_for(self.cell_name, Status.CLEARED, timeout_s, self.poll_s):
-                return 200, "clear model weight successfully"
-            return 404, "clear model weight timeout"
+            self._request(request)
+            if _wait_for(self.cell_name, done, timeout_s, self.poll_s):
+                return 200, f"{verb} model weight successfully"
+            return 404, f"{verb} model weight timeout"
+
+    def clear_load_weight(self, timeout_s: float) -> tuple[int, str]:
+        return self._guarded(Status.CLEARING, timeout_s)
 
     def update_model_weight(self, timeout_s: float) -> tuple[int, str]:
-        with self._lock:
-            status = self._read()
-            if status == Status.NORMAL:
-                return 200, "model weight is updated"  # nothing is requested, nothing reloads
-            if status == Status.UPDATING:
-                return 400, "worker is updating model weight already"
-            if status == Status.CLEARING:
-                return 403, "worker is clearing model weight, cannot update now"
-            if status != Status.CLEARED:
-                return 500, f"model weight status is {status}, not a ModelWeightsStatus value"
-            self._request(Status.UPDATING)
-            if _wait_for(self.cell_name, Status.NORMAL, timeout_s, self.poll_s):
-                return 200, "update model weight successfully"
-            return 404, "update model weight timeout"
+        return self._guarded(Status.UPDATING, timeout_s)  # from NORMAL: nothing requested, nothing reloads
