@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -201,12 +202,45 @@ class Runner:
                 loop.answer()
 
 
+def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome) -> int:
+    """One cycle of the loop in this process, non-blocking, before the child takes over: the loop runs the
+    model at NORMAL, clears at CLEARING, updates at UPDATING, each in its own iteration. (A tool that
+    traces calls, coverage or mutation testing, sees the loop's functions called by the test this way;
+    the child's calls die with it.) Returns the version loaded."""
+    ran: list = []
+    steps = ((C.NORMAL, "ran", C.NORMAL), (C.CLEARING, "cleared", C.CLEARED), (C.UPDATING, "updated", C.NORMAL))
+    for request, want, after in steps:
+        if request != C.NORMAL:
+            cell.write(request)
+        if request == C.CLEARING:
+            publish(model_dir, spec, 2)
+        # A loop that does not return at CLEARED would wait here for ever: release it after a while.
+        release = threading.Timer(NONBLOCK_RETURN_S, lambda: cell.read() == C.CLEARED and cell.write(C.UPDATING))
+        release.start()
+        try:
+            result = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
+        finally:
+            release.cancel()
+        if result != want or C.name_of(cell.read()) != C.name_of(after) or len(ran) != 1:
+            invariant = NONBLOCK if request == C.CLEARING and result == "updated" else NO_RUN if len(ran) != 1 else PROGRESS
+            outcome.violations.setdefault(invariant, []).append(
+                f"in-process iteration at {C.name_of(request)}: returned {result!r} with the cell at "
+                f"{C.name_of(cell.read())} and {len(ran)} model run(s); expected {want!r}, {C.name_of(after)}, 1")
+            outcome.violations.setdefault(PROGRESS, []).append("the in-process cycle before the schedules failed")
+            return 0
+    return 2
+
+
 def run(session, cell: C.Cell, model_dir: str, spec, *, block: bool, seed_list) -> Outcome:
     """Every seed's cycle against one worker loop; the child is stopped at the end and its report
     (digests, status, version) kept in the outcome."""
     outcome = Outcome()
+    version = prologue(session, cell, model_dir, spec, outcome)
+    if not version:
+        return outcome
     with LoopChild(session, block=block) as loop:
         runner = Runner(loop, cell, model_dir, spec, block, outcome)
+        runner.version = version
         try:
             for seed in seed_list:
                 if not runner.cycle(Schedule.from_seed(seed, block)):
