@@ -222,3 +222,47 @@ def test_request_guards(loader, impl, state, request_name, answer):
         want = requested if answer[0] == 404 else state  # a request is written only from NORMAL/CLEARED
         check.equal(C.name_of(cell.read()), want, f"the cell after {request_name}() at {state}")
     check.status_is(session, "CLEARED", f"the worker after {request_name}() at {state}: nothing loaded")
+
+
+# -- the lifecycle's options ----------------------------------------------------------------------------
+BAD_OPTIONS = [
+    ("staged", "yes", "staged"), ("staged", 1, "staged"),
+    ("agree_timeout_s", 0, "agree_timeout_s"), ("agree_timeout_s", -1.0, "agree_timeout_s"),
+    ("agree_timeout_s", float("nan"), "agree_timeout_s"), ("agree_timeout_s", True, "agree_timeout_s"),
+    ("agree_timeout_s", "5", "agree_timeout_s"),
+    ("tp_size", 0, "tp_size"), ("tp_size", -2, "tp_size"), ("tp_size", True, "tp_size"), ("tp_size", 2.0, "tp_size"),
+    ("status_cell", 7, "status_cell"), ("status_cell", "dir/cell", "dir/cell"), ("status_cell", "..", ".."),
+    ("status_cell", "model_weights_status.nowhere", "model_weights_status.nowhere"),
+]
+
+
+def _option_case(key, value, named):
+    needs = {"staged": "staged", "agree_timeout_s": "multirank", "tp_size": "status.cell", "status_cell": "status.cell"}[key]
+    return pytest.param(key, value, named, marks=pytest.mark.requires(needs, "snapshot.single"), id=f"{key}={value!r}")
+
+
+@pytest.mark.rule("STATUS-OPTIONS")
+@pytest.mark.parametrize("key,value,named", [_option_case(*c) for c in BAD_OPTIONS])
+def test_bad_lifecycle_option_is_refused_at_open(loader, key, value, named):
+    L.publish(loader.model_dir, SPEC, 1)
+    with check.raises(ValueError, match=r"\S", names=[named], where=f"open() with options[{key!r}] = {value!r}"):
+        loader.open(SPEC, options={key: value})
+
+
+@pytest.mark.rule("STATUS-OPTIONS")
+@pytest.mark.requires("status.cell", "staged", "multirank", "snapshot.single")
+def test_short_cell_and_boundary_options(loader):
+    L.publish(loader.model_dir, SPEC, 1)
+    short = C.Cell(C.NORMAL)
+    try:
+        with open(short.path, "r+b") as f:
+            f.truncate(2)
+        with check.raises(ValueError, match=r"2 bytes", names=[short.name], where="open() on a 2-byte status cell"):
+            loader.open(SPEC, options={"status_cell": short.name})
+    finally:
+        short.unlink()
+    with C.Cell(C.NORMAL) as cell:
+        session = loader.open(SPEC, options={"status_cell": cell.name, "staged": False, "agree_timeout_s": 0.001,
+                                             "tp_size": 1})
+        session.update()
+        check.params_equal(session.observe(), M.state(SPEC, version=1), "the smallest valid options (tp_size 1, a 1 ms deadline)")

@@ -86,7 +86,7 @@ class CellWriter:
 
     def __init__(self, name: str | None, tp_rank: int):
         if name is not None:
-            cell_path(name)  # a bad name is an error at open, not at the first write
+            StatusCell(name).close()  # a bad name or a missing cell is an error at open, not at the first write
         self.name = name
         self.tp_rank = tp_rank
 

@@ -453,3 +453,20 @@ class TrainerLeaksSegments(Mutant):
 
     def patches(self):
         return {"sim.rank_trainer.MetaTrainer": _LeakyMetaTrainer}
+
+
+class _UncheckedOptions(CommitOptions):
+    @classmethod
+    def parse(cls, options):
+        return cls(options.get("staged", False), options.get("status_cell"), options.get("agree_timeout_s", 60.0),
+                   options.get("tp_size"))
+
+
+class OptionsUnchecked(Mutant):
+    id = "lifecycle_options_unchecked"
+    bug = ("the lifecycle options are taken as given: a string 'yes' turns staging on, a zero deadline or tp_size "
+           "fails (or divides by zero) only when the first collective or cell write needs it")
+    kills = frozenset({"STATUS-OPTIONS"})
+
+    def patches(self):
+        return {"reference.commit.CommitOptions": _UncheckedOptions}
