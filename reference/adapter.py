@@ -38,7 +38,7 @@ class ReferenceSession:
 
     def phases(self) -> dict[str, float]:
         """Seconds per phase of the last clear/update cycle (benchmarks only)."""
-        return dict(self.manager.phases)
+        return self.manager.phases.cycle()
 
     def worker_iteration(self, run_model, *, block: bool, sync=None) -> str:
         return worker_loop.iteration(self.manager, run_model, block=block, sync=sync)

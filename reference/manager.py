@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ import paddle
 
 from . import apply, commit, identity
 from .agreement import Agreement
+from .phases import Phases, pulled
 from .status import Status
 from .status_cell import CellWriter
 
@@ -46,20 +46,6 @@ class LoadEvent:
     source: str | None  # file path or endpoint the tensors came from
     applied: int
     seen: int
-
-
-def _pulled(tensors: Iterable, seconds: list) -> Iterable:
-    """``tensors``, adding the time spent producing each item (a snapshot file read lazily) to ``seconds[0]``."""
-    items = iter(tensors)
-    while True:
-        start = time.perf_counter()
-        try:
-            item = next(items)
-        except StopIteration:
-            seconds[0] += time.perf_counter() - start
-            return
-        seconds[0] += time.perf_counter() - start
-        yield item
 
 
 class WeightManager:
@@ -96,8 +82,7 @@ class WeightManager:
         self._stage: commit.Stage | None = None
         self._pending_version: int | None = None
         self._voted = self._committed = False
-        # Seconds per phase of the last clear/update cycle (benchmarks; no rule reads them).
-        self.phases: dict[str, float] = {}
+        self.phases = Phases()  # of the last clear/update cycle
 
     def _capture(self) -> dict[str, paddle.Tensor]:
         # Never initialize here: capturing must not allocate (FastDeploy #7171, OOM on ipc).
@@ -116,21 +101,19 @@ class WeightManager:
     # -- clear -------------------------------------------------------------------------------
     def clear(self) -> None:
         self.status = Status.CLEARING
-        self.phases = {}
-        start = time.perf_counter()
+        self.phases = Phases()
         try:
-            for param in self.params.values():
-                param._clear_data()
-            left = apply.still_loaded(self.params)
+            with self.phases.timed("clear"):
+                for param in self.params.values():
+                    param._clear_data()
+                left = apply.still_loaded(self.params)
             if left:
                 raise RuntimeError(f"Model Parameter clearance verification failed: still initialized: {', '.join(left)}")
         except Exception as e:
             self.agreement.report_failure("clear", e)
             raise
-        self._timed("clear", start)
-        start = time.perf_counter()
-        self.agreement.require_all("clear")
-        self._timed("agree", start)
+        with self.phases.timed("clear_agree"):
+            self.agreement.require_all("clear")
         self.status = Status.CLEARED
         self.cell.publish(Status.CLEARED, self.first_load)
         log.info("cleared %d parameters", len(self.params))
@@ -151,10 +134,9 @@ class WeightManager:
             self.last_error = None
             self.announce(commit.read_version_file(self._version_dir()))
             module, func = STRATEGIES[self.load_strategy].split(":")
-            start, inner = time.perf_counter(), self._inner_seconds()
-            getattr(importlib.import_module(module), func)(self)
-            self.finalize()
-            self.phases["transfer"] = time.perf_counter() - start - (self._inner_seconds() - inner)
+            with self.phases.timed("update"):
+                getattr(importlib.import_module(module), func)(self)
+                self.finalize()
         except BaseException as e:
             self.last_error = e
             self._stage = None  # a staged update's tensors are dropped, never adopted
@@ -162,12 +144,6 @@ class WeightManager:
                 self.agreement.report_failure("update", e)
             log.error("update via %s failed: %s", self.load_strategy, e)
             raise
-
-    def _timed(self, phase: str, start: float) -> None:
-        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - start
-
-    def _inner_seconds(self) -> float:
-        return sum(self.phases.get(p, 0.0) for p in ("apply", "agree", "finalize"))
 
     def _version_dir(self) -> str | None:
         """Where a trainer leaves ``version.yaml`` for paths that carry no version in-band."""
@@ -187,10 +163,9 @@ class WeightManager:
     def apply(self, tensors: Iterable[tuple[str, paddle.Tensor]], label: str, source: str | None) -> int:
         """Validate and adopt tensors from one source (staged: keep them for the commit); an empty
         source is a ValueError."""
-        start, pulled = time.perf_counter(), [0.0]
-        applied, seen, unknown = (self._stage.apply if self._stage is not None else apply.apply_tensors)(
-            self.params, _pulled(tensors, pulled), source or label)
-        self._timed("apply", start + pulled[0])  # reading a lazy source is transfer, not apply
+        with self.phases.timed("apply"):
+            applied, seen, unknown = (self._stage.apply if self._stage is not None else apply.apply_tensors)(
+                self.params, pulled(tensors, self.phases, "apply"), source or label)
         if seen == 0:
             raise ValueError(f"No parameter found in state dict from {source or label} ({label})")
         for name in unknown:
@@ -205,27 +180,24 @@ class WeightManager:
         calls it for the others. Idempotent within one update."""
         if self._committed:
             return
-        start = time.perf_counter()
         staged = self._stage.holds if self._stage is not None else (lambda name: False)
-        missing = [name for name in apply.unloaded(self.params) if not staged(name)]
+        with self.phases.timed("finalize"):
+            missing = [name for name in apply.unloaded(self.params) if not staged(name)]
         if missing:
             raise RuntimeError(
                 f"Model Parameter update verification failed: {len(missing)} parameter(s) not loaded: "
                 + ", ".join(missing)
             )
         self._voted = True
-        self._timed("finalize", start)
-        start = time.perf_counter()
-        self.agreement.require_all("update")
-        self._timed("agree", start)
-        start = time.perf_counter()
-        if self._stage is not None:
-            self._stage.commit(self.params)
-            self._stage = None
-        if self._pending_version is not None:
-            self.version = self._pending_version
-        self._committed = True
-        self.status = Status.NORMAL
-        self.cell.publish(Status.NORMAL, self.first_load)
-        self.first_load = False
-        self._timed("finalize", start)
+        with self.phases.timed("update_agree"):
+            self.agreement.require_all("update")
+        with self.phases.timed("finalize"):
+            if self._stage is not None:
+                self._stage.commit(self.params)
+                self._stage = None
+            if self._pending_version is not None:
+                self.version = self._pending_version
+            self._committed = True
+            self.status = Status.NORMAL
+            self.cell.publish(Status.NORMAL, self.first_load)
+            self.first_load = False
