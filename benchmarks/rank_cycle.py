@@ -57,13 +57,23 @@ def nbytes(shard) -> int:
     return total
 
 
+def cycle_phases(spans: dict) -> dict[str, float]:
+    """A rank's spans (``reference.phases``) as the cycle's phases: clear, transfer (the update less what is
+    counted apart), apply, agree (the clear's vote and the update's), finalize."""
+    inner = spans.get("apply", 0.0) + spans.get("update_agree", 0.0) + spans.get("finalize", 0.0)
+    return {"clear": spans.get("clear", 0.0), "transfer": spans.get("update", 0.0) - inner,
+            "apply": spans.get("apply", 0.0), "agree": spans.get("clear_agree", 0.0) + spans.get("update_agree", 0.0),
+            "finalize": spans.get("finalize", 0.0)}
+
+
 def cycle_rows(path_result: dict) -> list[dict]:
     """Per cycle: the phases of the rank with the longest transfer (the critical path: the others wait for it
     at the agreement, which is then its own cost, not theirs)."""
     rows = []
     for c in path_result["cycles"]:
-        slow = max(c["update"].values(), key=lambda e: e["phases"].get("transfer", 0.0))
-        rows.append(dict(slow["phases"], total=sum(slow["phases"].values())))
+        phases = [cycle_phases(e["phases"]) for e in c["update"].values()]
+        slow = max(phases, key=lambda p: p["transfer"])
+        rows.append(dict(slow, total=sum(slow.values())))
     return rows
 
 

@@ -37,8 +37,8 @@ class ReferenceSession:
         return self.manager.version
 
     def phases(self) -> dict[str, float]:
-        """Seconds per phase of the last clear/update cycle (benchmarks only)."""
-        return self.manager.phases.cycle()
+        """Seconds per span of the last clear/update cycle (``reference.phases``; benchmarks only)."""
+        return dict(self.manager.phases)
 
     def worker_iteration(self, run_model, *, block: bool, sync=None) -> str:
         return worker_loop.iteration(self.manager, run_model, block=block, sync=sync)
