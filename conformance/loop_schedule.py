@@ -204,28 +204,39 @@ class Runner:
 
 def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome) -> int:
     """One cycle of the loop in this process, non-blocking, before the child takes over: the loop runs the
-    model at NORMAL, clears at CLEARING, updates at UPDATING, each in its own iteration. (A tool that
-    traces calls, coverage or mutation testing, sees the loop's functions called by the test this way;
-    the child's calls die with it.) Returns the version loaded."""
-    ran: list = []
-    steps = ((C.NORMAL, "ran", C.NORMAL), (C.CLEARING, "cleared", C.CLEARED), (C.UPDATING, "updated", C.NORMAL))
-    for request, want, after in steps:
+    model at NORMAL, clears at CLEARING, idles at CLEARED, updates at UPDATING, each in its own iteration.
+    (A tool that traces calls, coverage or mutation testing, sees the loop's functions called by the test
+    this way; the child's calls die with it.) Each iteration runs in a thread with a deadline, so a loop
+    that never returns fails the test instead of hanging it. Returns the version loaded (0: failed)."""
+    steps = ((C.NORMAL, "ran", C.NORMAL, 1), (C.CLEARING, "cleared", C.CLEARED, 0), (C.CLEARED, "idle", C.CLEARED, 0),
+             (C.UPDATING, "updated", C.NORMAL, 0))
+    for request, want, after, runs in steps:
         if request != C.NORMAL:
             cell.write(request)
         if request == C.CLEARING:
             publish(model_dir, spec, 2)
-        # A loop that does not return at CLEARED would wait here for ever: release it after a while.
+        ran: list = []
+        box: dict = {}
+
+        def iterate():
+            try:
+                box["result"] = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                box["result"] = f"raised {type(e).__name__}: {e}"
+
+        # A loop that does not return at CLEARED would wait for ever: release it after a while.
         release = threading.Timer(NONBLOCK_RETURN_S, lambda: cell.read() == C.CLEARED and cell.write(C.UPDATING))
         release.start()
-        try:
-            result = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
-        finally:
-            release.cancel()
-        if result != want or C.name_of(cell.read()) != C.name_of(after) or len(ran) != 1:
-            invariant = NONBLOCK if request == C.CLEARING and result == "updated" else NO_RUN if len(ran) != 1 else PROGRESS
+        thread = threading.Thread(target=iterate, name="conformance-prologue", daemon=True)
+        thread.start()
+        thread.join(NONBLOCK_RETURN_S + EVENT_TIMEOUT_S)
+        release.cancel()
+        result = box.get("result", f"did not return within {NONBLOCK_RETURN_S + EVENT_TIMEOUT_S:g}s")
+        if result != want or C.name_of(cell.read()) != C.name_of(after) or len(ran) != runs:
+            invariant = NONBLOCK if request == C.CLEARING and result == "updated" else NO_RUN if len(ran) != runs else PROGRESS
             outcome.violations.setdefault(invariant, []).append(
-                f"in-process iteration at {C.name_of(request)}: returned {result!r} with the cell at "
-                f"{C.name_of(cell.read())} and {len(ran)} model run(s); expected {want!r}, {C.name_of(after)}, 1")
+                f"in-process iteration at {C.name_of(request)}: {result!r} with the cell at {C.name_of(cell.read())} "
+                f"and {len(ran)} model run(s); expected {want!r}, {C.name_of(after)}, {runs}")
             outcome.violations.setdefault(PROGRESS, []).append("the in-process cycle before the schedules failed")
             return 0
     return 2

@@ -8,6 +8,7 @@ seeded number of microseconds after its CLEARED. Every failure names its seed an
 ``CONFORMANCE_LOOP_SEED=N`` reruns that seed alone.
 """
 import hashlib
+import threading
 import time
 
 import numpy as np
@@ -266,3 +267,67 @@ def test_short_cell_and_boundary_options(loader):
                                              "tp_size": 1})
         session.update()
         check.params_equal(session.observe(), M.state(SPEC, version=1), "the smallest valid options (tp_size 1, a 1 ms deadline)")
+
+
+# -- ranks that do not write the cell -----------------------------------------------------------------
+RANK0_DELAY_S = 0.15
+
+
+def _bounded_iteration(session, timeout_s=10.0):
+    """One non-blocking iteration in a thread: (what it returned or raised, seconds, model runs)."""
+    box, ran = {}, []
+
+    def iterate():
+        try:
+            box["result"] = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
+        except BaseException as e:  # noqa: BLE001 (judged by the test)
+            box["error"] = e
+
+    start = time.monotonic()
+    thread = threading.Thread(target=iterate, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return box, time.monotonic() - start, len(ran)
+
+
+def _follower(loader, monkeypatch, cell, **options):
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    sources = Sources(loader, "snapshot", rank=1, gpu=6)
+    sources.publish(SPEC, 1)
+    session = loader.open(SPEC, worker=Worker(1, "5,6", "1"), options={"status_cell": cell.name, **options})
+    session.update()
+    return sources, session
+
+
+@pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
+@pytest.mark.requires("status.cell", "snapshot.parts")
+def test_follower_waits_for_rank0_write(loader, monkeypatch, cell):
+    sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=5.0)
+    for request, written, want, version in ((C.CLEARING, C.CLEARED, "cleared", None), (C.UPDATING, C.NORMAL, "updated", 2)):
+        if version:
+            sources.publish(SPEC, version)
+        cell.write(request)
+        rank0 = threading.Timer(RANK0_DELAY_S, lambda value=written: cell.write(value))  # rank 0, done a little later
+        rank0.start()
+        box, seconds, runs = _bounded_iteration(session)
+        rank0.cancel()
+        where = f"rank 1 of 2, {C.name_of(request)} in the cell, rank 0 writing {C.name_of(written)} after {RANK0_DELAY_S}s"
+        check.equal(box.get("result", box.get("error")), want, f"{where}: what the iteration returned")
+        check.that(seconds >= RANK0_DELAY_S and runs == 0,
+                   f"{where}: the iteration returned after {seconds:.3f}s with {runs} model run(s); it must wait for rank "
+                   "0's write (else its next iteration reads the request again and repeats it) and run nothing")
+    check.params_equal(session.observe(), M.state(SPEC, version=2), "rank 1 after the cycle it followed")
+
+
+@pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
+@pytest.mark.requires("status.cell", "multirank", "snapshot.parts")
+def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell):
+    _, session = _follower(loader, monkeypatch, cell, agree_timeout_s=0.3)
+    cell.write(C.CLEARING)  # rank 0 never answers
+    box, seconds, runs = _bounded_iteration(session)
+    where = "rank 1 of 2 after its clear, rank 0 never writing CLEARED (agree_timeout_s 0.3)"
+    error = box.get("error")
+    check.that(isinstance(error, TimeoutError) and cell.name in str(error) and "rank 1" in str(error),
+               f"{where}: expected a TimeoutError naming the cell {cell.name} and rank 1, got {box}")
+    check.that(0.3 <= seconds < 5.0 and runs == 0, f"{where}: gave up after {seconds:.2f}s with {runs} model run(s)")
+    check.equal(C.name_of(cell.read()), "CLEARING", f"{where}: the cell (a follower never writes)")

@@ -24,7 +24,11 @@ POLL_S = 0.01  # FastDeploy's 10 ms spin
 
 
 class LoopError(RuntimeError):
-    """The loop cannot run: no status cell configured, or a wait on the cell missed its deadline."""
+    """The loop cannot run: no status cell configured."""
+
+
+class LoopTimeout(LoopError, TimeoutError):
+    """A rank waited past its deadline for rank 0's write to the cell."""
 
 
 def wait_while(cell: StatusCell, value: int, timeout_s: float, poll_s: float, why: str) -> int:
@@ -35,7 +39,7 @@ def wait_while(cell: StatusCell, value: int, timeout_s: float, poll_s: float, wh
         if now != value:
             return now
         if time.monotonic() >= deadline:
-            raise LoopError(f"status cell {cell.name!r} still reads {Status(value).name} {timeout_s:g}s after {why}")
+            raise LoopTimeout(f"status cell {cell.name!r} still reads {Status(value).name} {timeout_s:g}s after {why}")
         time.sleep(poll_s)
 
 

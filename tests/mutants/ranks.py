@@ -30,6 +30,7 @@ from .base import Mutant
 
 _real_iteration = _loop.iteration
 _real_check_status = _loop.check_status
+_real_wait_while = _loop.wait_while
 _real_read_version_file = _commit.read_version_file
 _real_adopt = _apply.adopt
 _real_open_tensor = _ipc_meta.open_tensor
@@ -470,3 +471,28 @@ class OptionsUnchecked(Mutant):
 
     def patches(self):
         return {"reference.commit.CommitOptions": _UncheckedOptions}
+
+
+class FollowerAssumesWrite(Mutant):
+    id = "loop_follower_does_not_wait"
+    bug = ("after its own clear or update a rank assumes rank 0 has written the cell and returns: a follower's next "
+           "iteration reads the request again and repeats it (a second update fails: the weights are not cleared)")
+    kills = frozenset({"STATUS-FOLLOWERS-WAIT"})
+
+    def patches(self):
+        def wait_while(cell, value, timeout_s, poll_s, why):
+            return {Status.UPDATING: Status.NORMAL, Status.CLEARING: Status.CLEARED}.get(value, cell.read())
+
+        return {"reference.worker_loop.wait_while": wait_while}
+
+
+class FollowerWaitsForever(Mutant):
+    id = "loop_follower_waits_forever"
+    bug = "a rank waits for rank 0's write without a deadline: if rank 0 died, it spins for ever"
+    kills = frozenset({"STATUS-FOLLOWERS-WAIT"})
+
+    def patches(self):
+        def wait_while(cell, value, timeout_s, poll_s, why):
+            return _real_wait_while(cell, value, 3600.0, poll_s, why)
+
+        return {"reference.worker_loop.wait_while": wait_while}
