@@ -46,14 +46,11 @@ class Stage:
     def holds(self, name: str) -> bool:
         return name in self.tensors
 
-    def commit(self, targets: Mapping[str, paddle.Tensor]) -> int:
-        """Adopt every staged tensor (checked when it was landed); return how many."""
+    def commit(self, targets: Mapping[str, paddle.Tensor]) -> None:
+        """Adopt every staged tensor (each was checked when it landed). The stage is spent afterwards."""
         with paddle.no_grad():
             for name, tensor in self.tensors.items():
                 apply.adopt(name, tensor, targets[name])
-        count = len(self.tensors)
-        self.tensors = {}
-        return count
 
 
 def read_version_file(directory: str | None) -> int | None:
