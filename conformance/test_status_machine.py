@@ -206,6 +206,8 @@ GUARDS = [  # cell value, request, answer; the worker is absent: nothing else wr
     ("CLEARING", "update_model_weight", (403, "worker is clearing model weight, cannot update now")),
     ("NORMAL", "clear_load_weight", (404, "clear model weight timeout")),
     ("CLEARED", "update_model_weight", (404, "update model weight timeout")),
+    ("UNKNOWN(7)", "clear_load_weight", (500, "model weight status is 7, not a ModelWeightsStatus value")),
+    ("UNKNOWN(7)", "update_model_weight", (500, "model weight status is 7, not a ModelWeightsStatus value")),
 ]
 
 
@@ -232,7 +234,8 @@ BAD_OPTIONS = [
     ("agree_timeout_s", float("nan"), "agree_timeout_s"), ("agree_timeout_s", True, "agree_timeout_s"),
     ("agree_timeout_s", "5", "agree_timeout_s"),
     ("tp_size", 0, "tp_size"), ("tp_size", -2, "tp_size"), ("tp_size", True, "tp_size"), ("tp_size", 2.0, "tp_size"),
-    ("status_cell", 7, "status_cell"), ("status_cell", "dir/cell", "dir/cell"), ("status_cell", "..", ".."),
+    ("status_cell", 7, "status_cell"), ("status_cell", "dir/cell", "dir/cell"), ("status_cell", ".", "'.'"),
+    ("status_cell", "..", ".."),
     ("status_cell", "model_weights_status.nowhere", "model_weights_status.nowhere"),
 ]
 

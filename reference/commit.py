@@ -59,7 +59,7 @@ def read_version_file(directory: str | None) -> int | None:
         return None
     path = os.path.join(directory, VERSION_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:  # YAML detects its own encoding
             text = f.read()
     except FileNotFoundError:
         return None
@@ -108,4 +108,4 @@ class CommitOptions:
         return cls(staged, cell, float(timeout), tp_size)
 
     def tp_rank(self, rank: int, world_size: int) -> int:
-        return rank % (self.tp_size or max(world_size, 1))
+        return rank % (self.tp_size or world_size)

@@ -103,17 +103,19 @@ class WeightManager:
         self.status = Status.CLEARING
         self.phases = Phases()
         try:
-            with self.phases.timed("clear"):
-                for param in self.params.values():
-                    param._clear_data()
-                left = apply.still_loaded(self.params)
+            span = self.phases.span("clear")
+            for param in self.params.values():
+                param._clear_data()
+            left = apply.still_loaded(self.params)
+            span.end()
             if left:
                 raise RuntimeError(f"Model Parameter clearance verification failed: still initialized: {', '.join(left)}")
         except Exception as e:
             self.agreement.report_failure("clear", e)
             raise
-        with self.phases.timed("clear_agree"):
-            self.agreement.require_all("clear")
+        span = self.phases.span("clear_agree")
+        self.agreement.require_all("clear")
+        span.end()
         self.status = Status.CLEARED
         self.cell.publish(Status.CLEARED, self.first_load)
         log.info("cleared %d parameters", len(self.params))
@@ -134,9 +136,10 @@ class WeightManager:
             self.last_error = None
             self.announce(commit.read_version_file(self._version_dir()))
             module, func = STRATEGIES[self.load_strategy].split(":")
-            with self.phases.timed("update"):
-                getattr(importlib.import_module(module), func)(self)
-                self.finalize()
+            span = self.phases.span("update")
+            getattr(importlib.import_module(module), func)(self)
+            self.finalize()
+            span.end()
         except BaseException as e:
             self.last_error = e
             self._stage = None  # a staged update's tensors are dropped, never adopted
@@ -154,18 +157,17 @@ class WeightManager:
         than the one reported."""
         if version is None:
             return
-        where = f"{self.load_strategy} update on rank {self.rank}"
-        if self._pending_version not in (None, version):
-            raise commit.VersionError(f"{where}: announced version {version} after {self._pending_version}")
-        commit.check_forward(version, self.version, where)
+        commit.check_forward(version, self.version, f"{self.load_strategy} update on rank {self.rank}")
         self._pending_version = version
 
     def apply(self, tensors: Iterable[tuple[str, paddle.Tensor]], label: str, source: str | None) -> int:
         """Validate and adopt tensors from one source (staged: keep them for the commit); an empty
         source is a ValueError."""
-        with self.phases.timed("apply"):
-            applied, seen, unknown = (self._stage.apply if self._stage is not None else apply.apply_tensors)(
-                self.params, pulled(tensors, self.phases, "apply"), source or label)
+        span = self.phases.span("apply")
+        tensors = pulled(tensors, self.phases, "apply")  # reading a lazy source is transfer, not apply
+        applied, seen, unknown = (self._stage.apply if self._stage is not None else apply.apply_tensors)(
+            self.params, tensors, source or label)
+        span.end()
         if seen == 0:
             raise ValueError(f"No parameter found in state dict from {source or label} ({label})")
         for name in unknown:
@@ -180,24 +182,27 @@ class WeightManager:
         calls it for the others. Idempotent within one update."""
         if self._committed:
             return
+        span = self.phases.span("finalize")
         staged = self._stage.holds if self._stage is not None else (lambda name: False)
-        with self.phases.timed("finalize"):
-            missing = [name for name in apply.unloaded(self.params) if not staged(name)]
+        missing = [name for name in apply.unloaded(self.params) if not staged(name)]
+        span.end()
         if missing:
             raise RuntimeError(
                 f"Model Parameter update verification failed: {len(missing)} parameter(s) not loaded: "
                 + ", ".join(missing)
             )
         self._voted = True
-        with self.phases.timed("update_agree"):
-            self.agreement.require_all("update")
-        with self.phases.timed("finalize"):
-            if self._stage is not None:
-                self._stage.commit(self.params)
-                self._stage = None
-            if self._pending_version is not None:
-                self.version = self._pending_version
-            self._committed = True
-            self.status = Status.NORMAL
-            self.cell.publish(Status.NORMAL, self.first_load)
-            self.first_load = False
+        span = self.phases.span("update_agree")
+        self.agreement.require_all("update")
+        span.end()
+        span = self.phases.span("finalize")
+        if self._stage is not None:
+            self._stage.commit(self.params)
+            self._stage = None
+        if self._pending_version is not None:
+            self.version = self._pending_version
+        self._committed = True
+        self.status = Status.NORMAL
+        self.cell.publish(Status.NORMAL, self.first_load)
+        self.first_load = False
+        span.end()

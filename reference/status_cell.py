@@ -27,7 +27,7 @@ class CellError(ValueError):
 
 
 def cell_path(name: str) -> str:
-    if not isinstance(name, str) or not NAME.match(name) or name in (".", ".."):
+    if not NAME.match(name) or name in (".", ".."):
         raise CellError(f"status cell name {name!r} is not a shared-memory name (letters, digits, '_', '.', '-')")
     return os.path.join(SHM_DIR, name)
 
@@ -68,11 +68,6 @@ class StatusCell:
         self.close()
 
 
-def read(name: str) -> int:
-    with StatusCell(name) as cell:
-        return cell.read()
-
-
 def write(name: str, value: Status) -> None:
     with StatusCell(name) as cell:
         cell.write(value)
@@ -94,9 +89,7 @@ class CellWriter:
     def writes(self) -> bool:
         return self.name is not None and self.tp_rank == 0
 
-    def publish(self, status: Status, first_load: bool) -> bool:
-        """Write ``status`` if this worker writes it; return whether it did."""
-        if not self.writes or status not in self.WORKER_VALUES or (first_load and status == Status.NORMAL):
-            return False
-        write(self.name, status)
-        return True
+    def publish(self, status: Status, first_load: bool) -> None:
+        """Write ``status`` if this worker writes it."""
+        if self.writes and status in self.WORKER_VALUES and not (first_load and status == Status.NORMAL):
+            write(self.name, status)

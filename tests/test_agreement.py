@@ -194,3 +194,84 @@ def test_a_dead_peer_fails_the_vote_at_once():
     zero, _ = two_ranks(_peer_dies)
     assert zero["raised"] and zero["raised"].startswith("rank 0: vote on clear (epoch 1) failed: "), zero
     assert zero["waited"] < DEADLINE_S and zero["broken"].startswith("vote on clear (epoch 1) failed: "), zero
+
+
+# -- the manager's votes on two ranks ------------------------------------------------------------------------
+SPEC = [("embed.weight", "float32", (8, 4)), ("norm.bias", "float16", (4,))]
+
+
+def _manager_ranks(rank, agreement, shared):
+    """Both ranks' managers (staged), each publishing its own shard as its trainer would; rank 1's shard of
+    version 2 is missing, version 3 loads on both, then rank 1's clear leaves a parameter loaded."""
+    from fixtures import models as M
+    from fixtures import snapshot as S
+    from fixtures.status_cell import Cell, write_version
+    from reference.manager import WeightManager
+
+    os.environ.update(CUDA_VISIBLE_DEVICES="4,2", FLAGS_selected_gpus=str(rank))
+    spec, gpu = M.spec(*SPEC), (4, 2)[rank]
+    cell = Cell.existing(shared["cell"])
+
+    def publish(version):
+        for name in os.listdir(shared["dir"]):
+            if name.startswith(f"model_state.tp{rank}."):
+                os.remove(os.path.join(shared["dir"], name))
+        if not (rank == 1 and version == 2):
+            S.write_safetensors(S.single_path(shared["dir"], rank, gpu), M.state(spec, seed=rank, version=version))
+        if rank == 0:
+            write_version(shared["dir"], version)
+
+    manager = WeightManager(M.build_models(spec), load_strategy="ipc_snapshot", model_dir=shared["dir"],
+                            shared_dir=shared["dir"], options={"status_cell": cell.name, "staged": True,
+                                                               "agree_timeout_s": 20.0})
+    out = {}
+    publish(1)
+    agreement.broadcast(0)
+    manager.update()
+    manager.clear()
+    out["cleared_cell"] = cell.read()
+    publish(2)
+    agreement.broadcast(0)  # both published before either updates
+    try:
+        manager.update()
+        out["update"] = None
+    except Exception as e:  # noqa: BLE001
+        out["update"] = f"{type(e).__name__}: {e}"
+    out["after_update"] = [manager.status.name, manager.version, manager.params["embed.weight"]._is_initialized(),
+                           cell.read()]
+    manager.clear()
+    publish(3)
+    agreement.broadcast(0)
+    manager.update()
+    out["recovered"] = [manager.status.name, manager.version]
+    agreement.broadcast(0)
+    if rank == 0:
+        cell.write(7)  # a value nobody writes: whether rank 0 publishes CLEARED shows
+    if rank == 1:
+        manager.params["norm.bias"]._clear_data = lambda: None  # this rank's clear leaves a parameter loaded
+    agreement.broadcast(0)
+    try:
+        manager.clear()
+        out["clear"] = None
+    except Exception as e:  # noqa: BLE001
+        out["clear"] = f"{type(e).__name__}: {e}"
+    out["after_clear"] = [manager.status.name, cell.read()]
+    return out
+
+
+def test_every_rank_reports_the_failure_of_one(tmp_path):
+    from fixtures.status_cell import Cell
+
+    with Cell(0) as cell:
+        shared = {"dir": str(tmp_path), "cell": cell.name}
+        zero, one = two_ranks(lambda rank, agreement: _manager_ranks(rank, agreement, shared))
+    assert zero["cleared_cell"] == -2, "rank 0 writes CLEARED once both ranks cleared"
+    assert one["update"].startswith("FileNotFoundError: "), one["update"]
+    assert zero["update"].startswith("RankFailure: rank 0: update failed on 1 other rank(s): rank 1: FileNotFoundError: "), zero
+    for rank, out in enumerate((zero, one)):
+        assert out["after_update"] == ["UPDATING", 1, False, -2], (rank, out["after_update"])
+    assert zero["recovered"] == one["recovered"] == ["NORMAL", 3], (zero, one)
+    assert one["clear"].startswith("RuntimeError: Model Parameter clearance verification failed"), one["clear"]
+    assert zero["clear"].startswith("RankFailure: rank 0: clear failed on 1 other rank(s): rank 1: RuntimeError: Model "
+                                    "Parameter clearance verification failed"), zero["clear"]
+    assert zero["after_clear"] == ["CLEARING", 7], f"rank 0 must not write CLEARED after rank 1's clear failed: {zero}"
