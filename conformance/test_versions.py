@@ -21,7 +21,7 @@ def sources(loader):
     made = []
 
     def make(kind, **kw):
-        made.append(Sources(loader, kind, timeout_s=0.2, **kw))
+        made.append(Sources(loader, kind, timeout_s=2.0, **kw))  # no test here waits for a dead trainer
         return made[-1]
 
     yield make
