@@ -218,9 +218,12 @@ def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome) -> i
         ran: list = []
         box: dict = {}
 
+        # The first iteration uses the loop's own broadcast (sync=None: on one rank, the value itself).
+        sync = None if request == C.NORMAL else (lambda value: value)
+
         def iterate():
             try:
-                box["result"] = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
+                box["result"] = session.worker_iteration(lambda: ran.append(1), block=False, sync=sync)
             except BaseException as e:  # noqa: BLE001 (reported below)
                 box["result"] = f"raised {type(e).__name__}: {e}"
 

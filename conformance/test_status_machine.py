@@ -254,6 +254,18 @@ def test_bad_lifecycle_option_is_refused_at_open(loader, key, value, named):
 
 
 @pytest.mark.rule("STATUS-OPTIONS")
+@pytest.mark.requires("status.cell", "snapshot.single")
+def test_loop_without_a_cell_is_refused(loader):
+    L.publish(loader.model_dir, SPEC, 1)
+    session = loader.open(SPEC)
+    session.update()
+    ran = []
+    with check.raises(Exception, match=r"status_cell", where="worker_iteration() of a session opened without options['status_cell']"):
+        session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
+    check.that(not ran, f"the loop without a cell ran the model {len(ran)} time(s)")
+
+
+@pytest.mark.rule("STATUS-OPTIONS")
 @pytest.mark.requires("status.cell", "staged", "multirank", "snapshot.single")
 def test_short_cell_and_boundary_options(loader):
     L.publish(loader.model_dir, SPEC, 1)
@@ -277,7 +289,8 @@ RANK0_DELAY_S = 0.15
 
 
 def _bounded_iteration(session, timeout_s=10.0):
-    """One non-blocking iteration in a thread: (what it returned or raised, seconds, model runs)."""
+    """One non-blocking iteration in a thread: (what it returned or raised (with ``"end"``, the monotonic
+    time it did), seconds, model runs)."""
     box, ran = {}, []
 
     def iterate():
@@ -285,6 +298,7 @@ def _bounded_iteration(session, timeout_s=10.0):
             box["result"] = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
         except BaseException as e:  # noqa: BLE001 (judged by the test)
             box["error"] = e
+        box["end"] = time.monotonic()
 
     start = time.monotonic()
     thread = threading.Thread(target=iterate, daemon=True)
@@ -310,27 +324,41 @@ def test_follower_waits_for_rank0_write(loader, monkeypatch, cell):
         if version:
             sources.publish(SPEC, version)
         cell.write(request)
-        rank0 = threading.Timer(RANK0_DELAY_S, lambda value=written: cell.write(value))  # rank 0, done a little later
-        rank0.start()
+        wrote = {}
+
+        def rank0(value=written):  # rank 0, done a little later
+            wrote["at"] = time.monotonic()
+            cell.write(value)
+
+        timer = threading.Timer(RANK0_DELAY_S, rank0)
+        timer.start()
         box, seconds, runs = _bounded_iteration(session)
-        rank0.cancel()
+        timer.cancel()
         where = f"rank 1 of 2, {C.name_of(request)} in the cell, rank 0 writing {C.name_of(written)} after {RANK0_DELAY_S}s"
         check.equal(box.get("result", box.get("error")), want, f"{where}: what the iteration returned")
-        check.that(seconds >= RANK0_DELAY_S and runs == 0,
-                   f"{where}: the iteration returned after {seconds:.3f}s with {runs} model run(s); it must wait for rank "
-                   "0's write (else its next iteration reads the request again and repeats it) and run nothing")
+        early = "before rank 0 wrote at all" if "at" not in wrote or "end" not in box else \
+            f"{wrote['at'] - box['end']:.3f}s before rank 0's write" if box["end"] < wrote["at"] else None
+        check.that(early is None and runs == 0,
+                   f"{where}: the iteration returned {early}, with {runs} model run(s); it must "
+                   "wait for that write (else its next iteration reads the request again and repeats it) and run nothing")
     check.params_equal(session.observe(), M.state(SPEC, version=2), "rank 1 after the cycle it followed")
 
 
 @pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
 @pytest.mark.requires("status.cell", "multirank", "snapshot.parts")
-def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell):
-    _, session = _follower(loader, monkeypatch, cell, agree_timeout_s=0.3)
-    cell.write(C.CLEARING)  # rank 0 never answers
+@pytest.mark.parametrize("request_value", [C.CLEARING, C.UPDATING], ids=["CLEARING", "UPDATING"])
+def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell, request_value):
+    sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=0.3)
+    if request_value == C.UPDATING:  # rank 0 wrote CLEARED; the follower cleared; now it updates alone
+        cell.write(C.CLEARING)
+        threading.Timer(0.05, lambda: cell.write(C.CLEARED)).start()
+        _bounded_iteration(session)
+        sources.publish(SPEC, 2)
+    cell.write(request_value)  # rank 0 never answers
     box, seconds, runs = _bounded_iteration(session)
-    where = "rank 1 of 2 after its clear, rank 0 never writing CLEARED (agree_timeout_s 0.3)"
+    where = f"rank 1 of 2 after its own {'clear' if request_value == C.CLEARING else 'update'}, rank 0 never writing (agree_timeout_s 0.3)"
     error = box.get("error")
     check.that(isinstance(error, TimeoutError) and cell.name in str(error) and "rank 1" in str(error),
                f"{where}: expected a TimeoutError naming the cell {cell.name} and rank 1, got {box}")
     check.that(0.3 <= seconds < 5.0 and runs == 0, f"{where}: gave up after {seconds:.2f}s with {runs} model run(s)")
-    check.equal(C.name_of(cell.read()), "CLEARING", f"{where}: the cell (a follower never writes)")
+    check.equal(C.name_of(cell.read()), C.name_of(request_value), f"{where}: the cell (a follower never writes)")

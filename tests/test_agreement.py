@@ -114,6 +114,22 @@ def test_one_rank_is_local():
     assert agreement.broadcast(-2) == -2 and agreement.epoch == 3
 
 
+def test_a_collective_runs_in_a_thread_with_a_deadline():
+    agreement = A.Agreement(0.2)
+    assert agreement._bounded("probe", lambda: 5) == 5 and agreement.broken is None
+    with pytest.raises(A.AgreementError, match=r"rank 0: probe \(epoch 0\) failed: KeyError: 'gone'") as info:
+        agreement._bounded("probe", lambda: {}["gone"])
+    assert not isinstance(info.value, A.AgreementTimeout) and isinstance(info.value.__cause__, KeyError)
+    assert agreement.broken == "probe (epoch 0) failed: KeyError: 'gone'"
+    fresh = A.Agreement(0.2)
+    start = time.monotonic()
+    with pytest.raises(A.AgreementTimeout, match=r"rank 0: slow \(epoch 0\) did not complete within 0.2s"):
+        fresh._bounded("slow", lambda: time.sleep(1.0))
+    assert 0.2 <= time.monotonic() - start < 0.9 and fresh.broken == "slow (epoch 0) missed its 0.2s deadline"
+    with pytest.raises(A.AgreementTimeout, match=r"cannot run next: the process group is unusable since slow"):
+        fresh._bounded("next", lambda: 1)
+
+
 # -- two ranks ------------------------------------------------------------------------------------------
 def _exchange(rank, agreement):
     out = {"broadcast": agreement.broadcast(-1 if rank == 0 else 1), "world": agreement.world_size()}
@@ -259,11 +275,46 @@ def _manager_ranks(rank, agreement, shared):
     return out
 
 
+def _one_rank(directory) -> dict:
+    """The same lifecycle on one rank, in this process: a missing shard, a load, a clear, a clear that leaves a
+    parameter loaded. (Tools that trace calls, coverage and mutation testing, see the manager called by this
+    test this way; the two ranks' calls die with their processes.)"""
+    from fixtures import models as M
+    from fixtures import snapshot as S
+    from reference.manager import WeightManager
+
+    spec = M.spec(*SPEC)
+    manager = WeightManager(M.build_models(spec), load_strategy="ipc_snapshot", model_dir=str(directory),
+                            shared_dir=str(directory), options={"staged": True}, env={})
+    out = {}
+    try:
+        manager.update()
+    except FileNotFoundError as e:
+        out["missing"] = str(e)
+    manager.clear()
+    S.write_safetensors(S.single_path(str(directory), 0, 0), M.state(spec, version=1))
+    manager.update()
+    manager.clear()
+    manager.update()
+    manager.params["norm.bias"]._clear_data = lambda: None
+    try:
+        manager.clear()
+    except RuntimeError as e:
+        out["clear"] = str(e)
+    out["status"] = manager.status.name
+    return out
+
+
 def test_every_rank_reports_the_failure_of_one(tmp_path):
     from fixtures.status_cell import Cell
 
+    single = _one_rank(tmp_path / "one")
+    assert single["missing"].startswith("No snapshot found") and single["status"] == "CLEARING", single
+    assert single["clear"].startswith("Model Parameter clearance verification failed"), single
+
+    (tmp_path / "two").mkdir()
     with Cell(0) as cell:
-        shared = {"dir": str(tmp_path), "cell": cell.name}
+        shared = {"dir": str(tmp_path / "two"), "cell": cell.name}
         zero, one = two_ranks(lambda rank, agreement: _manager_ranks(rank, agreement, shared))
     assert zero["cleared_cell"] == -2, "rank 0 writes CLEARED once both ranks cleared"
     assert one["update"].startswith("FileNotFoundError: "), one["update"]
