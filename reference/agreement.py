@@ -60,7 +60,7 @@ def decode_vote(raw: np.ndarray, sender: int) -> Vote:
     data = raw.tobytes()
     (length,) = struct.unpack("<I", data[:4])
     try:
-        fields = msgpack.unpackb(data[4 : 4 + length], strict_map_key=True, ext_hook=_no_ext)
+        fields = msgpack.unpackb(data[4 : 4 + length], ext_hook=_no_ext)
         rank, epoch, what, ok, error = fields
     except Exception as e:
         raise AgreementError(f"vote from rank {sender} is not readable ({type(e).__name__}: {e})") from None
@@ -71,9 +71,9 @@ def _no_ext(code, data):
     raise ValueError(f"msgpack extension type {code} refused")
 
 
-def failures(votes: list[Vote], own_rank: int) -> list[Vote]:
-    """The votes of other ranks that failed."""
-    return [v for v in votes if not v.ok and v.rank != own_rank]
+def failures(votes: list[Vote]) -> list[Vote]:
+    """The votes that failed."""
+    return [v for v in votes if not v.ok]
 
 
 def describe(failed: list[Vote]) -> str:
@@ -157,7 +157,7 @@ class Agreement:
 
     def require_all(self, what: str) -> None:
         """This rank succeeded; raise ``RankFailure`` if any other rank did not."""
-        failed = failures(self.vote(what, True), self.rank())
+        failed = failures(self.vote(what, True))  # (this rank's own vote is a success)
         if failed:
             raise RankFailure(f"rank {self.rank()}: {what} failed on {len(failed)} other rank(s): {describe(failed)}")
 

@@ -8,6 +8,7 @@ the loop's broadcast.
 import json
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -43,8 +44,13 @@ def _join(rank: int, port: int, endpoints: list[str]) -> None:
     dist.init_parallel_env()
 
 
-def two_ranks(script, timeout_s: float = 60.0) -> list:
-    """``script(rank, agreement) -> JSON-able`` in two forked processes joined in one gloo group."""
+def two_ranks(script, timeout_s: float = 60.0, in_process: bool = True) -> list:
+    """``script(rank, agreement) -> JSON-able`` in two forked processes joined in one gloo group. With
+    ``in_process``, the script first runs here as rank 0 of one (every call local, its result unused): tools
+    that trace calls, coverage and mutation testing, then see the functions the test drives; the two ranks'
+    calls die with their processes."""
+    if in_process:
+        script(0, A.Agreement(DEADLINE_S))
     port, endpoints = _free_port(), [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     children = []
     for rank in range(2):
@@ -78,11 +84,32 @@ def two_ranks(script, timeout_s: float = 60.0) -> list:
 
 
 # -- the vote's wire form ------------------------------------------------------------------------------
-def test_vote_roundtrips_through_its_fixed_size_form():
-    vote = A.Vote(3, 17, "update", False, "FileNotFoundError: no shard é")
+@pytest.mark.parametrize("ok", [True, False])
+def test_vote_roundtrips_through_its_fixed_size_form(ok):
+    vote = A.Vote(3, 17, "update", ok, "FileNotFoundError: no shard é")
     raw = A.encode_vote(vote)
     assert raw.dtype.name == "uint8" and raw.shape == (A.VOTE_BYTES,)
     assert A.decode_vote(raw, 3) == vote
+
+
+def test_a_vote_fills_its_form_exactly_and_no_more():
+    # msgpack of [0, 1, what, True, ""]: 1 (array) + 1 + 1 + 3 (str16 header) + len(what) + 1 + 1 bytes
+    fits = A.Vote(0, 1, "u" * (A.VOTE_BYTES - 4 - 8), True)
+    assert A.decode_vote(A.encode_vote(fits), 0) == fits
+    with pytest.raises(ValueError, match=rf"needs {A.VOTE_BYTES + 1} bytes > {A.VOTE_BYTES}"):
+        A.encode_vote(A.Vote(0, 1, "u" * (A.VOTE_BYTES - 4 - 7), True))
+
+
+def test_a_vote_with_an_extension_type_is_refused():
+    import msgpack
+
+    body = msgpack.packb([0, 1, msgpack.ExtType(5, b"x"), True, ""])
+    raw = A.encode_vote(A.Vote(0, 1, "clear", True))
+    raw[:] = 0
+    raw[:4] = list(len(body).to_bytes(4, "little"))
+    raw[4 : 4 + len(body)] = list(body)
+    with pytest.raises(A.AgreementError, match=r"vote from rank 1 is not readable \(ValueError: msgpack extension type 5 refused\)"):
+        A.decode_vote(raw, 1)
 
 
 def test_a_long_error_is_cut_to_its_limit_and_an_oversized_vote_refused():
@@ -99,15 +126,16 @@ def test_an_unreadable_vote_names_its_sender():
         A.decode_vote(raw, 5)
 
 
-def test_failures_are_the_other_ranks_failed_votes():
+def test_failures_are_the_failed_votes():
     votes = [A.Vote(0, 1, "update", False, "mine"), A.Vote(1, 1, "update", True), A.Vote(2, 1, "update", False, "")]
-    assert A.failures(votes, 0) == [votes[2]]
-    assert A.describe([votes[0], votes[2]]) == "rank 0: mine; rank 2: failed"
+    assert A.failures(votes) == [votes[0], votes[2]]
+    assert A.describe(A.failures(votes)) == "rank 0: mine; rank 2: failed"
 
 
-def test_one_rank_is_local():
+def test_one_rank_is_local(monkeypatch):
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")  # a job of 4 as launched, but no group joined here
     agreement = A.Agreement(DEADLINE_S)
-    assert agreement.world_size() == 1
+    assert agreement.world_size() == 1 and agreement.declared_world_size() == 4
     assert agreement.vote("update", False, "e") == [A.Vote(agreement.rank(), 1, "update", False, "e")]
     agreement.require_all("update")
     assert agreement.report_failure("update", ValueError("x")) is None
@@ -126,6 +154,8 @@ def test_a_collective_runs_in_a_thread_with_a_deadline():
     with pytest.raises(A.AgreementTimeout, match=r"rank 0: slow \(epoch 0\) did not complete within 0.2s"):
         fresh._bounded("slow", lambda: time.sleep(1.0))
     assert 0.2 <= time.monotonic() - start < 0.9 and fresh.broken == "slow (epoch 0) missed its 0.2s deadline"
+    stuck = [t for t in threading.enumerate() if t.name == "agreement-slow"]
+    assert stuck and all(t.daemon for t in stuck), "a collective past its deadline runs on in a named daemon thread"
     with pytest.raises(A.AgreementTimeout, match=r"cannot run next: the process group is unusable since slow"):
         fresh._bounded("next", lambda: 1)
 
@@ -315,7 +345,7 @@ def test_every_rank_reports_the_failure_of_one(tmp_path):
     (tmp_path / "two").mkdir()
     with Cell(0) as cell:
         shared = {"dir": str(tmp_path / "two"), "cell": cell.name}
-        zero, one = two_ranks(lambda rank, agreement: _manager_ranks(rank, agreement, shared))
+        zero, one = two_ranks(lambda rank, agreement: _manager_ranks(rank, agreement, shared), in_process=False)
     assert zero["cleared_cell"] == -2, "rank 0 writes CLEARED once both ranks cleared"
     assert one["update"].startswith("FileNotFoundError: "), one["update"]
     assert zero["update"].startswith("RankFailure: rank 0: update failed on 1 other rank(s): rank 1: FileNotFoundError: "), zero
