@@ -29,6 +29,16 @@ CAPABILITIES = {
     "load_weights, MTP items routed to the MTP models in chunks",
     "stream.gdr_ipc": "GDR in IPC mode (Phase1Backend.IPC): step '0' unless options['version'] is given",
     "stream.prefetch": "GDR items received ahead of the loader on a receiving thread, bounded by gdr_prefetch_queue_size",
+    "status.cell": "options['status_cell'] names the shared int32 status cell: tensor-parallel rank 0 writes CLEARED "
+    "and NORMAL there (never for the first load); session.worker_iteration(run_model, block=, sync=) is one pass "
+    "of the worker's event loop against it",
+    "control": "adapter.control(cell_name) returns the API side: clear_load_weight(timeout_s) and "
+    "update_model_weight(timeout_s), each returning (code, message)",
+    "staged": "options['staged'] = True: nothing is adopted before the whole update is complete and agreed",
+    "version": "session.version() reports the version of the last committed update (from the bucket manifests, "
+    "or version.yaml's step beside the snapshot or the meta file)",
+    "multirank": "sessions run one per rank under paddle.distributed (gloo on CPU): ranks agree through the "
+    "default process group before CLEARED or NORMAL, each collective bounded by options['agree_timeout_s']",
 }
 
 

@@ -243,11 +243,25 @@ def pytest_runtest_setup(item):
     missing = sorted(needed - set(adapter.capabilities))
     if missing:
         pytest.skip(f"{NOT_APPLICABLE}: {adapter.name} does not claim {', '.join(missing)}")
+    _skip_unselected_tier(item)
     rule_id = rule_of(item)
     serves_on = getattr(adapter, "serves_on", None)
     if rule_id in devices() and serves_on and serves_on != run_device():
         pytest.skip(f"{NOT_APPLICABLE}: {rule_id} depends on the device (SPEC.md, Device: {devices()[rule_id]}); "
                     f"it is judged for the device {adapter.name} serves on ({serves_on}), and this run is on {run_device()}")
+
+
+# Tiers: tests too slow for the quick run (multi-rank jobs under paddle.distributed.launch, many cycles).
+# They run when the -m expression names their marker (-m multirank, -m "multirank or cycles"); otherwise
+# they are reported skipped with the command that runs them, never passed.
+TIERS = ("multirank", "cycles")
+
+
+def _skip_unselected_tier(item) -> None:
+    expression = item.config.getoption("markexpr", "") or ""
+    for tier in TIERS:
+        if item.get_closest_marker(tier) is not None and tier not in expression:
+            pytest.skip(f"tier {tier} not selected: run it with `pytest conformance --impl=NAME -m {tier}` (README)")
 
 
 @pytest.hookimpl(wrapper=True)

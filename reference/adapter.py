@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from conformance.adapter import LoaderConfig, LoadEvent, Observed, observe_paddle
 
-from . import WeightManager, __version__
+from . import __version__, worker_loop
 from . import digest as _digest
+from .control import WeightControl
+from .manager import WeightManager
 
 
 class ReferenceSession:
@@ -37,9 +39,20 @@ class ReferenceSession:
 
     def debug_digest(self, tensor) -> str:
         return _digest.format_debug_digest(_digest.debug_digest(tensor))
+
     def register_hook(self, name, fn) -> None:
         """Capability ``model.hooks``: ``fn()`` runs once after each committed update (MODEL-HOOKS)."""
         self.manager.hooks.register(name, fn)
+
+    def version(self):
+        return self.manager.version
+
+    def phases(self) -> dict[str, float]:
+        """Seconds per span of the last clear/update cycle (``reference.phases``; benchmarks only)."""
+        return dict(self.manager.phases)
+
+    def worker_iteration(self, run_model, *, block: bool, sync=None) -> str:
+        return worker_loop.iteration(self.manager, run_model, block=block, sync=sync)
 
     def close(self) -> None:
         """Every path frees its files, mappings, sockets and threads before ``update()`` returns
@@ -70,9 +83,18 @@ class ReferenceAdapter:
             "stream.gdr",
             "stream.gdr_ipc",
             "stream.prefetch",
+            "status.cell",
+            "control",
+            "staged",
+            "version",
+            "multirank",
         }
     )
     session_class = ReferenceSession
+    control_class = WeightControl
 
     def open(self, models, config: LoaderConfig) -> ReferenceSession:
         return self.session_class(models, config)
+
+    def control(self, cell_name: str) -> WeightControl:
+        return self.control_class(cell_name)

@@ -47,12 +47,13 @@ def still_loaded(params: Mapping[str, paddle.Tensor]) -> list[str]:
 
 
 def apply_tensors(
-    targets: Mapping[str, paddle.Tensor], tensors: Iterable[tuple[str, paddle.Tensor]], source: str
+    targets: Mapping[str, paddle.Tensor], tensors: Iterable[tuple[str, paddle.Tensor]], source: str, land=None
 ) -> tuple[int, int, list[str]]:
     """Validate every known tensor of one source, then adopt them; return (applied, seen, unknown
     names). Nothing is adopted unless every tensor of the source matches its parameter
     (APPLY-VALIDATE-FIRST): the pickle fallback has no header to check beforehand. The tensors of
-    one source are alive together anyway: each adopted one stays referenced by its parameter."""
+    one source are alive together anyway: each adopted one stays referenced by its parameter.
+    ``land(name, tensor, target)`` replaces adopting (a staged update keeps them until its commit)."""
     seen = 0
     unknown = []
     matched: list[tuple[str, paddle.Tensor, paddle.Tensor]] = []
@@ -66,5 +67,5 @@ def apply_tensors(
         matched.append((name, tensor, target))
     with paddle.no_grad():
         for name, tensor, target in matched:
-            adopt(name, tensor, target)
+            (land or adopt)(name, tensor, target)
     return len(matched), seen, unknown

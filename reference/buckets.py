@@ -281,8 +281,10 @@ def update_from_buckets(manager) -> None:
     start = time.perf_counter()
     try:
         receive(link, attached, state, staging, manager.rank, manager.options.get("progress"))
+        manager.announce(state.version)  # an older version is refused before anything is adopted
         release(attached)
         commit(manager, state, staging, endpoint)
+        manager.finalize()  # every rank agreed and the update committed: only now is it done
         link.tell(protocol.done(state.version, len(state.order)))
     except BaseException as e:
         # Tell the trainer why (it is waiting for our next request), so it does not wait for a timeout.

@@ -4,6 +4,12 @@ Lifecycle: ``clear()`` -> ``update()`` (load with the configured strategy, then 
 Status values follow ModelWeightsStatus; a failed update leaves the status at UPDATING (never
 NORMAL) with the exception in ``last_error``. ``update()`` needs ``CLEARED``: after a failed update the
 caller clears, then updates again (SPEC LIFE-RECOVERY; the contract always clears first).
+
+Across ranks (``reference.agreement``): every rank votes at the end of a clear and of an update, a
+failure included, and none reports CLEARED or NORMAL unless all succeeded; tensor-parallel rank 0 then
+writes the shared status cell (``reference.status_cell``; never for the first load). ``finalize()`` is
+the commit point every path shares: verify, agree, adopt what a staged update kept
+(``reference.commit``), stamp the version, NORMAL.
 """
 from __future__ import annotations
 
@@ -15,9 +21,12 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import apply, hooks, identity, transforms
+from . import apply, commit, hooks, identity, transforms
 from . import digest as _digest
+from .agreement import Agreement
+from .phases import Phases, pulled
 from .status import Status
+from .status_cell import CellWriter
 
 log = logging.getLogger("reference.manager")
 
@@ -73,6 +82,16 @@ class WeightManager:
         self.status = Status.CLEARED if not apply.still_loaded(self.params) else Status.NORMAL
         self.trace: list[LoadEvent] = []
         self.last_error: BaseException | None = None
+        self.commit_options = commit.CommitOptions.parse(self.options)
+        self.agreement = Agreement(self.commit_options.agree_timeout_s)
+        self.cell = CellWriter(self.commit_options.status_cell,
+                               self.commit_options.tp_rank(self.rank, self.agreement.declared_world_size()))
+        self.version: int | None = None  # of the last committed update
+        self.first_load = True
+        self._stage: commit.Stage | None = None
+        self._pending_version: int | None = None
+        self._voted = self._committed = False
+        self.phases = Phases()  # of the last clear/update cycle
 
     def _capture(self) -> dict[str, paddle.Tensor]:
         # Never initialize here: capturing must not allocate (FastDeploy #7171, OOM on ipc).
@@ -93,33 +112,56 @@ class WeightManager:
     # -- clear -------------------------------------------------------------------------------
     def clear(self) -> None:
         self.status = Status.CLEARING
-        for param in self.params.values():
-            param._clear_data()
-        left = apply.still_loaded(self.params)
-        if left:
-            raise RuntimeError(f"Model Parameter clearance verification failed: still initialized: {', '.join(left)}")
+        self.phases = Phases()
+        try:
+            span = self.phases.span("clear")
+            for param in self.params.values():
+                param._clear_data()
+            left = apply.still_loaded(self.params)
+            span.end()
+            if left:
+                raise RuntimeError(f"Model Parameter clearance verification failed: still initialized: {', '.join(left)}")
+        except Exception as e:
+            self.agreement.report_failure("clear", e)
+            raise
+        span = self.phases.span("clear_agree")
+        self.agreement.require_all("clear")
+        span.end()
         self.status = Status.CLEARED
+        self.cell.publish(Status.CLEARED, self.first_load)
         log.info("cleared %d parameters", len(self.params))
 
     # -- update ------------------------------------------------------------------------------
     def update(self):
         """Load every parameter from the configured source, then verify; raises on any failure. Returns
         what the strategy returns (the streamed paths' cost dictionary; None for the others)."""
-        in_place = self.load_strategy in IN_PLACE_STRATEGIES and self.status != Status.CLEARING
-        if self.status != Status.CLEARED and not in_place:
-            raise RuntimeError(
-                f"update() needs cleared weights, status is {self.status.name}: call clear() first"
-            )
-        self.status = Status.UPDATING
-        self.trace = []
-        self.last_error = None
+        self._voted = self._committed = False
+        self._pending_version = None
+        self._stage = commit.Stage() if self.commit_options.staged else None
         try:
+            # The streamed paths may update in place, without a clear (FastDeploy's rsync and GDR).
+            in_place = self.load_strategy in IN_PLACE_STRATEGIES and self.status != Status.CLEARING
+            if self.status != Status.CLEARED and not in_place:
+                raise RuntimeError(
+                    f"update() needs cleared weights, status is {self.status.name}: call clear() first"
+                )
+            if self.status != Status.CLEARED:
+                self.phases = Phases()  # no clear() started this cycle's spans
+            self.status = Status.UPDATING
+            self.trace = []
+            self.last_error = None
             transforms.before_load(self.post_load)
+            self.announce(commit.read_version_file(self._version_dir()))
             module, func = STRATEGIES[self.load_strategy].split(":")
+            span = self.phases.span("update")
             result = getattr(importlib.import_module(module), func)(self)
             self.finalize()
+            span.end()
         except BaseException as e:
             self.last_error = e
+            self._stage = None  # a staged update's tensors are dropped, never adopted
+            if not self._voted:  # the other ranks learn of it now, not at their deadline
+                self.agreement.report_failure("update", e)
             log.error("update via %s failed: %s", self.load_strategy, e)
             raise
         return result
@@ -130,9 +172,26 @@ class WeightManager:
 
         transfer_lib.destroy(self)
 
+    def _version_dir(self) -> str | None:
+        """Where a trainer leaves ``version.yaml`` for paths that carry no version in-band."""
+        return {"ipc_snapshot": self.model_dir, "ipc": self.shared_dir}.get(self.load_strategy)
+
+    def announce(self, version: int | None) -> None:
+        """The version this update carries, as soon as its path knows it; refused at once if older
+        than the one reported."""
+        if version is None:
+            return
+        commit.check_forward(version, self.version, f"{self.load_strategy} update on rank {self.rank}")
+        self._pending_version = version
+
     def apply(self, tensors: Iterable[tuple[str, paddle.Tensor]], label: str, source: str | None) -> int:
-        """Validate and adopt tensors from one source; an empty source is a ValueError."""
-        applied, seen, unknown = apply.apply_tensors(self.params, tensors, source or label)
+        """Validate and adopt tensors from one source (staged: keep them for the commit); an empty
+        source is a ValueError."""
+        span = self.phases.span("apply")
+        tensors = pulled(tensors, self.phases, "apply")  # reading a lazy source is transfer, not apply
+        applied, seen, unknown = (self._stage.apply if self._stage is not None else apply.apply_tensors)(
+            self.params, tensors, source or label)
+        span.end()
         if seen == 0:
             raise ValueError(f"No parameter found in state dict from {source or label} ({label})")
         for name in unknown:
@@ -142,15 +201,37 @@ class WeightManager:
         return applied
 
     def finalize(self) -> None:
-        missing = apply.unloaded(self.params)
+        """The commit point: verify, agree with every rank, adopt the staged tensors, stamp the version,
+        NORMAL. A path that must answer its trainer only after the commit calls it itself; ``update()``
+        calls it for the others. Idempotent within one update."""
+        if self._committed:
+            return
+        span = self.phases.span("finalize")
+        staged = self._stage.holds if self._stage is not None else (lambda name: False)
+        missing = [name for name in apply.unloaded(self.params) if not staged(name)]
+        span.end()
         if missing:
             raise RuntimeError(
                 f"Model Parameter update verification failed: {len(missing)} parameter(s) not loaded: "
                 + ", ".join(missing)
             )
-        transforms.after_load(self.post_load)  # once, on this update's weights only
+        self._voted = True
+        span = self.phases.span("update_agree")
+        self.agreement.require_all("update")
+        span.end()
+        span = self.phases.span("finalize")
+        if self._stage is not None:
+            self._stage.commit(self.params)
+            self._stage = None
+        transforms.after_load(self.post_load)  # once, on this update's weights only (staged: once adopted)
+        if self._pending_version is not None:
+            self.version = self._pending_version
+        self._committed = True
         self.status = Status.NORMAL
-        hooks.after_commit(self)  # after the commit, never after a failure
+        hooks.after_commit(self)  # after the commit, never after a failure; a failing hook leaves NORMAL
+        self.cell.publish(Status.NORMAL, self.first_load)  # so the cell never says NORMAL for a failed hook
+        self.first_load = False
+        span.end()
 
     # -- digest ------------------------------------------------------------------------------
     def digest(self, algorithms=_digest.DEFAULT_ALGORITHMS) -> _digest.ModelDigest:

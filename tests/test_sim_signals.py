@@ -21,7 +21,7 @@ import pytest
 
 from sim.cli import model_spec
 from sim.ipc_handles import leaked_segments
-from sim.protocol import align_up, plan_layout
+from wire.protocol import align_up, plan_layout
 from tests.conftest import REPO
 
 HOLD_WAIT_S = 90  # a loaded machine may take long to start; the phase is what matters, not the time
@@ -212,7 +212,7 @@ def test_edges_that_make_sense_are_accepted():
     import argparse
 
     from sim.cli import _usage_problems
-    from sim.protocol import ALIGN
+    from wire.protocol import ALIGN
 
     base = dict(ranks=1, versions=1, model_mib=2.0, timeout_s=1.0, path="bucket", kill_trainer_at=None, hold_at=None)
     model = model_spec(2.0)

@@ -48,9 +48,17 @@ def warm_imports() -> None:
 def conformance_args(name: str, report: str) -> list[str]:
     from tests.mutants import all_mutants
 
-    kills = sorted(all_mutants()[name].kills)
+    mutant = all_mutants()[name]
+    kills = sorted(mutant.kills)
     return ["conformance", "-q", "-p", "no:cacheprovider", f"--conformance-report={report}",
-            "--impl=tests.mutants:mutant", f"--impl-opt=name={name}", *(f"--rule={r}" for r in kills)]
+            "--impl=tests.mutants:mutant", f"--impl-opt=name={name}", *(f"--rule={r}" for r in kills),
+            "-m", TIERS_AND_THE_REST, *getattr(mutant, "zoo_args", ())]
+
+
+# Every test of the mutant's rules, the tiers' included (a tier runs when -m names it; the multi-rank job
+# starts only when a selected test needs it). A mutant's ``zoo_args`` narrow the run (``-k bucket``: one
+# path of the multi-rank job, enough to kill it, instead of all three).
+TIERS_AND_THE_REST = "multirank or cycles or not (multirank or cycles)"
 
 
 def _child(name: str, out_dir: str) -> None:

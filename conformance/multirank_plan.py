@@ -1,0 +1,102 @@
+"""What the multi-rank job does, path by path, and how the tests read its result.
+
+Two ranks (``python -m paddle.distributed.launch``, gloo) against two trainers per path. Each path's
+steps, after the first load of version 1:
+
+====  ==================================================  ===========================================
+ver   what the trainers publish                           what it proves
+====  ==================================================  ===========================================
+2     healthy (bucket: rank 1's trainer slow)              own shards; NORMAL only after every rank
+3     a trainer killed (snapshot: mid-write; meta: after   failure mid-transfer
+      publishing; bucket: while packing bucket 1)
+4     healthy                                              recovery
+5     rank 1's shard missing                               failure on the last rank reaches every rank
+6     healthy                                              recovery
+7     rank 0's last tensor in the wrong dtype             failure on the first rank
+8     healthy                                              recovery
+====  ==================================================  ===========================================
+
+then ``CYCLES`` healthy cycles when the cycle tier is selected (resources after the first and the last),
+and last, on the bucket path, a trainer that never answers: its rank stays in its transfer past the
+agreement's deadline while the other waits at the agreement. A rank's failure must reach every rank,
+the cell must never read NORMAL after a failed update, and no rank may hang.
+"""
+from __future__ import annotations
+
+from sim.ranks import Job, PathPlan, Step, default_params
+
+RANKS = 2
+MODEL_MIB = 4.0  # per rank; a leak of one shard per cycle is then far beyond 2% of a rank's memory
+CYCLES = 20
+AGREE_TIMEOUT_S = 4.0
+TRANSFER_TIMEOUT_S = 1.0
+STALL_TIMEOUT_S = 8.0  # the stalled rank's own transfer deadline: well past the agreement's
+PATH_CAPS = {"snapshot": "snapshot.parts", "meta": "ipc.meta", "bucket": "ipc.buckets"}
+NEEDS = ("multirank", "status.cell")
+KILL_RANK = {"snapshot": 1, "meta": 1, "bucket": 0}  # bucket: rank 1 has the long (stall) deadline
+HANG_RANK = 1
+
+
+def steps(path: str) -> list[Step]:
+    # The kill comes early: its trainer is replaced by a fresh process, which has published several
+    # versions by the time the cycles measure it (its allocator settles after its first two).
+    return [Step(1), Step(2, slow_rank=1 if path == "bucket" else None), Step(3, "kill", KILL_RANK[path]), Step(4),
+            Step(5, "missing", 1), Step(6), Step(7, "bad-dtype", 0), Step(8)]
+
+
+def plans(paths, cycles: int, hang: bool, staged: bool) -> list[PathPlan]:
+    return [PathPlan(path, default_params(MODEL_MIB), steps(path), cycles=cycles,
+                     hang_rank=HANG_RANK if hang and path == "bucket" else None,
+                     options={"staged": True} if staged else {})
+            for path in PATH_CAPS if path in paths]
+
+
+def run(adapter, config, selected) -> dict:
+    """Run what the selected tests need (their paths; the cycles and the stalled trainer only when a
+    selected test judges them); ``{"skipped": why}`` when no selected test can run."""
+    caps = set(adapter.capabilities)
+    markexpr = config.getoption("markexpr", "") or ""
+    wanted = [i for i in selected if any(m.name in markexpr for m in i.iter_markers() if m.name in ("multirank", "cycles"))]
+    paths = {i.callspec.params.get("path") for i in wanted if hasattr(i, "callspec")}
+    paths = {p for p in paths if p in PATH_CAPS and PATH_CAPS[p] in caps}
+    if not paths or not set(NEEDS) <= caps:
+        return {"skipped": "no selected test needs the job"}
+    rules = {m.args[0] for i in wanted for m in i.iter_markers("rule")}
+    cycles = CYCLES if any(r.startswith("CYCLE-") for r in rules) else 0
+    impl = config.getoption("--impl")
+    impl_opts = dict(kv.partition("=")[::2] for kv in config.getoption("--impl-opt"))
+    job = Job(impl, plans(paths, cycles, "MR-DEADLINE" in rules, "staged" in caps), ranks=RANKS, impl_opts=impl_opts,
+              agree_timeout_s=AGREE_TIMEOUT_S, transfer_timeout_s=TRANSFER_TIMEOUT_S, stall_timeout_s=STALL_TIMEOUT_S)
+    return job.run()
+
+
+def path_result(job: dict, path: str) -> dict:
+    """The part of the job's result for ``path``; a job that failed before reaching it fails the caller
+    with its error."""
+    for p in job.get("paths", []):
+        if p["path"] == path and "first" in p:
+            return p
+    raise AssertionError(f"the multi-rank job has no result for path {path}: "
+                         f"{job.get('error') or job.get('skipped') or 'not run'}")
+
+
+def step(job: dict, p: dict, key) -> dict:
+    """Step ``key`` (a version, or "hang") of a path; the job's error when it did not get that far."""
+    found = p.get("hang") if key == "hang" else next((s for s in p["steps"] if s["version"] == key), None)
+    if found is None or "update" not in found:
+        raise AssertionError(f"the multi-rank job stopped before {p['path']} step {key}: {job.get('error', 'not run')}")
+    return found
+
+
+def cycles(job: dict, p: dict) -> list:
+    if job.get("error") and len(p["cycles"]) < CYCLES:
+        raise AssertionError(f"the multi-rank job stopped after {len(p['cycles'])} cycles on {p['path']}: {job['error']}")
+    return p["cycles"]
+
+
+def reported(p: dict) -> int:
+    """How many rank events a path's result holds (each is a call of the implementation)."""
+    count = len(p["first"]) + len(p.get("ended", {}))
+    for s in p["steps"] + p["cycles"] + ([p["hang"]] if "hang" in p else []):
+        count += len(s.get("clear", {})) + len(s.get("update", {}))
+    return count

@@ -1,0 +1,110 @@
+"""One trainer per path for the lifecycle rules: publish a version of a model, healthy or with one
+fault, and open a session that reads it.
+
+``Sources(loader, kind)`` with kind ``snapshot`` (parts written to the model directory), ``ipc`` (a
+shared-memory export and its ``ipc_metas_0``) or ``bucket`` (a ``fixtures.buckets.Publisher``).
+``publish(spec, version, fault=None)`` makes the next update's source; faults, each at the *last* place
+the path reaches so that a loader which applies as it goes has applied everything else first:
+
+* ``missing``: the last parameter is absent;
+* ``bad-dtype``: the last parameter has the wrong dtype;
+* ``gone``: the source breaks mid-transfer (snapshot: the last part is truncated; ipc: the segment of
+  the last tensors is freed; bucket: the trainer dies before its last bucket).
+
+Versions: ``version.yaml`` (``step``) beside the snapshot or the meta file; the bucket manifests.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from fixtures import buckets as B
+from fixtures import ipc as I
+from fixtures import models as M
+from fixtures import snapshot as S
+from fixtures import status_cell as C
+
+KINDS = ("snapshot", "ipc", "bucket")
+CAPS = {"snapshot": ("snapshot.parts",), "ipc": ("ipc.meta",), "bucket": ("ipc.buckets",)}
+STRATEGY = {"snapshot": "ipc_snapshot", "ipc": "ipc", "bucket": "ipc_bucket"}
+FAULTS = ("missing", "bad-dtype", "gone")
+BUCKET_BYTES = 512
+
+
+def broken_state(spec, version: int, fault: str | None) -> dict[str, np.ndarray]:
+    st = dict(sorted(M.state(spec, version=version).items()))
+    last = list(st)[-1]
+    if fault == "missing":
+        del st[last]
+    elif fault == "bad-dtype":
+        st[last] = st[last].astype(np.float64 if st[last].dtype != np.float64 else np.float32)
+    return st
+
+
+class Sources:
+    def __init__(self, loader, kind: str, *, timeout_s: float = 1.0, rank: int = 0, gpu: int = 0):
+        """``rank``/``gpu``: the worker whose shard is published (global rank, physical GPU id)."""
+        self.loader, self.kind, self.timeout_s = loader, kind, timeout_s
+        self.rank, self.gpu = rank, gpu
+        self.exports: list = []
+        self.publisher = None
+        self.where = ""
+
+    def options(self, **extra) -> dict:
+        if self.kind == "bucket":
+            if self.publisher is None:
+                self.publisher = B.Publisher(BUCKET_BYTES, wait_s=10.0)
+            return {**self.publisher.options(None, self.timeout_s), **extra}
+        return dict(extra)
+
+    def open(self, spec, **options):
+        return self.loader.open(spec, strategy=STRATEGY[self.kind], options=self.options(**options))
+
+    def publish(self, spec, version: int, fault: str | None = None, *, write_version: bool = True) -> None:
+        st = broken_state(spec, version, fault if fault != "gone" else None)
+        if self.kind == "snapshot":
+            d = self.loader.model_dir
+            for name in os.listdir(d):
+                os.remove(os.path.join(d, name))
+            paths = S.write_parts(d, self.rank, self.gpu, dict(enumerate(S.split(st, min(3, len(st))))))
+            if fault == "gone":
+                with open(paths[-1], "r+b") as f:
+                    f.truncate(os.path.getsize(paths[-1]) // 2)
+            if write_version:
+                C.write_version(d, version)
+            self.where = f"snapshot parts {[os.path.basename(p) for p in paths]}"
+        elif self.kind == "ipc":
+            for old in self.exports:
+                old.close()
+            export = I.Export(st, per_segment=2)
+            self.exports = [export]
+            path = I.write_metas(I.meta_path(self.loader.shared_dir, self.gpu), export.metas)
+            if fault == "gone":
+                export.free(list(st)[-1])
+            if write_version:
+                C.write_version(self.loader.shared_dir, version)
+            self.where = f"ipc metas {path}"
+        else:
+            update = B.pack(st, version, BUCKET_BYTES)
+            if fault == "gone":
+                update.fault = ("die", len(update.buckets) - 1)
+            self.options()
+            self.publisher.serve(update)
+            self.where = f"buckets of version {version} at {self.publisher.endpoint}"
+
+    def settle(self) -> None:
+        """Wait for the trainer to finish serving (buckets); a publisher that died is replaced."""
+        if self.publisher is not None:
+            try:
+                self.publisher.wait(5.0)
+            except Exception:  # noqa: BLE001 (the update's own failure is what the test judges)
+                pass
+
+    def close(self) -> None:
+        for export in self.exports:
+            export.close()
+        self.exports = []
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None

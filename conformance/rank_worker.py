@@ -1,0 +1,224 @@
+"""One inference rank of a multi-rank job, started by ``python -m paddle.distributed.launch`` (gloo on
+the CPU) from ``sim.ranks``: ``python rank_worker.py CONFIG.json``.
+
+The rank joins the default process group, resolves the implementation under test (``--impl`` as the
+suite does), and for each path of the job opens a session on its own shard, loads it (the first load),
+then runs the implementation's worker loop (``session.worker_iteration``) against the job's status cell
+until the orchestrator ends the path. What the rank sees goes to ``RUN_DIR/rank{R}.jsonl``, one JSON
+object per line: every clear, update and failure with the status, version and sha256 of every parameter
+afterwards, and the process's resources (resident memory, descriptors, sockets, threads, shared-memory
+mappings). Nothing is pickled.
+
+Every wait is bounded: joining the group, the harness's own collectives (whether to end the path), and
+the rank's whole life (``life_s``). A rank whose group is broken (a collective missed its deadline)
+reports and leaves, so its peers see the connection drop instead of waiting.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+
+class Reporter:
+    def __init__(self, run_dir: str, rank: int):
+        self.rank = rank
+        self.path = os.path.join(run_dir, f"rank{rank}.jsonl")
+        self.file = open(self.path, "a", encoding="utf-8")
+
+    def __call__(self, event: str, **fields) -> None:
+        self.file.write(json.dumps({"rank": self.rank, "event": event, "t": time.time(), **fields}) + "\n")
+        self.file.flush()
+
+
+def resources() -> dict:
+    """What this process holds now: the numbers the CYCLE rules compare between cycles."""
+    from sim.ranks import process_resources
+
+    return dict(process_resources(os.getpid()), py_threads=sorted(t.name for t in threading.enumerate()))
+
+
+def settled_resources(wait_s: float = 0.5) -> dict:
+    """``resources()`` once two samples 20 ms apart agree on every count: a socket closed with a linger
+    (the last ``done`` still being flushed) is released, not leaked."""
+    keys = ("fds", "sockets", "threads", "shm_maps")
+    last, deadline = resources(), time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = resources()
+        if all(now[k] == last[k] for k in keys):
+            return now
+        last = now
+    return last
+
+
+def digests(session) -> dict:
+    return {n: (None if o.data is None else hashlib.sha256(o.data).hexdigest()) for n, o in session.observe().items()}
+
+
+def wait_for_master(deadline: float) -> None:
+    """Connect to the rendezvous store only once it listens: Paddle's store client retries after a
+    fixed 3 s when its first attempt comes too early, which would triple the job's start."""
+    host, port = os.environ["PADDLE_MASTER"].split(":")
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.01)
+    raise TimeoutError(f"rendezvous store at {host}:{port} not listening")
+
+
+RUN, WAIT, STOP = 0, 1, 2
+
+
+class Collective:
+    """The harness's own bounded collective: rank 0's word on every rank. Every rank takes the same
+    decision from it, so the harness's collectives and the implementation's stay in step."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    def word_of_rank0(self, word: int) -> int:
+        import numpy as np
+        import paddle
+        import paddle.distributed as dist
+
+        box = paddle.to_tensor(np.array([word], np.int32))
+        result: dict = {}
+
+        def run():
+            try:
+                dist.broadcast(box, src=0)
+                result["value"] = int(box.numpy()[0])
+            except BaseException as e:  # noqa: BLE001
+                result["error"] = e
+
+        thread = threading.Thread(target=run, name="harness-broadcast", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if "value" not in result:
+            raise TimeoutError(f"harness broadcast: {result.get('error') or f'no answer within {self.timeout_s:g}s'}")
+        return result["value"]
+
+
+def run_path(job: dict, config: dict, adapter, rank: int, report: Reporter, collective: Collective) -> bool:
+    """One path: open, first load, then the worker loop until the orchestrator ends it. False when the
+    group broke and the rank must leave."""
+    from conformance.adapter import LoaderConfig
+    from fixtures.models import build_models
+    from fixtures.models import spec as make_spec
+    from fixtures.status_cell import UPDATING, Cell
+
+    spec = make_spec(*(tuple(p[:2]) + (tuple(p[2]),) for p in job["params"]))
+    options = {"status_cell": job["cell"], "agree_timeout_s": config["agree_timeout_s"], **job.get("options", {})}
+    if job["path"] == "bucket":
+        options.update(endpoint=job["endpoints"][rank], timeout_s=job["transfer_timeouts"][rank])
+    models = build_models(spec)
+    go = os.path.join(config["run_dir"], f"go.{job['name']}")
+    deadline = time.monotonic() + config["life_s"]
+    while not os.path.exists(go):  # the orchestrator has published this path's first version
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {go} within {config['life_s']:g}s")
+        time.sleep(0.005)
+    session = adapter.open(models, LoaderConfig(job["strategy"], job["model_dir"], job["shared_dir"], options))
+    name = job["name"]
+    stop_file = os.path.join(config["run_dir"], f"stop.{name}")
+    cell = Cell.existing(job["cell"])  # the harness reads it only to wait out a failed update
+
+    def state(**extra) -> dict:
+        phases = session.phases() if hasattr(session, "phases") else {}
+        return {"job": name, "status": session.status(), "version": session.version(), "digests": digests(session),
+                "resources": settled_resources(), "phases": phases, **extra}
+
+    try:
+        session.update()
+        report("loaded", **state())
+    except Exception as e:  # noqa: BLE001 (reported; the orchestrator judges)
+        report("failed", **state(error=f"{type(e).__name__}: {e}", step="first"))
+    runs = [0]
+
+    def run_model() -> None:
+        runs[0] += 1
+
+    failed = False
+    while True:
+        # Rank 0 decides for all: stop, wait (after a failed update the cell stays UPDATING until the
+        # orchestrator recovers with a CLEARING), or run one iteration of the implementation's loop.
+        word = STOP if os.path.exists(stop_file) else WAIT if failed and cell.read() == UPDATING else RUN
+        try:
+            word = collective.word_of_rank0(word)
+        except Exception as e:  # noqa: BLE001
+            report("left", job=name, error=f"{type(e).__name__}: {e}", runs=runs[0])
+            return False
+        if word == STOP:
+            break
+        if word == WAIT:
+            time.sleep(0.005)
+            continue
+        failed = False
+        try:
+            result = session.worker_iteration(run_model, block=config["block"])
+        except Exception as e:  # noqa: BLE001
+            report("failed", **state(error=f"{type(e).__name__}: {e}"))
+            failed = True
+            continue
+        if result in ("cleared", "updated"):
+            report(result, **state(runs=runs[0]))
+        else:
+            time.sleep(0.002)
+    report("ended", job=name, runs=runs[0], resources=resources())
+    session.close()
+    return True
+
+
+def main(config_path: str) -> int:
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    rank = int(os.environ["PADDLE_TRAINER_ID"])
+    local = int(os.environ.get("PADDLE_LOCAL_RANK", rank))
+    # Identity: physical GPU ids that are neither the rank nor the ordinal (SNAP-GPU-ID's point).
+    os.environ["CUDA_VISIBLE_DEVICES"] = config["visible"]
+    os.environ["FLAGS_selected_gpus"] = str(local)
+    report = Reporter(config["run_dir"], rank)
+    watchdog = threading.Timer(config["life_s"], lambda: (report("watchdog", life_s=config["life_s"]), os._exit(3)))
+    watchdog.daemon = True
+    watchdog.start()
+    code = 0
+    try:
+        start = time.monotonic()
+        if rank != 0:
+            wait_for_master(start + 30)
+        import paddle.distributed as dist
+
+        dist.init_parallel_env()
+        report("joined", world=dist.get_world_size(), seconds=time.monotonic() - start, pid=os.getpid())
+        from wire import handles
+
+        handles.set_current_device(local)
+        from conformance.registry import resolve
+
+        adapter, _ = resolve(config["impl"], dict(config.get("impl_opts", {})))
+        collective = Collective(config["agree_timeout_s"])
+        for job in config["jobs"]:
+            if not run_path(job, config, adapter, rank, report, collective):
+                break
+        report("exit")
+    except BaseException as e:  # noqa: BLE001 (reported, then leave)
+        report("crashed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        code = 2
+    finally:
+        report.file.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Leave at once: a collective stuck in a thread (a broken group) must not hold the process.
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

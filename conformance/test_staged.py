@@ -1,0 +1,90 @@
+"""Staged updates: validate and land the whole update, then commit. Spec: SPEC.md § STAGE.
+
+Each path's trainer (``path_sources``) publishes a version healthy or with one fault placed where a
+loader that adopts as it goes has adopted everything else first (the last parameter missing or of the
+wrong dtype, the source breaking before its end). With ``options["staged"] = True`` the failed update
+must leave every parameter exactly as it was; the next clear() and update() from a fixed source load it
+bit for bit. The multi-rank half of the rule (a failure on another rank) is in test_multirank.py.
+"""
+import pytest
+
+from conformance import check
+from conformance.path_sources import CAPS, FAULTS, KINDS, Sources
+from fixtures import ipc as I
+from fixtures import models as M
+
+# Five tensors in three parts: part 0 holds the first and fourth, so the last parameter (norm.bias) is
+# in part 1 and part 2 follows it; a duplicate name in a later part must win.
+SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)),
+              ("layers.1.mlp.weight", "float16", (4, 4)), ("mtp.0.proj.weight", "bfloat16", (4, 4)),
+              ("norm.bias", "float16", (4,)))
+
+
+@pytest.fixture
+def sources(loader, request):
+    made = []
+
+    def make(kind, timeout_s=2.0):
+        made.append(Sources(loader, kind, timeout_s=timeout_s))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _case(kind, fault):
+    return pytest.param(kind, fault, marks=pytest.mark.requires("staged", *CAPS[kind]), id=f"{kind}:{fault}")
+
+
+@pytest.mark.rule("STAGE-ATOMIC")
+@pytest.mark.parametrize("kind,fault", [_case(k, f) for k in KINDS for f in FAULTS])
+def test_failed_staged_update_changes_nothing(loader, sources, kind, fault):
+    src = sources(kind, timeout_s=0.2 if fault == "gone" else 2.0)  # a dead trainer costs the whole timeout
+    src.publish(SPEC, 1)
+    session = src.open(SPEC, staged=True)
+    session.update()
+    src.settle()
+    check.params_equal(session.observe(), M.state(SPEC, version=1), f"{kind}: staged first load of {src.where}")
+    session.clear()
+    before = session.observe()
+    src.publish(SPEC, 2, fault)
+    where = f"{kind}: staged update of {src.where} ({fault})"
+    if fault == "bad-dtype":  # a staged update names what it refused as the default mode does (APPLY rules)
+        last = sorted(p.name for p in SPEC.all_params)[-1]
+        names = [last] + ([I.meta_path(loader.shared_dir, 0)] if kind == "ipc" else [])
+        with check.raises(TypeError, match=r"Type mismatch", names=names, where=where):
+            session.update()
+    else:
+        with check.raises(Exception, match=r"\S", where=where):
+            session.update()
+    src.settle()
+    where = f"{kind}: after the staged update of {src.where} failed ({fault})"
+    check.unchanged(before, session.observe(), where)
+    if "status" in loader.adapter.capabilities:
+        check.status_not(session, "NORMAL", where)
+    if kind == "bucket" and fault == "gone":
+        return  # the trainer is gone with its endpoint; recovery on buckets: BKT-RECOVERY
+    src.publish(SPEC, 3)
+    session.clear()
+    session.update()
+    src.settle()
+    check.params_equal(session.observe(), M.state(SPEC, version=3), f"{kind}: clear() and staged update of {src.where} after the failure")
+
+
+@pytest.mark.rule("STAGE-ATOMIC")
+@pytest.mark.requires("staged", "snapshot.parts", "mtp")
+def test_staged_update_takes_the_later_duplicate(loader):
+    from fixtures import snapshot as S
+
+    spec = M.spec(*((p.name, p.dtype, p.shape) for p in SPEC.main if not p.name.startswith("mtp")),
+                  mtp=[(("mtp.0.proj.weight", "bfloat16", (4, 4)),)])
+    v1, v2 = M.state(spec, version=1), M.state(spec, version=2)
+    names = sorted(v1)
+    # part 0: every tensor of version 1; part 1: the first and last again, of version 2 (later wins)
+    paths = S.write_parts(loader.model_dir, 0, 0, {0: {n: v1[n] for n in names},
+                                                   1: {names[0]: v2[names[0]], names[-1]: v2[names[-1]]}})
+    session = loader.open(spec, options={"staged": True})
+    session.update()
+    want = {**v1, names[0]: v2[names[0]], names[-1]: v2[names[-1]]}
+    check.params_equal(session.observe(), want, f"staged update of {paths}: main and MTP, the later part's duplicates win")

@@ -1,0 +1,364 @@
+"""The status state machine: the shared status cell and the worker's loop against it. Spec: SPEC.md § STATUS.
+
+The cell is a real shared-memory int32 created by the suite as the engine does (``fixtures.status_cell``);
+the worker's loop runs in a forked child (``loop_driver``) while this process plays the API and the
+trainer, writing CLEARING and UPDATING at the moments a seeded schedule picks (``loop_schedule``): at
+the worker's hooks (its broadcast of the value it read, the model run, the end of an iteration) or a
+seeded number of microseconds after its CLEARED. Every failure names its seed and schedule;
+``CONFORMANCE_LOOP_SEED=N`` reruns that seed alone.
+"""
+import hashlib
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conformance import check
+from conformance import loop_schedule as L
+from conformance.harness import Worker
+from conformance.loop_driver import END_RESULTS, LoopChild
+from conformance.path_sources import CAPS, Sources
+from fixtures import models as M
+from fixtures import status_cell as C
+
+SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
+LOOP = ("status.cell", "snapshot.single")
+VALUES = {"NORMAL": C.NORMAL, "UPDATING": C.UPDATING, "CLEARING": C.CLEARING, "CLEARED": C.CLEARED, "UNKNOWN(7)": 7}
+
+
+@pytest.fixture
+def cell():
+    with C.Cell(C.NORMAL) as c:
+        yield c
+
+
+def _loaded(loader, cell, spec=SPEC, **options):
+    """A session of (rank 0, GPU 0) on ``cell``, first load of version 1 done."""
+    L.publish(loader.model_dir, spec, 1)
+    session = loader.open(spec, options={"status_cell": cell.name, **options})
+    session.update()
+    return session
+
+
+def _digests(spec, version):
+    return {n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for n, a in M.state(spec, version=version).items()}
+
+
+def _judged(loader, cell, invariant, *, block, count, base):
+    """Run ``count`` seeded cycles from seed ``base`` against a loop in mode ``block``; fail on any
+    violation of ``invariant``, a cycle that could not complete, or weights that are not the last
+    version's. Returns the outcome and where it ran (for further checks)."""
+    session = _loaded(loader, cell)
+    seed_list = L.seeds(count, base)
+    outcome = L.run(session, cell, loader.model_dir, SPEC, block=block, seed_list=seed_list)
+    where = f"worker loop (block={block}), seeds {seed_list[0]}..{seed_list[-1]}"
+    found = outcome.violations.get(invariant, [])
+    check.that(not found, f"{where}: {len(found)} violation(s):\n  " + "\n  ".join(found[:5]))
+    stuck = outcome.violations.get(L.PROGRESS, [])
+    check.that(not stuck and outcome.cycles == len(seed_list),
+               f"{where}: {outcome.cycles}/{len(seed_list)} cycles completed; " + "; ".join(stuck[:3]))
+    report = outcome.report or {}
+    check.that("error" not in report, f"{where}: the worker loop failed: {report.get('error')}")
+    last = outcome.versions[-1] if outcome.versions else 1
+    check.equal(report.get("digests"), _digests(SPEC, last), f"{where}: sha256 of every parameter after the last cycle (version {last})")
+    return outcome, where
+
+
+def _modes(non_blocking: int, blocking: int):
+    """(block, number of seeds) for both loop modes."""
+    return pytest.mark.parametrize("block,count", [
+        pytest.param(False, non_blocking, marks=pytest.mark.requires(*LOOP), id="non-blocking"),
+        pytest.param(True, blocking, marks=pytest.mark.requires(*LOOP), id="blocking")])
+
+
+@pytest.mark.rule("STATUS-REQUEST-KEPT")
+@_modes(24, 6)
+def test_request_never_overwritten(loader, cell, block, count):
+    _judged(loader, cell, L.KEPT, block=block, count=count, base=500 if block else 100)
+
+
+@pytest.mark.rule("STATUS-NO-RUN-AFTER-CHANGE")
+@_modes(6, 2)
+def test_model_never_runs_in_the_changing_iteration(loader, cell, block, count):
+    outcome, where = _judged(loader, cell, L.NO_RUN, block=block, count=count, base=600 if block else 200)
+    runs = sum(1 for kind, _, _ in outcome.events if kind == "run")
+    check.that(runs > 0, f"{where}: the loop never ran the model at NORMAL: the rule was not exercised")
+
+
+@pytest.mark.rule("STATUS-NONBLOCK-RETURNS")
+@pytest.mark.requires(*LOOP)
+def test_nonblocking_loop_returns_at_cleared(loader, cell):
+    _judged(loader, cell, L.NONBLOCK, block=False, count=5, base=300)
+
+
+@pytest.mark.rule("STATUS-BLOCK-WAITS")
+@pytest.mark.requires(*LOOP)
+def test_blocking_loop_stays_until_updated(loader, cell):
+    _judged(loader, cell, L.BLOCK, block=True, count=3, base=700)
+
+
+# -- who writes the cell, and when --------------------------------------------------------------------
+def _cycle(loader, sources, session, spec, version):
+    session.clear()
+    sources.publish(spec, version)
+    session.update()
+    sources.settle()
+
+
+@pytest.mark.rule("STATUS-FIRST-LOAD-SILENT")
+@pytest.mark.parametrize(
+    "kind,initial",
+    [pytest.param("snapshot", name, marks=pytest.mark.requires("status.cell", *CAPS["snapshot"]), id=f"snapshot:{name}")
+     for name in VALUES]
+    + [pytest.param(kind, "UPDATING", marks=pytest.mark.requires("status.cell", *CAPS[kind]), id=f"{kind}:UPDATING")
+       for kind in ("ipc", "bucket")],
+)
+def test_first_load_writes_no_status(loader, kind, initial):
+    sources = Sources(loader, kind)
+    with C.Cell(VALUES[initial]) as cell:
+        try:
+            sources.publish(SPEC, 1)
+            session = sources.open(SPEC, status_cell=cell.name)
+            session.update()
+            sources.settle()
+            where = f"{kind}: the first load of {sources.where}"
+            check.params_equal(session.observe(), M.state(SPEC, version=1), where)
+            check.equal(C.name_of(cell.read()), initial, f"{where}: the cell the engine set to {initial} afterwards")
+            _cycle(loader, sources, session, SPEC, 2)
+            check.equal(C.name_of(cell.read()), "NORMAL", f"{kind}: the cell after clear() and a second update")
+        finally:
+            sources.close()
+
+
+WRITERS = [  # (rank, world, tp_size option, writes)
+    (0, 1, None, True), (1, 2, None, False), (3, 4, None, False), (2, 4, 2, True), (3, 4, 2, False), (1, 4, 1, True)]
+
+
+@pytest.mark.rule("STATUS-RANK0-WRITES")
+@pytest.mark.parametrize(
+    "rank,world,tp_size,writes",
+    [pytest.param(*w, marks=pytest.mark.requires("status.cell", "snapshot.parts"),
+                  id=f"rank{w[0]}of{w[1]}:tp{w[2] or 'world'}") for w in WRITERS],
+)
+def test_only_tensor_parallel_rank0_writes(loader, monkeypatch, rank, world, tp_size, writes):
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", str(world))
+    gpu = 5 + rank  # physical id != ordinal != rank
+    sources = Sources(loader, "snapshot", rank=rank, gpu=gpu)
+    who = f"rank {rank} of {world} (tp_size {tp_size or world}: tensor-parallel rank {rank % (tp_size or world)})"
+    with C.Cell(7) as cell:  # a value no worker writes: any write shows
+        options = {"status_cell": cell.name, **({"tp_size": tp_size} if tp_size else {})}
+        sources.publish(SPEC, 1)
+        visible = ",".join(str(5 + r) for r in range(world))
+        session = loader.open(SPEC, worker=Worker(rank, visible, str(rank)), options=options)
+        session.update()
+        check.params_equal(session.observe(), M.state(SPEC, version=1), f"{who}: first load of {sources.where}")
+        check.equal(cell.read(), 7, f"{who}: the cell after the first load")
+        for step, want in (("clear()", C.CLEARED), ("update()", C.NORMAL), ("clear()", C.CLEARED)):
+            (session.update if step == "update()" else session.clear)()
+            expected = want if writes else 7
+            check.equal(C.name_of(cell.read()), C.name_of(expected), f"{who}: the cell after {step}")
+
+
+# -- the API side: what a request does in each state ------------------------------------------------
+def _runs(loop, count, timeout_s=3.0):
+    """Wait for ``count`` more model runs of a free-running loop; returns the results seen meanwhile."""
+    seen, runs, deadline = [], 0, time.monotonic() + timeout_s
+    while runs < count and time.monotonic() < deadline:
+        event = loop.next_event(0.05)
+        if event is not None:
+            seen.append(event)
+            runs += event[0] == "run"
+    return seen
+
+
+@pytest.mark.rule("STATUS-UPDATE-WHILE-NORMAL")
+@pytest.mark.requires("status.cell", "control", "snapshot.single")
+def test_update_while_normal_reloads_nothing(loader, impl, cell):
+    session = _loaded(loader, cell)
+    control = impl.control(cell.name)
+    L.publish(loader.model_dir, SPEC, 2)  # the trainer has a new version on disk
+    with LoopChild(session, block=False) as loop:
+        check.that(loop.next_event(L.EVENT_TIMEOUT_S) is not None, "the worker loop never started")
+        loop.free()
+        answer = control.update_model_weight(2.0)
+        check.equal(answer, (200, "model weight is updated"), "update_model_weight() while NORMAL")
+        seen = _runs(loop, 5)
+        changed = [e for e in seen if e[0] == "end" and e[1] != END_RESULTS.index("ran")]
+        check.that(not changed and C.name_of(cell.read()) == "NORMAL",
+                   f"after update_model_weight() while NORMAL: the cell reads {C.name_of(cell.read())} and the loop did "
+                   f"{[END_RESULTS[e[1]] for e in changed]} (expected only model runs, cell NORMAL)")
+        check.equal(control.clear_load_weight(5.0), (200, "clear model weight successfully"), "clear_load_weight() while NORMAL")
+        check.equal(control.clear_load_weight(5.0), (200, "model weight is cleared"), "clear_load_weight() while CLEARED")
+        check.equal(control.update_model_weight(5.0), (200, "update model weight successfully"), "update_model_weight() while CLEARED")
+        L.publish(loader.model_dir, SPEC, 3)
+        check.equal(control.update_model_weight(2.0), (200, "model weight is updated"), "update_model_weight() while NORMAL again")
+        _runs(loop, 3)
+        report = loop.stop()
+    check.equal(report.get("digests"), _digests(SPEC, 2),
+                "after update while NORMAL with version 3 on disk: every parameter still version 2 (sha256)")
+
+
+GUARDS = [  # cell value, request, answer; the worker is absent: nothing else writes the cell
+    ("UPDATING", "clear_load_weight", (403, "worker is updating model weight, cannot clear now")),
+    ("UPDATING", "update_model_weight", (400, "worker is updating model weight already")),
+    ("CLEARING", "clear_load_weight", (400, "worker is clearing model weight already")),
+    ("CLEARING", "update_model_weight", (403, "worker is clearing model weight, cannot update now")),
+    ("NORMAL", "clear_load_weight", (404, "clear model weight timeout")),
+    ("CLEARED", "update_model_weight", (404, "update model weight timeout")),
+    ("UNKNOWN(7)", "clear_load_weight", (500, "model weight status is 7, not a ModelWeightsStatus value")),
+    ("UNKNOWN(7)", "update_model_weight", (500, "model weight status is 7, not a ModelWeightsStatus value")),
+]
+
+
+@pytest.mark.rule("STATUS-UPDATE-WHILE-NORMAL")
+@pytest.mark.parametrize("state,request_name,answer",
+                         [pytest.param(*g, marks=pytest.mark.requires("control", "snapshot.single"), id=f"{g[0]}:{g[1]}")
+                          for g in GUARDS])
+def test_request_guards(loader, impl, state, request_name, answer):
+    session = loader.open(SPEC)  # a worker that never serves the cell
+    L.publish(loader.model_dir, SPEC, 1)
+    with C.Cell(VALUES[state]) as cell:
+        got = getattr(impl.control(cell.name), request_name)(0.05)
+        check.equal(got, answer, f"{request_name}() with the cell at {state} and no worker serving it")
+        requested = {"clear_load_weight": "CLEARING", "update_model_weight": "UPDATING"}[request_name]
+        want = requested if answer[0] == 404 else state  # a request is written only from NORMAL/CLEARED
+        check.equal(C.name_of(cell.read()), want, f"the cell after {request_name}() at {state}")
+    check.status_is(session, "CLEARED", f"the worker after {request_name}() at {state}: nothing loaded")
+
+
+# -- the lifecycle's options ----------------------------------------------------------------------------
+BAD_OPTIONS = [
+    ("staged", "yes", "staged"), ("staged", 1, "staged"),
+    ("agree_timeout_s", 0, "agree_timeout_s"), ("agree_timeout_s", -1.0, "agree_timeout_s"),
+    ("agree_timeout_s", float("nan"), "agree_timeout_s"), ("agree_timeout_s", True, "agree_timeout_s"),
+    ("agree_timeout_s", "5", "agree_timeout_s"),
+    ("tp_size", 0, "tp_size"), ("tp_size", -2, "tp_size"), ("tp_size", True, "tp_size"), ("tp_size", 2.0, "tp_size"),
+    ("status_cell", 7, "status_cell"), ("status_cell", "dir/cell", "dir/cell"), ("status_cell", ".", "'.'"),
+    ("status_cell", "..", ".."),
+    ("status_cell", "model_weights_status.nowhere", "model_weights_status.nowhere"),
+]
+
+
+def _option_case(key, value, named):
+    needs = {"staged": "staged", "agree_timeout_s": "multirank", "tp_size": "status.cell", "status_cell": "status.cell"}[key]
+    return pytest.param(key, value, named, marks=pytest.mark.requires(needs, "snapshot.single"), id=f"{key}={value!r}")
+
+
+@pytest.mark.rule("STATUS-OPTIONS")
+@pytest.mark.parametrize("key,value,named", [_option_case(*c) for c in BAD_OPTIONS])
+def test_bad_lifecycle_option_is_refused_at_open(loader, key, value, named):
+    L.publish(loader.model_dir, SPEC, 1)
+    with check.raises(ValueError, match=r"\S", names=[named], where=f"open() with options[{key!r}] = {value!r}"):
+        loader.open(SPEC, options={key: value})
+
+
+@pytest.mark.rule("STATUS-OPTIONS")
+@pytest.mark.requires("status.cell", "snapshot.single")
+def test_loop_without_a_cell_is_refused(loader):
+    L.publish(loader.model_dir, SPEC, 1)
+    session = loader.open(SPEC)
+    session.update()
+    ran = []
+    with check.raises(Exception, match=r"status_cell", where="worker_iteration() of a session opened without options['status_cell']"):
+        session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
+    check.that(not ran, f"the loop without a cell ran the model {len(ran)} time(s)")
+
+
+@pytest.mark.rule("STATUS-OPTIONS")
+@pytest.mark.requires("status.cell", "staged", "multirank", "snapshot.single")
+def test_short_cell_and_boundary_options(loader):
+    L.publish(loader.model_dir, SPEC, 1)
+    short = C.Cell(C.NORMAL)
+    try:
+        with open(short.path, "r+b") as f:
+            f.truncate(2)
+        with check.raises(ValueError, match=r"2 bytes", names=[short.name], where="open() on a 2-byte status cell"):
+            loader.open(SPEC, options={"status_cell": short.name})
+    finally:
+        short.unlink()
+    with C.Cell(C.NORMAL) as cell:
+        session = loader.open(SPEC, options={"status_cell": cell.name, "staged": False, "agree_timeout_s": 0.001,
+                                             "tp_size": 1})
+        session.update()
+        check.params_equal(session.observe(), M.state(SPEC, version=1), "the smallest valid options (tp_size 1, a 1 ms deadline)")
+
+
+# -- ranks that do not write the cell -----------------------------------------------------------------
+RANK0_DELAY_S = 0.15
+
+
+def _bounded_iteration(session, timeout_s=10.0):
+    """One non-blocking iteration in a thread: (what it returned or raised (with ``"end"``, the monotonic
+    time it did), seconds, model runs)."""
+    box, ran = {}, []
+
+    def iterate():
+        try:
+            box["result"] = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
+        except BaseException as e:  # noqa: BLE001 (judged by the test)
+            box["error"] = e
+        box["end"] = time.monotonic()
+
+    start = time.monotonic()
+    thread = threading.Thread(target=iterate, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return box, time.monotonic() - start, len(ran)
+
+
+def _follower(loader, monkeypatch, cell, **options):
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    sources = Sources(loader, "snapshot", rank=1, gpu=6)
+    sources.publish(SPEC, 1)
+    session = loader.open(SPEC, worker=Worker(1, "5,6", "1"), options={"status_cell": cell.name, **options})
+    session.update()
+    return sources, session
+
+
+@pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
+@pytest.mark.requires("status.cell", "snapshot.parts")
+def test_follower_waits_for_rank0_write(loader, monkeypatch, cell):
+    sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=5.0)
+    for request, written, want, version in ((C.CLEARING, C.CLEARED, "cleared", None), (C.UPDATING, C.NORMAL, "updated", 2)):
+        if version:
+            sources.publish(SPEC, version)
+        cell.write(request)
+        wrote = {}
+
+        def rank0(value=written):  # rank 0, done a little later
+            wrote["at"] = time.monotonic()
+            cell.write(value)
+
+        timer = threading.Timer(RANK0_DELAY_S, rank0)
+        timer.start()
+        box, seconds, runs = _bounded_iteration(session)
+        timer.cancel()
+        where = f"rank 1 of 2, {C.name_of(request)} in the cell, rank 0 writing {C.name_of(written)} after {RANK0_DELAY_S}s"
+        check.equal(box.get("result", box.get("error")), want, f"{where}: what the iteration returned")
+        early = "before rank 0 wrote at all" if "at" not in wrote or "end" not in box else \
+            f"{wrote['at'] - box['end']:.3f}s before rank 0's write" if box["end"] < wrote["at"] else None
+        check.that(early is None and runs == 0,
+                   f"{where}: the iteration returned {early}, with {runs} model run(s); it must "
+                   "wait for that write (else its next iteration reads the request again and repeats it) and run nothing")
+    check.params_equal(session.observe(), M.state(SPEC, version=2), "rank 1 after the cycle it followed")
+
+
+@pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
+@pytest.mark.requires("status.cell", "multirank", "snapshot.parts")
+@pytest.mark.parametrize("request_value", [C.CLEARING, C.UPDATING], ids=["CLEARING", "UPDATING"])
+def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell, request_value):
+    sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=0.3)
+    if request_value == C.UPDATING:  # rank 0 wrote CLEARED; the follower cleared; now it updates alone
+        cell.write(C.CLEARING)
+        threading.Timer(0.05, lambda: cell.write(C.CLEARED)).start()
+        _bounded_iteration(session)
+        sources.publish(SPEC, 2)
+    cell.write(request_value)  # rank 0 never answers
+    box, seconds, runs = _bounded_iteration(session)
+    where = f"rank 1 of 2 after its own {'clear' if request_value == C.CLEARING else 'update'}, rank 0 never writing (agree_timeout_s 0.3)"
+    error = box.get("error")
+    check.that(isinstance(error, TimeoutError) and cell.name in str(error) and "rank 1" in str(error),
+               f"{where}: expected a TimeoutError naming the cell {cell.name} and rank 1, got {box}")
+    check.that(0.3 <= seconds < 5.0 and runs == 0, f"{where}: gave up after {seconds:.2f}s with {runs} model run(s)")
+    check.equal(C.name_of(cell.read()), C.name_of(request_value), f"{where}: the cell (a follower never writes)")

@@ -1,0 +1,166 @@
+"""Versions: stamped when the update commits, never backwards, kept by a failed update. Spec: SPEC.md § VER.
+
+Each path carries the version of an update: ``version.yaml`` (``step``) beside the snapshot parts or the
+meta file, the bucket manifests. ``session.version()`` is read between calls, and during an update at
+every Python function call the update makes (``sys.setprofile``): deterministic, on every path.
+"""
+import sys
+
+import pytest
+
+from conformance import check
+from conformance.path_sources import CAPS, FAULTS, KINDS, Sources
+from fixtures import models as M
+from fixtures import status_cell as C
+
+SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
+
+
+@pytest.fixture
+def sources(loader):
+    made = []
+
+    def make(kind, **kw):
+        made.append(Sources(loader, kind, timeout_s=2.0, **kw))  # no test here waits for a dead trainer
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _needs(kind, *more):
+    return pytest.mark.requires("version", *CAPS[kind], *more)
+
+
+def _load(src, spec, version, session=None, **options):
+    src.publish(spec, version)
+    if session is None:
+        session = src.open(spec, **options)
+    else:
+        session.clear()
+    session.update()
+    src.settle()
+    return session
+
+
+def during(session, call) -> list[tuple[str, object]]:
+    """Run ``call()`` and read ``(status(), version())`` at every Python function call it makes in this
+    thread (``sys.setprofile``): every step of the update is a point of observation, deterministically.
+    Returns the distinct pairs in the order seen."""
+    seen: list = []
+    busy = [False]
+
+    def probe(frame, event, arg):
+        if event != "call" or busy[0]:
+            return
+        busy[0] = True
+        try:
+            pair = (session.status(), session.version())
+        finally:
+            busy[0] = False
+        if not seen or seen[-1] != pair:
+            seen.append(pair)
+
+    sys.setprofile(probe)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.rule("VER-STAMP-AT-COMMIT")
+@pytest.mark.parametrize("kind,staged", [pytest.param(k, s, marks=_needs(k, "status", *(("staged",) if s else ())),
+                                                      id=f"{k}{':staged' if s else ''}")
+                                         for k in KINDS for s in (False, True)])
+def test_version_stamped_at_commit(loader, sources, kind, staged):
+    src = sources(kind)
+    session = _load(src, SPEC, 4, **({"staged": True} if staged else {}))
+    check.equal(session.version(), 4, f"{kind}: version() after the first load of {src.where}")
+    session.clear()
+    check.equal(session.version(), 4, f"{kind}: version() after clear()")
+    src.publish(SPEC, 7)
+    seen = during(session, session.update)
+    src.settle()
+    early = [pair for pair in seen if pair[0] != "NORMAL" and pair[1] != 4]
+    check.that(not early and ("UPDATING", 4) in seen,
+               f"{kind}: (status, version) at every step of the update of {src.where} to version 7: {seen}; "
+               "the version may change only with NORMAL")
+    check.equal((session.status(), session.version()), ("NORMAL", 7), f"{kind}: after the update to version 7")
+
+
+@pytest.mark.rule("VER-FAILED-KEEPS")
+@pytest.mark.parametrize("kind,fault", [pytest.param(k, f, marks=_needs(k), id=f"{k}:{f}") for k in KINDS for f in FAULTS
+                                        if (k, f) != ("bucket", "gone")])  # (a 0.2 s timeout; STAGE-ATOMIC has it)
+def test_failed_update_keeps_version(loader, sources, kind, fault):
+    src = sources(kind)
+    session = _load(src, SPEC, 5)
+    session.clear()
+    src.publish(SPEC, 6, fault)
+    with check.raises(Exception, match=r"\S", where=f"{kind}: update of {src.where} ({fault})"):
+        session.update()
+    src.settle()
+    check.equal(session.version(), 5, f"{kind}: version() after the update to version 6 failed ({fault})")
+
+
+@pytest.mark.rule("VER-MONOTONIC")
+@pytest.mark.parametrize("kind,staged", [pytest.param(k, s, marks=_needs(k, *(("staged",) if s else ())),
+                                                      id=f"{k}{':staged' if s else ''}")
+                                         for k in KINDS for s in (False, True)])
+def test_version_never_goes_backwards(loader, sources, kind, staged):
+    src = sources(kind)
+    options = {"staged": True} if staged else {}
+    session = _load(src, SPEC, 9, **options)
+    for version, accepted in ((9, True), (8, False), (0, False), (10, True)):
+        session.clear()
+        src.publish(SPEC, version)
+        where = f"{kind}: update to version {version} after version {session.version()} ({src.where})"
+        if accepted:
+            session.update()
+            src.settle()
+            check.params_equal(session.observe(), M.state(SPEC, version=version), where)
+            check.equal(session.version(), version, f"{where}: version()")
+            continue
+        reported = session.version()
+        with check.raises(ValueError, match=r"older", names=[str(version), str(reported)], where=where):
+            session.update()
+        src.settle()
+        check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], where)
+        check.equal(session.version(), reported, f"{where}: version() after the refusal")
+
+
+BAD_FILES = ["step: -1", "step: two", "step: 1.5", "[1, 2]", "step: [", "other: 3", "step: true"]
+
+
+@pytest.mark.rule("VER-MONOTONIC")
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=_needs(k), id=k) for k in ("snapshot", "ipc")])
+def test_quoted_step_is_a_version(loader, sources, kind):
+    """FastDeploy reads ``step`` as a string ("12345"); a quoted number is that version."""
+    src = sources(kind)
+    session = _load(src, SPEC, 2)
+    session.clear()
+    src.publish(SPEC, 3)
+    path = C.write_version(loader.model_dir if kind == "snapshot" else loader.shared_dir, 3)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write('step: "11"\n')
+    session.update()
+    check.params_equal(session.observe(), M.state(SPEC, version=3), f"{kind}: update with {path} reading step: \"11\"")
+    check.equal(session.version(), 11, f"{kind}: version() after {path} reading step: \"11\"")
+
+
+@pytest.mark.rule("VER-MONOTONIC")
+@pytest.mark.parametrize("kind,text", [pytest.param(k, t, marks=_needs(k), id=f"{k}:{t}") for k in ("snapshot", "ipc")
+                                       for t in (BAD_FILES if k == "snapshot" else BAD_FILES[:2])])
+def test_unreadable_version_file_is_refused(loader, sources, kind, text):
+    src = sources(kind)
+    session = _load(src, SPEC, 2)
+    session.clear()
+    src.publish(SPEC, 3)
+    path = C.write_version(loader.model_dir if kind == "snapshot" else loader.shared_dir, 3)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+    with check.raises(ValueError, match=r"version|step", names=["version.yaml"], where=f"{kind}: {path} reading {text!r}"):
+        session.update()
+    check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{kind}: after {path} was refused")
+    check.equal(session.version(), 2, f"{kind}: version() after {path} reading {text!r} was refused")

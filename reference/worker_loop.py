@@ -1,0 +1,79 @@
+"""The worker's event loop against the status cell (fd-spec §2.4-2.5; FastDeploy #5249, #5493, #5527).
+
+One call of :func:`iteration` is one pass of the worker's loop:
+
+1. read the cell, and take rank 0's value on every rank (``sync``: the loop's broadcast);
+2. NORMAL: run the model, and nothing else;
+3. otherwise act on it (:func:`check_status`) and return *without* running the model (#5527: the
+   weights or caches may be gone): CLEARING clears, UPDATING updates, CLEARED waits.
+
+The worker writes only what it did (CLEARED after its clear, NORMAL after its commit, both from the
+manager, rank 0 only): never the value it read back, so an UPDATING the API writes while the worker
+holds a stale CLEARED is never overwritten (#5493). ``block=False`` returns as soon as the cell reads
+CLEARED (#5249); ``block=True`` stays until the update that follows has committed.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from .status import Status
+from .status_cell import StatusCell
+
+POLL_S = 0.01  # FastDeploy's 10 ms spin
+
+
+class LoopError(RuntimeError):
+    """The loop cannot run: no status cell configured."""
+
+
+class LoopTimeout(LoopError, TimeoutError):
+    """A rank waited past its deadline for rank 0's write to the cell."""
+
+
+def wait_while(cell: StatusCell, value: int, timeout_s: float, poll_s: float, why: str) -> int:
+    """Poll the cell until it no longer reads ``value``; return what it reads then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = cell.read()
+        if now != value:
+            return now
+        if time.monotonic() >= deadline:
+            raise LoopTimeout(f"status cell {cell.name!r} still reads {Status(value).name} {timeout_s:g}s after {why}")
+        time.sleep(poll_s)
+
+
+def check_status(manager, cell: StatusCell, value: int, *, block: bool, poll_s: float = POLL_S) -> str:
+    """FastDeploy's ``check_model_weights_status`` from the synced ``value``; returns what was done:
+    "updated", "cleared" or "idle". After its own clear or update, a rank waits for rank 0's write
+    (bounded by the agreement's timeout), so that no rank reads the request again and repeats it."""
+    done = "idle"
+    timeout = manager.agreement.timeout_s
+    while value != Status.NORMAL and (block or value != Status.CLEARED):
+        if value == Status.UPDATING:
+            manager.update()
+            value = wait_while(cell, Status.UPDATING, timeout, poll_s, f"rank {manager.rank} committed its update")
+            done = "updated"
+        elif value == Status.CLEARING:
+            manager.clear()
+            value = wait_while(cell, Status.CLEARING, timeout, poll_s, f"rank {manager.rank} cleared")
+            done = "cleared"
+        else:  # CLEARED while blocking, or a value the API never writes: wait
+            time.sleep(poll_s)
+            value = cell.read()
+    return done
+
+
+def iteration(manager, run_model: Callable[[], None], *, block: bool, sync: Callable[[int], int] | None = None,
+              poll_s: float = POLL_S) -> str:
+    """One pass of the worker's loop; returns "ran", "updated", "cleared" or "idle"."""
+    name = manager.commit_options.status_cell
+    if name is None:
+        raise LoopError("the worker loop needs options['status_cell'], the name of the shared status cell")
+    with StatusCell(name) as cell:
+        value = cell.read()
+        value = sync(value) if sync is not None else manager.agreement.broadcast(value)
+        if value == Status.NORMAL:
+            run_model()
+            return "ran"
+        return check_status(manager, cell, value, block=block, poll_s=poll_s)

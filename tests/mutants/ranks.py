@@ -1,0 +1,498 @@
+"""Mutants of the status state machine, staged commits, versions, multi-rank agreement and the resources
+of repeated cycles (SPEC.md STATUS, STAGE, VER, MR, CYCLE): the reference with one real bug put back,
+each the way a worker written from the contract plausibly gets it wrong (FastDeploy #5249, #5493,
+#5527 are three of them, found in production).
+
+Patches follow tests/mutants/lifecycle.py: module attributes looked up at call time. Mutants of the
+multi-rank rules patch the reference in the pytest process; the rank processes resolve the same mutant
+by name (``--impl=tests.mutants:mutant --impl-opt name=ID``), so the patch is in every rank.
+"""
+from __future__ import annotations
+
+import time
+
+from reference import agreement as _agreement
+from reference import apply as _apply
+from reference import commit as _commit
+from reference import control
+from reference import ipc_meta as _ipc_meta
+from reference import manager as _manager
+from reference import worker_loop as _loop
+from reference.commit import CommitOptions, Stage
+from reference.control import WeightControl
+from reference.status import Status
+from reference.status_cell import CellWriter, StatusCell
+
+from sim import rank_trainer as _rank_trainer  # noqa: F401 (patched by the trainer mutant)
+from sim import trainer as _trainer
+
+from .base import Mutant
+
+_real_iteration = _loop.iteration
+_real_check_status = _loop.check_status
+_real_wait_while = _loop.wait_while
+_real_read_version_file = _commit.read_version_file
+_real_adopt = _apply.adopt
+_real_open_tensor = _ipc_meta.open_tensor
+
+
+# -- the worker loop (STATUS) ---------------------------------------------------------------------
+class WritesBackReadStatus(Mutant):
+    id = "loop_writes_back_read_status"
+    bug = ("the worker writes the value it read (and broadcast) back into the cell before acting on it, as "
+           "FastDeploy's loop did before #5493: an UPDATING written by the API during the broadcast of a stale "
+           "CLEARED is erased, and the update times out")
+    kills = frozenset({"STATUS-REQUEST-KEPT"})
+
+    def patches(self):
+        def iteration(manager, run_model, *, block, sync=None, poll_s=_loop.POLL_S):
+            name = manager.commit_options.status_cell
+            with StatusCell(name) as cell:
+                value = cell.read()
+                value = sync(value) if sync is not None else manager.agreement.broadcast(value)
+                if value != Status.NORMAL and manager.cell.writes:
+                    cell.write(value)
+                if value == Status.NORMAL:
+                    run_model()
+                    return "ran"
+                return _loop.check_status(manager, cell, value, block=block, poll_s=poll_s)
+
+        return {"reference.worker_loop.iteration": iteration}
+
+
+class NonBlockingWaits(Mutant):
+    id = "loop_nonblocking_waits_for_update"
+    bug = ("block=False is ignored: the loop stays inside after CLEARED until the next update, as before "
+           "FastDeploy #5249 (the worker cannot keep its communication group alive while idle)")
+    kills = frozenset({"STATUS-NONBLOCK-RETURNS"})
+
+    def patches(self):
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S):
+            return _real_check_status(manager, cell, value, block=True, poll_s=poll_s)
+
+        return {"reference.worker_loop.check_status": check_status}
+
+
+class BlockingReturnsAtCleared(Mutant):
+    id = "loop_blocking_returns_at_cleared"
+    bug = "block=True is ignored: the blocking loop returns at CLEARED like the non-blocking one"
+    kills = frozenset({"STATUS-BLOCK-WAITS"})
+
+    def patches(self):
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S):
+            return _real_check_status(manager, cell, value, block=False, poll_s=poll_s)
+
+        return {"reference.worker_loop.check_status": check_status}
+
+
+class RunsModelAfterChange(Mutant):
+    id = "loop_runs_model_after_change"
+    bug = ("after a clear or an update the iteration falls through to the model run instead of continuing, as "
+           "before FastDeploy #5527 (EP crashed on the missing weights and cache)")
+    kills = frozenset({"STATUS-NO-RUN-AFTER-CHANGE"})
+
+    def patches(self):
+        def iteration(manager, run_model, *, block, sync=None, poll_s=_loop.POLL_S):
+            result = _real_iteration(manager, run_model, block=block, sync=sync, poll_s=poll_s)
+            if result in ("cleared", "updated"):
+                run_model()
+            return result
+
+        return {"reference.worker_loop.iteration": iteration}
+
+
+class SlowWriteBack(Mutant):
+    id = "loop_writes_back_after_idle"
+    bug = ("an idle iteration (CLEARED) re-asserts CLEARED into the cell after a short wait, 'to be safe': an "
+           "UPDATING the API wrote meanwhile is lost (the #5493 race outside the broadcast)")
+    kills = frozenset({"STATUS-REQUEST-KEPT"})
+
+    def patches(self):
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S):
+            if value == Status.CLEARED and not block:
+                time.sleep(0.0005)
+                if manager.cell.writes:
+                    cell.write(Status.CLEARED)
+                return "idle"
+            return _real_check_status(manager, cell, value, block=block, poll_s=poll_s)
+
+        return {"reference.worker_loop.check_status": check_status}
+
+
+# -- who writes the cell (STATUS) -----------------------------------------------------------------
+class _SilentFirstLoadIgnored(CellWriter):
+    def publish(self, status, first_load):
+        return super().publish(status, False)
+
+
+class FirstLoadWritesNormal(Mutant):
+    id = "status_first_load_writes_normal"
+    bug = ("the first load writes NORMAL like every later one, overwriting whatever the engine's API wrote while "
+           "the worker was starting (FastDeploy's finalize_update skips it, fd-spec rule 32)")
+    kills = frozenset({"STATUS-FIRST-LOAD-SILENT"})
+
+    def patches(self):
+        return {"reference.manager.CellWriter": _SilentFirstLoadIgnored}
+
+
+class _EveryRankWriter(CellWriter):
+    @property
+    def writes(self):
+        return self.name is not None
+
+
+class EveryRankWrites(Mutant):
+    id = "status_every_rank_writes"
+    bug = "every rank writes the cell, not only tensor-parallel rank 0 (fd-spec rule 30): ranks race on it"
+    kills = frozenset({"STATUS-RANK0-WRITES"})
+
+    def patches(self):
+        return {"reference.manager.CellWriter": _EveryRankWriter}
+
+
+class _GlobalRankOptions(CommitOptions):
+    def tp_rank(self, rank, world_size):
+        return rank
+
+
+class TpRankIsGlobalRank(Mutant):
+    id = "status_tp_rank_is_global_rank"
+    bug = ("the writer is global rank 0 instead of tensor-parallel rank 0: with several tensor-parallel groups "
+           "(data parallel) the other groups' cells are never written")
+    kills = frozenset({"STATUS-RANK0-WRITES"})
+
+    def patches(self):
+        return {"reference.commit.CommitOptions": _GlobalRankOptions}
+
+
+class _ReloadingControl(WeightControl):
+    def update_model_weight(self, timeout_s):
+        if self._read() == Status.NORMAL:
+            self.clear_load_weight(timeout_s)
+        return super().update_model_weight(timeout_s)
+
+
+class UpdateWhileNormalReloads(Mutant):
+    id = "control_update_while_normal_reloads"
+    bug = ("update_model_weight() while NORMAL forces a reload (clear, then update) instead of answering that the "
+           "weights are current: a no-op request reloads the model")
+    kills = frozenset({"STATUS-UPDATE-WHILE-NORMAL"})
+    control_class = _ReloadingControl
+
+
+class _UnguardedControl(WeightControl):
+    def _call(self, request, done, ok, verb, timeout_s):
+        if self._read() == done:
+            return 200, ok
+        self._request(request)
+        if control._wait_for(self.cell_name, done, timeout_s, self.poll_s):
+            return 200, f"{verb} model weight successfully"
+        return 404, f"{verb} model weight timeout"
+
+    def clear_load_weight(self, timeout_s):
+        return self._call(Status.CLEARING, Status.CLEARED, "model weight is cleared", "clear", timeout_s)
+
+    def update_model_weight(self, timeout_s):
+        return self._call(Status.UPDATING, Status.NORMAL, "model weight is updated", "update", timeout_s)
+
+
+class ControlIgnoresState(Mutant):
+    id = "control_requests_in_any_state"
+    bug = ("the API writes its request whatever the cell holds (no EngineClient guard): a clear requested mid-update "
+           "overwrites UPDATING, an update requested mid-clear overwrites CLEARING")
+    kills = frozenset({"STATUS-UPDATE-WHILE-NORMAL"})
+    control_class = _UnguardedControl
+
+
+# -- staged commits and versions (STAGE, VER) ---------------------------------------------------------
+class _NeverStaged(CommitOptions):
+    @classmethod
+    def parse(cls, options):
+        parsed = CommitOptions.parse.__func__(cls, options)
+        return cls(False, parsed.status_cell, parsed.agree_timeout_s, parsed.tp_size)
+
+
+class StagedAdoptsAsItLands(Mutant):
+    id = "staged_adopts_as_it_lands"
+    bug = ("options['staged'] is accepted but ignored: each source is adopted as it lands, so a failure in a later "
+           "part leaves the earlier parts applied")
+    kills = frozenset({"STAGE-ATOMIC"})
+
+    def patches(self):
+        return {"reference.commit.CommitOptions": _NeverStaged}
+
+
+class _FirstWinsStage(Stage):
+    def _land(self, name, tensor, target):
+        self.tensors.setdefault(name, tensor)
+
+
+class StageKeepsFirstDuplicate(Mutant):
+    id = "stage_keeps_first_duplicate"
+    bug = "the stage keeps the first tensor landed under a name: a later part's duplicate is dropped at the commit"
+    kills = frozenset({"STAGE-ATOMIC"})
+
+    def patches(self):
+        return {"reference.commit.Stage": _FirstWinsStage}
+
+
+class _EarlyStampManager(_manager.WeightManager):
+    def announce(self, version):
+        super().announce(version)
+        if version is not None:
+            self.version = version
+
+
+class VersionStampedAtAnnounce(Mutant):
+    id = "version_stamped_before_commit"
+    bug = ("the version is stamped as soon as the update announces it, before anything is loaded: a reader sees "
+           "the new version with the old (or no) weights, and a failed update reports the version it never loaded")
+    kills = frozenset({"VER-STAMP-AT-COMMIT", "VER-FAILED-KEEPS"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _EarlyStampManager}
+
+
+class VersionGoesBackwards(Mutant):
+    id = "version_goes_backwards"
+    bug = "any announced version is accepted: a stale trainer moves the reported version (and the weights) back"
+    kills = frozenset({"VER-MONOTONIC"})
+
+    def patches(self):
+        return {"reference.commit.check_forward": lambda new, reported, where: None}
+
+
+class LenientVersionFile(Mutant):
+    id = "version_file_lenient"
+    bug = ("an unreadable version.yaml counts as no version (FastDeploy's read_model_version_from_file returns None): "
+           "a broken trainer's update loads, and the version stays whatever it was")
+    kills = frozenset({"VER-MONOTONIC"})
+
+    def patches(self):
+        def read_version_file(directory):
+            try:
+                return _real_read_version_file(directory)
+            except ValueError:
+                return None
+
+        return {"reference.commit.read_version_file": read_version_file}
+
+
+# -- ranks (MR) ---------------------------------------------------------------------------------------
+class _EarlyNormalManager(_manager.WeightManager):
+    def finalize(self):
+        if not self._committed and not [n for n in _apply.unloaded(self.params)
+                                        if not (self._stage is not None and self._stage.holds(n))]:
+            self.cell.publish(Status.NORMAL, self.first_load)  # "this rank is done": before the others agree
+        super().finalize()
+
+
+class NormalBeforeAgreement(Mutant):
+    id = "rank0_normal_before_agreement"
+    bug = ("tensor-parallel rank 0 writes NORMAL as soon as its own shard is loaded, before the ranks agree: the API "
+           "serves while another rank is still loading, or has failed")
+    kills = frozenset({"MR-AGREE-BEFORE-NORMAL", "MR-FAILURE-EVERY-RANK"})
+    zoo_args = ("-k", "bucket")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _EarlyNormalManager}
+
+
+class _OwnVoteOnly(_agreement.Agreement):
+    def require_all(self, what):
+        self.vote(what, True)  # takes part, but only its own success counts
+
+
+class FailureReportedAsSuccess(Mutant):
+    id = "rank_failure_reported_as_success"
+    bug = ("a rank commits when its own update succeeded, whatever the other ranks voted: another rank's failure is "
+           "reported as success here (NORMAL, the new version) and the ranks serve different weights")
+    kills = frozenset({"MR-FAILURE-EVERY-RANK", "MR-AGREE-BEFORE-NORMAL"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        return {"reference.manager.Agreement": _OwnVoteOnly}
+
+
+class _SilentFailure(_agreement.Agreement):
+    def report_failure(self, what, error):
+        return None  # the others are not told: they wait for this rank's vote
+
+
+class FailedRankStaysSilent(Mutant):
+    id = "failed_rank_does_not_vote"
+    bug = ("a rank whose update fails raises at once without telling the others: they wait at the agreement for a "
+           "vote that never comes (until its deadline), and then the ranks are out of step")
+    kills = frozenset({"MR-FAILURE-EVERY-RANK"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        return {"reference.manager.Agreement": _SilentFailure}
+
+
+class _Unbounded(_agreement.Agreement):
+    def _bounded(self, what, fn):
+        return fn()  # a collective with no deadline: gloo waits for the peer as long as it takes
+
+
+class AgreementWithoutDeadline(Mutant):
+    id = "agreement_without_deadline"
+    bug = ("collectives run without a deadline (a plain barrier, as FastDeploy's): a rank stuck in its transfer holds "
+           "every other rank at the agreement for as long as it is stuck")
+    kills = frozenset({"MR-DEADLINE"})
+
+    def patches(self):
+        return {"reference.manager.Agreement": _Unbounded}
+
+
+class _EarlyCommitManager(_manager.WeightManager):
+    def finalize(self):
+        if self._stage is not None and not self._committed:
+            self._stage.commit(self.params)  # adopted before the others agreed
+            self._stage = None
+        super().finalize()
+
+
+class StagedCommitBeforeAgreement(Mutant):
+    id = "staged_commit_before_agreement"
+    bug = ("a staged update is adopted as soon as this rank has it all, before the ranks agree: a failure on another "
+           "rank leaves this rank's parameters replaced")
+    kills = frozenset({"STAGE-ATOMIC"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _EarlyCommitManager}
+
+
+class _EarlyVersionManager(_manager.WeightManager):
+    def finalize(self):
+        if self._pending_version is not None:
+            self.version = self._pending_version  # stamped when this rank is done, not at the commit
+        super().finalize()
+
+
+class VersionStampedBeforeAgreement(Mutant):
+    id = "version_stamped_before_agreement"
+    bug = "the version is stamped once this rank has loaded, before the ranks agree: a failed update reports it"
+    kills = frozenset({"MR-FAILURE-EVERY-RANK"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _EarlyVersionManager}
+
+
+class EveryRankLoadsRankZeroShard(Mutant):
+    id = "every_rank_loads_rank0_shard"
+    bug = ("every rank reads rank 0's identity (rank 0, its physical GPU), as FastDeploy did before #6852: all ranks "
+           "load the first shard")
+    kills = frozenset({"MR-OWN-SHARD"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        def physical_gpu_id(env=None):
+            import os
+
+            env = os.environ if env is None else env
+            return int(env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+
+        return {"reference.identity.global_rank": lambda: 0, "reference.identity.physical_gpu_id": physical_gpu_id}
+
+
+# -- cycles (CYCLE) -----------------------------------------------------------------------------------
+_kept: list = []
+
+
+class KeepsEveryUpdate(Mutant):
+    id = "cycle_worker_keeps_each_update"
+    bug = ("the worker keeps a reference to every tensor it adopts (a 'last update' list never trimmed): clear() "
+           "releases the parameters but not their memory, one model per cycle")
+    kills = frozenset({"CYCLE-NO-LEAK"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        def adopt(name, new, target):
+            _kept.append(new)
+            _real_adopt(name, new, target)
+
+        return {"reference.apply.adopt": adopt}
+
+
+class KeepsTrainerMappings(Mutant):
+    id = "cycle_worker_keeps_mappings"
+    bug = ("the worker never unmaps a trainer's buffer (slime #1731): each update's segment stays mapped, pinning the "
+           "trainer's memory after it freed it")
+    kills = frozenset({"CYCLE-NO-LEAK"})
+    zoo_args = ("-k", "meta")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        def release(attached):
+            _kept.extend(attached.segments.values())
+            attached.segments.clear()
+
+        def open_tensor(name, meta, path):
+            from sim.ipc_handles import attach_on_device
+
+            _kept.append(attach_on_device(meta[0], meta[6]))
+            return _real_open_tensor(name, meta, path)
+
+        return {"reference.buckets.release": release, "reference.ipc_meta.open_tensor": open_tensor}
+
+
+class _LeakyMetaTrainer(_trainer.MetaTrainer):
+    def release(self):
+        if self.segment is not None:
+            self.segment.close()  # unmapped but never unlinked: the segment outlives its version
+            self.segment = None
+
+
+class TrainerLeaksSegments(Mutant):
+    id = "cycle_trainer_leaks_segments"
+    bug = ("the trainer (the simulator's side) frees each version's segment without unlinking it: a segment per "
+           "cycle accumulates in /dev/shm. Proves the rule watches the trainer side as well")
+    kills = frozenset({"CYCLE-NO-LEAK"})
+    zoo_args = ("-k", "meta")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        return {"sim.rank_trainer.MetaTrainer": _LeakyMetaTrainer}
+
+
+class _UncheckedOptions(CommitOptions):
+    @classmethod
+    def parse(cls, options):
+        return cls(options.get("staged", False), options.get("status_cell"), options.get("agree_timeout_s", 60.0),
+                   options.get("tp_size"))
+
+
+class OptionsUnchecked(Mutant):
+    id = "lifecycle_options_unchecked"
+    bug = ("the lifecycle options are taken as given: a string 'yes' turns staging on, a zero deadline or tp_size "
+           "fails (or divides by zero) only when the first collective or cell write needs it")
+    kills = frozenset({"STATUS-OPTIONS"})
+
+    def patches(self):
+        return {"reference.commit.CommitOptions": _UncheckedOptions}
+
+
+class FollowerAssumesWrite(Mutant):
+    id = "loop_follower_does_not_wait"
+    bug = ("after its own clear or update a rank assumes rank 0 has written the cell and returns: a follower's next "
+           "iteration reads the request again and repeats it (a second update fails: the weights are not cleared)")
+    kills = frozenset({"STATUS-FOLLOWERS-WAIT"})
+
+    def patches(self):
+        def wait_while(cell, value, timeout_s, poll_s, why):
+            return {Status.UPDATING: Status.NORMAL, Status.CLEARING: Status.CLEARED}.get(value, cell.read())
+
+        return {"reference.worker_loop.wait_while": wait_while}
+
+
+class FollowerWaitsForever(Mutant):
+    id = "loop_follower_waits_forever"
+    bug = "a rank waits for rank 0's write without a deadline: if rank 0 died, it spins for ever"
+    kills = frozenset({"STATUS-FOLLOWERS-WAIT"})
+
+    def patches(self):
+        def wait_while(cell, value, timeout_s, poll_s, why):
+            return _real_wait_while(cell, value, 3600.0, poll_s, why)
+
+        return {"reference.worker_loop.wait_while": wait_while}

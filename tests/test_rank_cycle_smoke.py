@@ -1,0 +1,25 @@
+"""Smoke run of ``benchmarks/rank_cycle.py`` (one path, 2 ranks, a few MiB, 2 cycles), so the script cannot
+rot: it launches the job, prints the phase table and verifies the last cycle bit for bit."""
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_rank_cycle_benchmark_smoke(tmp_path):
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "benchmarks.rank_cycle", "--model-mib", "8", "--cycles", "2", "--path", "bucket",
+           "--bucket-mib", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert out.exists(), f"{' '.join(cmd)} wrote no rows (exit {proc.returncode}):\n{output[-3000:]}"
+    report = json.loads(out.read_text())
+    assert report["verified"] == {"bucket": True}, report
+    (row,) = report["rows"]
+    assert row["path"] == "bucket" and row["cycles"] == 2, row
+    assert row["transfer_s"]["best"] > 0 and row["transfer_s"]["best"] <= row["transfer_s"]["median"], row
+    for phase in ("clear", "apply", "agree", "finalize", "beyond"):
+        assert 0 <= row[phase]["best"] <= row[phase]["median"], (phase, row)
+    for column in ("transfer s", "clear", "agree", "beyond transfer", "verdict"):
+        assert column in proc.stdout, f"table column {column!r} missing:\n{proc.stdout}"
