@@ -94,6 +94,10 @@ def pytest_configure(config):
     name = config.getoption("--impl")
     if name is None:
         return
+    if "hypothesis" not in sys.modules:
+        # No conformance test uses hypothesis; its plugin's summary would import it at the end of the run
+        # (about 1 s where bytecode is not cached).
+        config.pluginmanager.set_blocked("hypothesispytest")
     options = {}
     for kv in config.getoption("--impl-opt"):
         key, sep, value = kv.partition("=")
