@@ -17,7 +17,7 @@ start = text.index("[tool.mutmut]")
 end = text.find("\n[", start + 1)
 table = '''[tool.mutmut]
 source_paths = ["reference/agreement.py"]
-also_copy = ["conformance/", "fixtures/", "sim/", "tests/", "conftest.py", "SPEC.md"]
+also_copy = ["conformance/", "fixtures/", "sim/", "wire/", "tests/", "conftest.py", "SPEC.md"]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]
 pytest_add_cli_args_test_selection = ["tests/test_agreement.py"]
 '''

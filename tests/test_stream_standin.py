@@ -127,3 +127,53 @@ def test_trainer_in_its_own_process_streams_bit_exact():
         proc.terminate()
         proc.join(10)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_cleanup_from_another_thread_never_races_the_receiving_one(mode):
+    """cleanup() from the loader's thread while the receiving thread waits, sends its next request or says
+    bye (the reference's failure path: stop the receiver, clean the handle up, join): libzmq sockets are not
+    thread-safe, so an unguarded close there aborts the process now and then (a zero per-item wait makes the
+    loader clean up while the receiver sends its hello). 60 rounds, the cleanup at a different moment of the
+    stream each time (at once, or after 0-50 busy microseconds, or 1-9 ms); the receiver always ends with an
+    error, never a crash."""
+    import threading
+    import time
+
+    state = M.state(SPEC, version=1)
+    with StreamTrainer() as trainer:
+        for round_ in range(60):
+            trainer.serve(Stream(list(state.items()), pause_s=0.002, fault=("stall", 3)))
+            handle = ct.CheckpointTransfer(endpoint=trainer.endpoint, recv_bucket_timeout_s=5.0)
+            handle.initialize()
+            outcome = {}
+
+            def receive():
+                import paddle
+
+                paddle.disable_static()  # dynamic mode is per thread: the stand-in yields Paddle tensors
+                try:
+                    if mode == "sync":
+                        for _ in handle.receive_weights_sync("1"):
+                            pass
+                    else:
+                        async def pump():
+                            async for _ in handle.receive_weights("1"):
+                                pass
+                        asyncio.run(pump())
+                except BaseException as e:  # noqa: BLE001 (judged below)
+                    outcome["error"] = e
+
+            thread = threading.Thread(target=receive)
+            thread.start()
+            if round_ % 3 == 1:
+                end = time.perf_counter() + 1e-5 * (round_ % 6)
+                while time.perf_counter() < end:
+                    pass
+            elif round_ % 3 == 2:
+                time.sleep(0.001 * (round_ % 10))
+            handle.cleanup()
+            thread.join(5.0)
+            assert not thread.is_alive(), f"round {round_}: the receiving thread still waits 5 s after cleanup()"
+            assert isinstance(outcome.get("error"), (ConnectionAbortedError, RuntimeError)), \
+                f"round {round_} ({mode}): the receiver ended with {outcome!r}, expected the cleanup's error"

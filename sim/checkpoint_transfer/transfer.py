@@ -193,9 +193,11 @@ class CheckpointTransfer:
         self._sock = None
         self._streams = itertools.count(1)
         self._active = False  # a stream is open (suspended between items, or waiting)
-        self._waiting = False  # a thread is inside a wait for the trainer's reply
         self._stream: _Stream | None = None
         self._closed = threading.Event()
+        # Every zmq call on the socket holds this, one slice of a wait at a time: libzmq sockets are not
+        # thread-safe, and cleanup() may come from another thread than the one receiving.
+        self._use = threading.RLock()
         self.initialized = False
 
     def __repr__(self) -> str:
@@ -231,31 +233,39 @@ class CheckpointTransfer:
     def cleanup(self) -> _Completed:
         if self._closed.is_set():
             return _Completed()
-        self._closed.set()  # a blocked wait in another thread gives up within POLL_SLICE_S
-        deadline = time.monotonic() + 2.0
-        while self._waiting and time.monotonic() < deadline:
-            time.sleep(POLL_SLICE_S / 2)
-        if self._sock is not None and not self._waiting:
-            stream = self._stream
-            if self._active and stream is not None:  # a stream left suspended by its consumer
-                stream.bye("cleanup")
-                stream.finished = True
-            self._send_quietly({"type": wire.UNREGISTER, "handle": self.id})
-            self._sock.close()
-            self._sock = None
+        self._closed.set()  # a blocked wait in another thread gives up at its next slice (POLL_SLICE_S)
+        if not self._use.acquire(timeout=2.0):  # never: a wait holds it one slice at a time
+            return _Completed()
+        try:
+            if self._sock is not None:
+                stream = self._stream
+                if self._active and stream is not None:  # a stream left suspended by its consumer
+                    stream.bye("cleanup")
+                    stream.finished = True
+                self._send_quietly({"type": wire.UNREGISTER, "handle": self.id})
+                self._sock.close()
+                self._sock = None
+        finally:
+            self._use.release()
         return _Completed()
 
-    def _request(self, message: dict, stream: _Stream) -> None:
+    def _live(self, stream: _Stream):
+        """The socket, to be used while holding ``self._use``; raises once the handle is cleaned up."""
         if self._sock is None or self._closed.is_set():
             raise ConnectionAbortedError(f"{stream.where}: the handle was cleaned up")
-        self._sock.send(wire.encode(message))
+        return self._sock
+
+    def _request(self, message: dict, stream: _Stream) -> None:
+        with self._use:
+            self._live(stream).send(wire.encode(message))
 
     def _send_quietly(self, message: dict) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.send(wire.encode(message), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        with self._use:
+            if self._sock is not None:
+                try:
+                    self._sock.send(wire.encode(message), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
 
     def _begin(self, mode, step_id, verify, framework) -> _Stream:
         if not self.initialized or self._closed.is_set():
@@ -295,38 +305,40 @@ class CheckpointTransfer:
         return not self._closed.is_set() and time.monotonic() < stream.deadline
 
     def _wait_sync(self, stream: _Stream):
-        self._waiting = True
-        try:
-            while True:
-                for ms in self._polls(stream):
-                    if self._sock.poll(ms):
-                        break
-                got = stream.accept(self._sock.recv_multipart(copy=False))
-                if got is wire.HANG:
-                    while self._hung(stream):
-                        self._closed.wait(POLL_SLICE_S)
-                    raise stream.hang_error()
-                if got is not _STALE:
-                    return got
-        finally:
-            self._waiting = False
+        while True:
+            frames = None
+            for ms in self._polls(stream):
+                with self._use:
+                    sock = self._live(stream)
+                    if sock.poll(ms):
+                        frames = sock.recv_multipart(copy=False)
+                if frames is not None:
+                    break
+            got = stream.accept(frames)
+            if got is wire.HANG:
+                while self._hung(stream):
+                    self._closed.wait(POLL_SLICE_S)
+                raise stream.hang_error()
+            if got is not _STALE:
+                return got
 
     async def _wait_async(self, stream: _Stream, asock):
-        self._waiting = True
-        try:
-            while True:
-                for ms in self._polls(stream):
+        while True:
+            frames = None
+            for ms in self._polls(stream):
+                with self._use:  # held across the await: only this loop's thread receives on the socket
+                    sock = self._live(stream)
                     if await asock.poll(ms):
-                        break
-                got = stream.accept(self._sock.recv_multipart(copy=False))
-                if got is wire.HANG:
-                    while self._hung(stream):
-                        await asyncio.sleep(POLL_SLICE_S)
-                    raise stream.hang_error()
-                if got is not _STALE:
-                    return got
-        finally:
-            self._waiting = False
+                        frames = sock.recv_multipart(copy=False)
+                if frames is not None:
+                    break
+            got = stream.accept(frames)
+            if got is wire.HANG:
+                while self._hung(stream):
+                    await asyncio.sleep(POLL_SLICE_S)
+                raise stream.hang_error()
+            if got is not _STALE:
+                return got
 
     def _iterate(self, stream: _Stream):
         self._claim(stream)
