@@ -386,7 +386,7 @@ DECLARATIONS = {
     "dequant-buffer-wrong-shape": (_set(0, "dequant", {"layers.0.attn.qkv": {"weight": "layers.0.attn.o_proj.weight",
                                                                               "scale": "layers.0.attn.o_proj.weight_scale"}}),
                                    ["layers.0.attn.qkv", "[8, 8]", "[4, 8]"]),
-    "fuse-without-from": (_set(1, "fuse", {"mtp.0.eh_proj": {"axis": 0}}), ["model 1", "mtp.0.eh_proj", "from"]),
+    "fuse-without-from": (_set(1, "fuse", {"mtp_block.0.eh_proj": {"axis": 0}}), ["model 1", "mtp_block.0.eh_proj", "from"]),
     "fuse-into-a-layer": (_set(0, "fuse", {"layers.0.attn": {"from": ["layers.0.attn.k_proj.weight",
                                                                       "layers.0.attn.v_proj.weight"], "axis": 1}}),
                           ["layers.0.attn"]),
@@ -404,7 +404,7 @@ DECLARATIONS = {
                                       ["norm.weight"]),
     "frozen-not-bool": (_set(1, "frozen", "yes"), ["frozen", "yes"]),
     "unknown-key": (_set(1, "transpose_all", True), ["model 1", "transpose_all"]),
-    "not-a-dict": (_set(1, ["mtp.0.eh_proj.weight"], None), ["model 1", "list"]),
+    "not-a-dict": (_set(1, ["mtp_block.0.eh_proj.weight"], None), ["model 1", "list"]),
 }
 
 
