@@ -12,7 +12,7 @@ import pytest
 
 from conformance import check
 from conformance.adapter import observe_paddle
-from conformance.paths import Route, cases
+from conformance.paths import PATHS, Route, cases
 from conformance.plugin import NOT_APPLICABLE, run_device
 from fixtures import tiny_transformer as TT
 
@@ -50,7 +50,7 @@ def _cycle(rt, model, version, rank=0, *, tensors=None, layout=None, clear=True)
     st = TT.sent(model, version, rank) if tensors is None else tensors
     where = rt.publish(rank, st, version, layout)
     if clear:
-        rt.sessions[rank].clear()
+        rt.clear(rank)
     rt.update(rank)
     return where
 
@@ -72,6 +72,22 @@ def _broken(model, version, breakage, rank=0):
 
 def _tamper_end(update):
     update.end["count"] += 1  # after every bucket arrived: the last check before the commit
+
+
+def _bad_update(rt, model, version, breakage) -> str:
+    """Publish a broken ``version`` to rank 0 and make ready for its update (the clear, where the path has
+    one); returns where. ``missing``/``dtype``: a tensor left out or of the wrong dtype; ``end``: the bucket
+    stream's closing message disagrees; ``stream-broken``: the trainer breaks the stream in the middle."""
+    st, layout = TT.sent(model, version), None
+    if breakage in ("missing", "dtype"):
+        st = _broken(model, version, breakage)
+    elif breakage == "end":
+        layout = _tamper_end
+    elif breakage == "stream-broken":
+        layout = ("fail", len(st) // 2)
+    where = rt.publish(0, st, version, layout)
+    rt.clear(0)
+    return where
 
 
 # -- transforms ------------------------------------------------------------------------------------------
@@ -113,9 +129,15 @@ def test_frozen_draft_is_not_transformed_again(route, path, updates):
             check.that(not moved, f"{where}, update {version}: the frozen draft's storage was replaced: {moved}")
 
 
-FAILED = (cases("missing", extra=POST)
-          + cases("dtype", paths=["parts"], extra=POST, id_suffix=":dtype")
-          + cases("end", paths=["bucket"], extra=POST, id_suffix=":end-tampered"))
+# rsync updates in place and a step may leave keys out (RSYNC-SUBSET, FastDeploy #7675): a missing tensor is
+# no failure there, so rsync fails by a dtype (its whole-step validation) and by a broken stream instead.
+# On GDR a missing tensor is the stream ending without it (GDR-SHORT-STREAM).
+CAN_MISS = [p for p in PATHS if p != "rsync"]
+STREAMS = ["rsync", "gdr"]
+FAILED = (cases("missing", paths=CAN_MISS, extra=POST)
+          + cases("dtype", paths=["parts", "rsync"], extra=POST, id_suffix=":dtype")
+          + cases("end", paths=["bucket"], extra=POST, id_suffix=":end-tampered")
+          + cases("stream-broken", paths=STREAMS, extra=POST, id_suffix=":stream-broken"))
 
 
 @pytest.mark.rule("MODEL-TRANSFORM-FAILED")
@@ -129,9 +151,7 @@ def test_failed_update_runs_no_post_load_step(route, path, breakage):
     v1 = TT.sent(model, 1)
     _cycle(rt, model, 1, tensors=v1, clear=False)
     kept = _buffers(session, model)
-    bad = TT.sent(model, 2) if breakage == "end" else _broken(model, 2, breakage)
-    where = rt.publish(0, bad, 2, _tamper_end if breakage == "end" else None)
-    session.clear()
+    where = _bad_update(rt, model, 2, breakage)
     with check.raises(Exception, match=r"\S", where=f"{where} ({breakage})"):
         rt.update(0)
     after = _buffers(session, model)
@@ -154,7 +174,10 @@ QUANT = (cases("float8_e4m3fn", "channel", "scale-first", paths=["parts"], extra
          + cases("float8_e4m3fn", "channel", "scale-first", paths=["legacy", "ipc"], extra=POST)
          + cases("float8_e4m3fn", "channel", "scale-first", paths=["bucket"], extra=POST, id_suffix=":scale-in-bucket0")
          + cases("float8_e5m2", "scalar", "weight-first", paths=["bucket"], extra=POST,
-                 id_suffix=":e5m2:0-d-scale:weight-in-bucket0"))
+                 id_suffix=":e5m2:0-d-scale:weight-in-bucket0")
+         # GDR applies items as they arrive: the scale first and last in the stream
+         + cases("float8_e4m3fn", "channel", "scale-first", paths=STREAMS, extra=POST, id_suffix=":scale-first")
+         + cases("float8_e5m2", "scalar", "weight-first", paths=["gdr"], extra=POST, id_suffix=":e5m2:0-d-scale:scale-last"))
 
 
 def _quant_order(st, order):
@@ -191,8 +214,8 @@ def test_fp8_weight_and_scale_dequantised_once(route, path, fp8, scale, order):
 # -- tied parameters -------------------------------------------------------------------------------------
 # A model without post_load steps: the tie is a rule for every loader of a path, declarations or not.
 TIED = (cases("embed", extra=("mtp",), id_suffix=":embed-only")
-        + cases("head", paths=["parts", "bucket"], extra=("mtp",), id_suffix=":head-only")
-        + cases("both", paths=["single"], extra=("mtp",), id_suffix=":both"))
+        + cases("head", paths=["parts", "bucket", "gdr"], extra=("mtp",), id_suffix=":head-only")
+        + cases("both", paths=["single", "rsync"], extra=("mtp",), id_suffix=":both"))
 
 
 @pytest.mark.rule("MODEL-TIED")
@@ -254,9 +277,10 @@ class Recorder:
                            "observed": self.session.observe(), "buffers": _buffers(self.session, self.model)})
 
 
-HOOK_CASES = (cases("missing", 3, extra=POST + HOOKS)
-              + cases("dtype", 3, paths=["parts"], extra=POST + HOOKS, id_suffix=":dtype")
+HOOK_CASES = (cases("missing", 3, paths=CAN_MISS, extra=POST + HOOKS)
+              + cases("dtype", 3, paths=["parts", "rsync"], extra=POST + HOOKS, id_suffix=":dtype")
               + cases("end", 3, paths=["bucket"], extra=POST + HOOKS, id_suffix=":end-tampered")
+              + cases("stream-broken", 3, paths=["gdr"], extra=POST + HOOKS, id_suffix=":stream-broken")
               + cases("missing", 6, paths=["single"], extra=POST + HOOKS, id_suffix=":6-updates"))
 
 
@@ -270,9 +294,7 @@ def test_hooks_run_once_after_each_commit(route, loader, path, breakage, updates
     committed = 0
     for version in range(1, updates + 1):
         if version == 2:  # a failed update: no hook may run
-            bad = TT.sent(model, 2) if breakage == "end" else _broken(model, 2, breakage)
-            where = rt.publish(0, bad, 2, _tamper_end if breakage == "end" else None)
-            session.clear()
+            where = _bad_update(rt, model, 2, breakage)
             with check.raises(Exception, match=r"\S", where=f"{where} ({breakage})"):
                 rt.update(0)
             check.equal([c["hook"] for c in rec.calls], ["reset_prefix_cache", "recapture_graphs"] * committed,
@@ -293,7 +315,7 @@ def test_hooks_run_once_after_each_commit(route, loader, path, breakage, updates
 
 
 @pytest.mark.rule("MODEL-HOOK-FAILURE")
-@pytest.mark.parametrize("path", cases(paths=["single", "bucket"], extra=POST + HOOKS + ("status",)))
+@pytest.mark.parametrize("path", cases(paths=["single", "bucket", *STREAMS], extra=POST + HOOKS + ("status",)))
 def test_a_failing_hook_fails_the_update(route, path):
     rt = route(path)
     model = _model(rt)
