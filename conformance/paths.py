@@ -259,3 +259,17 @@ class Route:
 
     def close(self) -> None:
         self.feed.close()
+
+
+@pytest.fixture
+def route(loader):
+    """``route(path)``: a :class:`conformance.paths.Route` of the path (the fixture every "every path" rule uses; import it); its trainers are closed at teardown."""
+    made = []
+
+    def make(path_id):
+        made.append(Route(loader, path_id))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()

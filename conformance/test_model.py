@@ -12,27 +12,13 @@ import pytest
 
 from conformance import check
 from conformance.adapter import observe_paddle
-from conformance.paths import PATHS, Route, cases
+from conformance.paths import PATHS, cases, route  # noqa: F401 - route is a fixture
 from conformance.plugin import NOT_APPLICABLE, run_device
 from fixtures import tiny_transformer as TT
 
 POST = ("model.post_load", "mtp")
 HOOKS = ("model.hooks",)
 BROKEN = "norm.weight"  # a plain parameter: fused groups stay complete when it is missing or wrong
-
-
-@pytest.fixture
-def route(loader):
-    """``route(path)``: a :class:`conformance.paths.Route` of the path; its trainers are closed at teardown."""
-    made = []
-
-    def make(path_id):
-        made.append(Route(loader, path_id))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.close()
 
 
 def _model(rt, **kw) -> TT.TinyTransformer:
