@@ -2,7 +2,8 @@
 
 A rule written against :class:`Route` runs on every path in :data:`PATHS`: the snapshot levels (parts,
 single file, legacy ``tp0{id}`` file, shared ``paddle.save`` fallback), ``ipc`` metas and ``ipc_bucket``
-buckets, and the streamed ``rsync``, ``gdr`` and ``gdr_ipc`` (a CheckpointTransfer trainer per rank). A path
+buckets, and the streamed ``rsync`` and ``gdr`` (a CheckpointTransfer trainer per rank; ``gdr_ipc`` differs from
+``gdr`` only in the library's configuration, GDR-IPC-MODE, and is left out to keep the default run short). A path
 is a :class:`Path` (its capabilities, the strategy a session is opened with, whether it updates loaded
 weights in place, and a feed: the trainer side, which publishes one rank's tensors of a version where that
 rank's session will read them). Adding a path is one line in ``PATHS`` plus its feed class; :func:`cases` turns the table into
@@ -210,8 +211,6 @@ PATHS = {
     "bucket": Path("bucket", ("ipc.buckets",), "ipc_bucket", BucketFeed),
     "rsync": Path("rsync", ("stream.rsync",), "rsync", lambda loader: StreamFeed(loader, "rsync"), in_place=True),
     "gdr": Path("gdr", ("stream.gdr",), "gdr", lambda loader: StreamFeed(loader, "gdr"), in_place=True),
-    "gdr_ipc": Path("gdr_ipc", ("stream.gdr_ipc",), "gdr_ipc", lambda loader: StreamFeed(loader, "gdr_ipc"),
-                    in_place=True),
 }
 
 
