@@ -50,6 +50,13 @@ def _loaders(models) -> None:
         raise TypeError(f"GDR loads through each model's load_weights(weights_iterator); model(s) {lacking} (0 is the main model) have none")
 
 
+def live_models(models) -> list:
+    """The models an update loads: the main one and every MTP model not declared frozen (a frozen draft,
+    MODEL-TRANSFORM-FROZEN, is served as loaded at start-up: it is handed nothing, and a stream need not
+    carry its names)."""
+    return list(models[:1]) + [m for m in models[1:] if not transforms.is_frozen(m)]
+
+
 def _incomplete(manager, delivery, step: str, tracked) -> None:
     """Every tracked parameter received, by any of its names: a tied pair (one parameter object under two
     names, MODEL-TIED) is complete when the stream carries either name. ``tracked``: name -> parameter,
@@ -78,9 +85,7 @@ def _update(manager, *, ipc: bool) -> dict:
     where = f"GDR stream of step {step} (rank {who.local_rank})"
     receiver = prefetch.Prefetcher(lambda: handle.receive_weights(step_id=step), window=window,
                                    wait_s=prefetch.wait_bound(timeout), where=where)
-    # A frozen draft (MODEL-TRANSFORM-FROZEN) is served as loaded at start-up: it is handed nothing, and
-    # a stream need not carry its names.
-    models = manager.model_list[:1] + [m for m in manager.model_list[1:] if not transforms.is_frozen(m)]
+    models = live_models(manager.model_list)
     mtp_names = [n for m in models[1:] for n in m.state_dict()]
     tracked = dict(manager.params)
     with transfer_lib.receiving(manager, receiver):
