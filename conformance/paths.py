@@ -2,14 +2,17 @@
 
 A rule written against :class:`Route` runs on every path in :data:`PATHS`: the snapshot levels (parts,
 single file, legacy ``tp0{id}`` file, shared ``paddle.save`` fallback), ``ipc`` metas and ``ipc_bucket``
-buckets. A path is a :class:`Path` (its capabilities, the strategy a session is opened with, and a feed:
-the trainer side, which publishes one rank's tensors of a version where that rank's session will read
-them). Adding a path is one line in ``PATHS`` plus its feed class; :func:`cases` turns the table into
+buckets, and the streamed ``rsync`` and ``gdr`` (a CheckpointTransfer trainer per rank; ``gdr_ipc`` differs from
+``gdr`` only in the library's configuration, GDR-IPC-MODE, and is left out to keep the default run short). A path
+is a :class:`Path` (its capabilities, the strategy a session is opened with, whether it updates loaded
+weights in place, and a feed: the trainer side, which publishes one rank's tensors of a version where that
+rank's session will read them). Adding a path is one line in ``PATHS`` plus its feed class; :func:`cases` turns the table into
 ``pytest.param`` s, each requiring exactly its path's capability.
 
     route = Route(loader, "bucket")
     session = route.open(model, rank=1)          # worker rank 1 on physical GPU 1
     route.publish(1, tensors, version=2)         # the trainer side
+    route.clear(1)                                # the clear before an update, where the path has one
     route.update(1)                               # session.update(), then the feed settles
 
 Ranks are workers ``(rank r, CUDA_VISIBLE_DEVICES=r, FLAGS_selected_gpus=0)``: physical GPU ``r``.
@@ -32,15 +35,29 @@ def worker(rank: int) -> Worker:
     return Worker(rank, str(rank), "0")
 
 
-class SnapshotFeed:
+class Feed:
+    """The trainer side of one path: ``options(rank)`` for opening a rank's session, ``opened(session)``
+    after it opened, ``publish`` a version, ``settle(rank)`` after each update, ``close()``."""
+
+    def options(self, rank: int) -> dict:
+        return {}
+
+    def opened(self, session) -> None:
+        pass
+
+    def settle(self, rank: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class SnapshotFeed(Feed):
     """Writes a rank's snapshot at one level; the files of the previous version are removed first."""
 
     def __init__(self, loader, level: str):
         self.loader, self.level = loader, level
         self.written: dict[int, list[str]] = {}
-
-    def options(self, rank: int) -> dict:
-        return {}
 
     def publish(self, rank: int, tensors: Mapping[str, np.ndarray], version: int, layout=None) -> str:
         """``layout``: for parts, the names of each part (default: two parts, round-robin)."""
@@ -57,22 +74,13 @@ class SnapshotFeed:
         self.written[rank] = paths
         return f"{self.level} snapshot of version {version} for rank {rank}: {[os.path.basename(p) for p in paths]}"
 
-    def settle(self, rank: int) -> None:
-        pass
 
-    def close(self) -> None:
-        pass
-
-
-class IpcFeed:
+class IpcFeed(Feed):
     """Exports a rank's tensors to shared memory and writes its ``ipc_metas_{gpu}`` file."""
 
     def __init__(self, loader):
         self.loader = loader
         self.exports: dict[int, object] = {}
-
-    def options(self, rank: int) -> dict:
-        return {}
 
     def publish(self, rank: int, tensors, version: int, layout=None) -> str:
         from fixtures import ipc as I
@@ -84,16 +92,13 @@ class IpcFeed:
         path = I.write_metas(I.meta_path(self.loader.shared_dir, rank), export.metas)
         return f"ipc metas of version {version} for rank {rank}: {os.path.basename(path)}"
 
-    def settle(self, rank: int) -> None:
-        pass
-
     def close(self) -> None:
         for export in self.exports.values():
             export.close()
         self.exports.clear()
 
 
-class BucketFeed:
+class BucketFeed(Feed):
     """One trainer (fixtures.buckets.Publisher) per rank, serving each published version once."""
 
     BUCKET_BYTES = 1024
@@ -132,6 +137,51 @@ class BucketFeed:
         self.publishers.clear()
 
 
+class StreamFeed(Feed):
+    """One CheckpointTransfer trainer per rank (``fixtures.streams.trainer``: one thread of this process,
+    reused across versions), each published version one scripted stream, answered to the next update.
+    The sessions' models get the suite's ``load_weights`` (``fixtures.streams.attach_loaders``): GDR loads
+    through each model's own loader (FastDeploy's contract), and rsync's sessions have them as an engine's
+    models do."""
+
+    TIMEOUT_S = 5.0  # the library's per-item wait: never reached by a healthy stream or a scripted fault
+
+    def __init__(self, loader, strategy: str):
+        self.loader, self.strategy = loader, strategy
+        self.trainers: dict[int, object] = {}
+
+    def _trainer(self, rank: int):
+        from fixtures import streams as S
+
+        if rank not in self.trainers:
+            self.trainers[rank] = S.trainer()
+        return self.trainers[rank]
+
+    def options(self, rank: int) -> dict:
+        from fixtures import streams as S
+
+        return {"rsync_config": S.rsync_config(self._trainer(rank), self.TIMEOUT_S), "version": "1"}
+
+    def opened(self, session) -> None:
+        from fixtures import streams as S
+
+        S.attach_loaders(session.models)
+
+    def publish(self, rank: int, tensors, version: int, layout=None) -> str:
+        """``layout``: a trainer fault ``(kind, k)`` for this stream (``sim.stream_trainer.Stream.fault``)."""
+        from fixtures import streams as S
+
+        trainer = self._trainer(rank)
+        trainer.serve(S.stream_of(dict(tensors), fault=layout))
+        fault = f", fault {layout}" if layout is not None else ""
+        return f"{self.strategy} stream of version {version} for rank {rank} ({len(tensors)} items{fault}) from {trainer.endpoint}"
+
+    def close(self) -> None:
+        for trainer in self.trainers.values():
+            trainer.close()
+        self.trainers.clear()
+
+
 @dataclass(frozen=True)
 class Path:
     id: str
@@ -140,6 +190,8 @@ class Path:
     feed: Callable  # loader -> feed
     #: whether the path can carry fp8 tensors (``paddle.save`` pickles cannot)
     fp8: Callable[[], bool] = lambda: True
+    #: whether an update writes into loaded weights without a clear (FastDeploy's rsync and GDR)
+    in_place: bool = False
 
 
 def _legacy_fp8() -> bool:
@@ -157,6 +209,8 @@ PATHS = {
                    lambda loader: SnapshotFeed(loader, "shared"), lambda: False),
     "ipc": Path("ipc", ("ipc.meta",), "ipc", IpcFeed),
     "bucket": Path("bucket", ("ipc.buckets",), "ipc_bucket", BucketFeed),
+    "rsync": Path("rsync", ("stream.rsync",), "rsync", lambda loader: StreamFeed(loader, "rsync"), in_place=True),
+    "gdr": Path("gdr", ("stream.gdr",), "gdr", lambda loader: StreamFeed(loader, "gdr"), in_place=True),
 }
 
 
@@ -184,10 +238,17 @@ class Route:
         session = self.loader.open(model, strategy=self.path.strategy, worker=worker(rank),
                                    options=self.feed.options(rank))
         self.sessions[rank] = session
+        self.feed.opened(session)
         return session
 
     def publish(self, rank: int, tensors, version: int, layout=None) -> str:
         return self.feed.publish(rank, tensors, version, layout)
+
+    def clear(self, rank: int = 0) -> None:
+        """The clear before an update (after the first), on the paths whose contract has one; the
+        streamed paths update loaded weights in place, as FastDeploy runs rsync and GDR."""
+        if not self.path.in_place:
+            self.sessions[rank].clear()
 
     def update(self, rank: int = 0) -> None:
         try:
@@ -197,3 +258,17 @@ class Route:
 
     def close(self) -> None:
         self.feed.close()
+
+
+@pytest.fixture
+def route(loader):
+    """``route(path)``: a :class:`conformance.paths.Route` of the path (the fixture every "every path" rule uses; import it); its trainers are closed at teardown."""
+    made = []
+
+    def make(path_id):
+        made.append(Route(loader, path_id))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()

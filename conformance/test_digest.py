@@ -15,6 +15,7 @@ import paddle
 import pytest
 
 from conformance import check
+from conformance.paths import Route
 from fixtures import buckets as B
 from fixtures import digests as D
 from fixtures import ipc as I
@@ -109,25 +110,36 @@ def exports():
 
 
 def _open(loader, spec, path, exports, states):
-    """A session on ``path`` that will see ``states`` in turn, one per update."""
+    """A session on ``path`` that will see ``states`` in turn, one per update, and ``ready(st)``: what comes
+    before each update (the trainer publishes ``st``; the clear, except on the streamed paths: in place)."""
+    if path in ("rsync", "gdr"):
+        rt = Route(loader, path)
+        exports.append(rt)
+        session = rt.open(spec)
+        versions = iter(range(1, len(states) + 1))
+        return session, lambda st: (rt.publish(0, st, next(versions)), rt.clear(0))
     if path == "buckets":
         pub = B.Publisher(512)
         exports.append(pub)
         pub.serve(*(B.pack(st, v, 512) for v, st in enumerate(states, 1)))
-        return loader.open(spec, strategy="ipc_bucket", options=pub.options(None, timeout_s=5.0)), lambda st: None
+        session = loader.open(spec, strategy="ipc_bucket", options=pub.options(None, timeout_s=5.0))
+        return session, lambda st: session.clear()
     if path == "meta":
+        session = loader.open(spec, strategy="ipc")
+
         def publish(st):
             export = I.Export(st)
             exports.append(export)
             I.write_metas(I.meta_path(loader.shared_dir, 0), export.metas)
-        return loader.open(spec, strategy="ipc"), publish
+            session.clear()
+        return session, publish
     publish = _snapshot(path)
-    return loader.open(spec), lambda st: publish(loader, st)
+    session = loader.open(spec)
+    return session, lambda st: (publish(loader, st), session.clear())
 
 
-def _update(session, publish, st) -> dict:
-    publish(st)
-    session.clear()
+def _update(session, ready, st) -> dict:
+    ready(st)
     session.update()
     return session.digest()
 
@@ -139,6 +151,8 @@ PATHS = [
     pytest.param("buckets", SPEC, marks=[pytest.mark.requires("ipc.buckets", "digest.model"), pytest.mark.buckets],
                  id="ipc-buckets"),
     pytest.param("single", SPEC_MTP, marks=pytest.mark.requires("snapshot.single", "mtp", "digest.model"), id="single-mtp"),
+    pytest.param("rsync", SPEC, marks=[pytest.mark.requires("stream.rsync", "digest.model"), pytest.mark.streams], id="rsync"),
+    pytest.param("gdr", SPEC, marks=[pytest.mark.requires("stream.gdr", "digest.model"), pytest.mark.streams], id="gdr"),
 ]
 
 

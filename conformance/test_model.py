@@ -12,27 +12,13 @@ import pytest
 
 from conformance import check
 from conformance.adapter import observe_paddle
-from conformance.paths import Route, cases
+from conformance.paths import PATHS, cases, route  # noqa: F401 - route is a fixture
 from conformance.plugin import NOT_APPLICABLE, run_device
 from fixtures import tiny_transformer as TT
 
 POST = ("model.post_load", "mtp")
 HOOKS = ("model.hooks",)
 BROKEN = "norm.weight"  # a plain parameter: fused groups stay complete when it is missing or wrong
-
-
-@pytest.fixture
-def route(loader):
-    """``route(path)``: a :class:`conformance.paths.Route` of the path; its trainers are closed at teardown."""
-    made = []
-
-    def make(path_id):
-        made.append(Route(loader, path_id))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.close()
 
 
 def _model(rt, **kw) -> TT.TinyTransformer:
@@ -50,7 +36,7 @@ def _cycle(rt, model, version, rank=0, *, tensors=None, layout=None, clear=True)
     st = TT.sent(model, version, rank) if tensors is None else tensors
     where = rt.publish(rank, st, version, layout)
     if clear:
-        rt.sessions[rank].clear()
+        rt.clear(rank)
     rt.update(rank)
     return where
 
@@ -72,6 +58,22 @@ def _broken(model, version, breakage, rank=0):
 
 def _tamper_end(update):
     update.end["count"] += 1  # after every bucket arrived: the last check before the commit
+
+
+def _bad_update(rt, model, version, breakage) -> str:
+    """Publish a broken ``version`` to rank 0 and make ready for its update (the clear, where the path has
+    one); returns where. ``missing``/``dtype``: a tensor left out or of the wrong dtype; ``end``: the bucket
+    stream's closing message disagrees; ``stream-broken``: the trainer breaks the stream in the middle."""
+    st, layout = TT.sent(model, version), None
+    if breakage in ("missing", "dtype"):
+        st = _broken(model, version, breakage)
+    elif breakage == "end":
+        layout = _tamper_end
+    elif breakage == "stream-broken":
+        layout = ("fail", len(st) // 2)
+    where = rt.publish(0, st, version, layout)
+    rt.clear(0)
+    return where
 
 
 # -- transforms ------------------------------------------------------------------------------------------
@@ -113,9 +115,14 @@ def test_frozen_draft_is_not_transformed_again(route, path, updates):
             check.that(not moved, f"{where}, update {version}: the frozen draft's storage was replaced: {moved}")
 
 
-FAILED = (cases("missing", extra=POST)
-          + cases("dtype", paths=["parts"], extra=POST, id_suffix=":dtype")
-          + cases("end", paths=["bucket"], extra=POST, id_suffix=":end-tampered"))
+# rsync updates in place and a step may leave keys out (RSYNC-SUBSET, FastDeploy #7675): a missing tensor is
+# no failure there, so rsync fails by a dtype (its whole-step validation) and by a broken stream instead.
+# On GDR a missing tensor is the stream ending without it (GDR-SHORT-STREAM).
+CAN_MISS = [p for p in PATHS if p != "rsync"]
+FAILED = (cases("missing", paths=CAN_MISS, extra=POST)
+          + cases("dtype", paths=["parts", "rsync"], extra=POST, id_suffix=":dtype")
+          + cases("end", paths=["bucket"], extra=POST, id_suffix=":end-tampered")
+          + cases("stream-broken", paths=["gdr"], extra=POST, id_suffix=":stream-broken"))
 
 
 @pytest.mark.rule("MODEL-TRANSFORM-FAILED")
@@ -129,9 +136,7 @@ def test_failed_update_runs_no_post_load_step(route, path, breakage):
     v1 = TT.sent(model, 1)
     _cycle(rt, model, 1, tensors=v1, clear=False)
     kept = _buffers(session, model)
-    bad = TT.sent(model, 2) if breakage == "end" else _broken(model, 2, breakage)
-    where = rt.publish(0, bad, 2, _tamper_end if breakage == "end" else None)
-    session.clear()
+    where = _bad_update(rt, model, 2, breakage)
     with check.raises(Exception, match=r"\S", where=f"{where} ({breakage})"):
         rt.update(0)
     after = _buffers(session, model)
@@ -154,7 +159,10 @@ QUANT = (cases("float8_e4m3fn", "channel", "scale-first", paths=["parts"], extra
          + cases("float8_e4m3fn", "channel", "scale-first", paths=["legacy", "ipc"], extra=POST)
          + cases("float8_e4m3fn", "channel", "scale-first", paths=["bucket"], extra=POST, id_suffix=":scale-in-bucket0")
          + cases("float8_e5m2", "scalar", "weight-first", paths=["bucket"], extra=POST,
-                 id_suffix=":e5m2:0-d-scale:weight-in-bucket0"))
+                 id_suffix=":e5m2:0-d-scale:weight-in-bucket0")
+         + cases("float8_e4m3fn", "channel", "scale-first", paths=["rsync"], extra=POST, id_suffix=":scale-first")
+         # GDR applies items as they arrive: the scale last in the stream, after its weight
+         + cases("float8_e5m2", "scalar", "weight-first", paths=["gdr"], extra=POST, id_suffix=":e5m2:0-d-scale:scale-last"))
 
 
 def _quant_order(st, order):
@@ -254,9 +262,10 @@ class Recorder:
                            "observed": self.session.observe(), "buffers": _buffers(self.session, self.model)})
 
 
-HOOK_CASES = (cases("missing", 3, extra=POST + HOOKS)
-              + cases("dtype", 3, paths=["parts"], extra=POST + HOOKS, id_suffix=":dtype")
+HOOK_CASES = (cases("missing", 3, paths=CAN_MISS, extra=POST + HOOKS)
+              + cases("dtype", 3, paths=["parts", "rsync"], extra=POST + HOOKS, id_suffix=":dtype")
               + cases("end", 3, paths=["bucket"], extra=POST + HOOKS, id_suffix=":end-tampered")
+
               + cases("missing", 6, paths=["single"], extra=POST + HOOKS, id_suffix=":6-updates"))
 
 
@@ -270,9 +279,7 @@ def test_hooks_run_once_after_each_commit(route, loader, path, breakage, updates
     committed = 0
     for version in range(1, updates + 1):
         if version == 2:  # a failed update: no hook may run
-            bad = TT.sent(model, 2) if breakage == "end" else _broken(model, 2, breakage)
-            where = rt.publish(0, bad, 2, _tamper_end if breakage == "end" else None)
-            session.clear()
+            where = _bad_update(rt, model, 2, breakage)
             with check.raises(Exception, match=r"\S", where=f"{where} ({breakage})"):
                 rt.update(0)
             check.equal([c["hook"] for c in rec.calls], ["reset_prefix_cache", "recapture_graphs"] * committed,
@@ -293,7 +300,9 @@ def test_hooks_run_once_after_each_commit(route, loader, path, breakage, updates
 
 
 @pytest.mark.rule("MODEL-HOOK-FAILURE")
-@pytest.mark.parametrize("path", cases(paths=["single", "bucket"], extra=POST + HOOKS + ("status",)))
+# The hooks run at the commit, after any path's load (MODEL-HOOKS runs them on every path); the failing hook is
+# shown on a file, on buckets (the trainer already told done) and on gdr (the recovery in place, no clear).
+@pytest.mark.parametrize("path", cases(paths=["single", "bucket", "gdr"], extra=POST + HOOKS + ("status",)))
 def test_a_failing_hook_fails_the_update(route, path):
     rt = route(path)
     model = _model(rt)
@@ -386,7 +395,7 @@ DECLARATIONS = {
     "dequant-buffer-wrong-shape": (_set(0, "dequant", {"layers.0.attn.qkv": {"weight": "layers.0.attn.o_proj.weight",
                                                                               "scale": "layers.0.attn.o_proj.weight_scale"}}),
                                    ["layers.0.attn.qkv", "[8, 8]", "[4, 8]"]),
-    "fuse-without-from": (_set(1, "fuse", {"mtp.0.eh_proj": {"axis": 0}}), ["model 1", "mtp.0.eh_proj", "from"]),
+    "fuse-without-from": (_set(1, "fuse", {"mtp_block.0.eh_proj": {"axis": 0}}), ["model 1", "mtp_block.0.eh_proj", "from"]),
     "fuse-into-a-layer": (_set(0, "fuse", {"layers.0.attn": {"from": ["layers.0.attn.k_proj.weight",
                                                                       "layers.0.attn.v_proj.weight"], "axis": 1}}),
                           ["layers.0.attn"]),
@@ -404,13 +413,20 @@ DECLARATIONS = {
                                       ["norm.weight"]),
     "frozen-not-bool": (_set(1, "frozen", "yes"), ["frozen", "yes"]),
     "unknown-key": (_set(1, "transpose_all", True), ["model 1", "transpose_all"]),
-    "not-a-dict": (_set(1, ["mtp.0.eh_proj.weight"], None), ["model 1", "list"]),
+    "not-a-dict": (_set(1, ["mtp_block.0.eh_proj.weight"], None), ["model 1", "list"]),
 }
+
+
+# A declaration error is the model's, whatever the path (checked before any source is read): every case on
+# the single file, and one on gdr (where the models load themselves, through their own load_weights).
+STREAMED_DECLARATIONS = ("fuse-piece-unknown",)
 
 
 @pytest.mark.rule("MODEL-DECLARATION")
 @pytest.mark.parametrize("path,case", [p for c in DECLARATIONS for p in cases(c, paths=["single"], extra=POST,
-                                                                            id_suffix=f":{c}")])
+                                                                            id_suffix=f":{c}")]
+                         + [p for c in STREAMED_DECLARATIONS for p in cases(c, paths=["gdr"], extra=POST,
+                                                                           id_suffix=f":{c}")])
 def test_bad_declaration_is_a_clear_error(route, path, case):
     edit, names = DECLARATIONS[case]
     rt = route(path)

@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import fields
 
-from . import mtp_routing, prefetch, stream_config, transfer_lib
+from . import mtp_routing, prefetch, stream_config, transfer_lib, transforms
 
 log = logging.getLogger("reference.gdr")
 
@@ -50,9 +50,19 @@ def _loaders(models) -> None:
         raise TypeError(f"GDR loads through each model's load_weights(weights_iterator); model(s) {lacking} (0 is the main model) have none")
 
 
-def _incomplete(manager, delivery, step: str) -> None:
-    got = set(delivery.names)
-    missing = [name for name in manager.params if name not in got]
+def live_models(models) -> list:
+    """The models an update loads: the main one and every MTP model not declared frozen (a frozen draft,
+    MODEL-TRANSFORM-FROZEN, is served as loaded at start-up: it is handed nothing, and a stream need not
+    carry its names)."""
+    return list(models[:1]) + [m for m in models[1:] if not transforms.is_frozen(m)]
+
+
+def _incomplete(manager, delivery, step: str, tracked) -> None:
+    """Every tracked parameter received, by any of its names: a tied pair (one parameter object under two
+    names, MODEL-TIED) is complete when the stream carries either name. ``tracked``: name -> parameter,
+    as captured before the load (a loader may replace the objects)."""
+    got = {id(tracked[name]) for name in delivery.names if name in tracked}
+    missing = [name for name, param in tracked.items() if id(param) not in got]
     if missing:
         raise RuntimeError(f"GDR stream of step {step} ended after {delivery.update_count} item(s) without "
                            f"{len(missing)} parameter(s) {missing}: the update is incomplete")
@@ -75,10 +85,12 @@ def _update(manager, *, ipc: bool) -> dict:
     where = f"GDR stream of step {step} (rank {who.local_rank})"
     receiver = prefetch.Prefetcher(lambda: handle.receive_weights(step_id=step), window=window,
                                    wait_s=prefetch.wait_bound(timeout), where=where)
-    mtp_names = [n for m in manager.model_list[1:] for n in m.state_dict()]
+    models = live_models(manager.model_list)
+    mtp_names = [n for m in models[1:] for n in m.state_dict()]
+    tracked = dict(manager.params)
     with transfer_lib.receiving(manager, receiver):
-        delivery = mtp_routing.load_models(manager.model_list, iter(receiver), chunk, mtp_names)
-        _incomplete(manager, delivery, step)
+        delivery = mtp_routing.load_models(models, iter(receiver), chunk, mtp_names)
+        _incomplete(manager, delivery, step, tracked)
     manager.params = manager._capture()  # a loader may have replaced parameter objects
     total = time.perf_counter() - started
     log.info("GDR step %s: %d item(s), %d to the MTP models, in %.3fs", step, delivery.update_count, delivery.mtp_cache_count, total)

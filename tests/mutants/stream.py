@@ -286,7 +286,7 @@ class GdrShortStreamAccepted(Mutant):
     kills = frozenset({"GDR-SHORT-STREAM", "DRAFT-NOT-STALE"})
 
     def patches(self):
-        return {"reference.gdr._incomplete": lambda manager, delivery, step: None}
+        return {"reference.gdr._incomplete": lambda manager, delivery, step, tracked: None}
 
 
 class _DrainOnError(_Prefetcher):
