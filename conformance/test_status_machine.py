@@ -365,3 +365,21 @@ def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell, request_va
                f"{where}: expected a TimeoutError naming the cell {cell.name} and rank 1, got {box}")
     check.that(FOLLOWER_DEADLINE_S <= seconds < 5.0 and runs == 0, f"{where}: gave up after {seconds:.2f}s with {runs} model run(s)")
     check.equal(C.name_of(cell.read()), C.name_of(request_value), f"{where}: the cell (a follower never writes)")
+
+
+@pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
+@pytest.mark.requires("status.cell", "status", "snapshot.parts")
+def test_follower_acts_on_rank0s_value(loader, monkeypatch, cell):
+    """The loop acts on what ``sync`` returned (rank 0's read, broadcast), not on its own read: rank 0 read
+    CLEARING, cleared and already wrote CLEARED by the time this rank's loop looks at the cell again. A rank
+    that went by the cell would see CLEARED, do nothing, and keep the old weights through the update."""
+    sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=5.0)
+    cell.write(C.CLEARED)  # rank 0's write after its own clear; this rank's broadcast says CLEARING
+    ran = []
+    result = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: C.CLEARING)
+    where = f"rank 1 of 2, {cell.name} reading CLEARED, rank 0's broadcast CLEARING"
+    check.equal(result, "cleared", f"{where}: what the iteration returned")
+    check.that(not ran, f"{where}: the model ran {len(ran)} time(s) in the iteration that cleared")
+    check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], where)
+    check.status_is(session, "CLEARED", where)
+    check.equal(C.name_of(cell.read()), "CLEARED", f"{where}: the cell (a follower never writes)")

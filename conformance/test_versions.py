@@ -90,6 +90,21 @@ def test_version_stamped_at_commit(loader, sources, kind, staged):
     check.equal((session.status(), session.version()), ("NORMAL", 7), f"{kind}: after the update to version 7")
 
 
+@pytest.mark.rule("VER-STAMP-AT-COMMIT")
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=_needs(k, "status"), id=k) for k in KINDS if k != "bucket"])
+def test_no_version_carried_none_reported(loader, sources, kind):
+    """A snapshot or meta file without ``version.yaml`` carries no version (a bucket manifest always does):
+    the commit stamps nothing, neither an empty nor a made-up version."""
+    src = sources(kind)
+    src.publish(SPEC, 3, write_version=False)
+    session = src.open(SPEC)
+    session.update()
+    src.settle()
+    check.params_equal(session.observe(), M.state(SPEC, version=3), f"{kind}: {src.where} without version.yaml")
+    check.equal((session.status(), session.version()), ("NORMAL", None),
+                f"{kind}: (status, version) after an update that carried no version ({src.where})")
+
+
 @pytest.mark.rule("VER-FAILED-KEEPS")
 @pytest.mark.parametrize("kind,fault", [pytest.param(k, f, marks=_needs(k), id=f"{k}:{f}") for k in KINDS for f in FAULTS
                                         if (k, f) != ("bucket", "gone")])  # (a 0.2 s timeout; STAGE-ATOMIC has it)
