@@ -285,7 +285,7 @@ def test_short_cell_and_boundary_options(loader):
 
 
 # -- ranks that do not write the cell -----------------------------------------------------------------
-RANK0_DELAY_S = 0.15
+RANK0_DELAY_S = 0.08
 
 
 def _bounded_iteration(session, timeout_s=10.0):
