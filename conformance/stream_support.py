@@ -60,32 +60,6 @@ def case(strategy: str, *values, extra=(), id=None):
     return pytest.param(strategy, *values, marks=pytest.mark.requires(STRATEGY_CAPS[strategy], *extra), id=id)
 
 
-def concurrently(calls: dict) -> dict:
-    """Run each ``name -> fn()`` on its own thread at once (sessions waiting out timeouts together, so
-    that the phases of a stall cost one timeout, not one each); returns ``name -> (exception or None,
-    seconds)``. Every thread is joined (bounded) before returning."""
-    import threading
-    import time
-
-    results: dict = {}
-
-    def run(name, fn):
-        started = time.monotonic()
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - judged by the caller
-            results[name] = (e, time.monotonic() - started)
-        else:
-            results[name] = (None, time.monotonic() - started)
-
-    threads = [threading.Thread(target=run, args=item, name=f"conformance-{item[0]}") for item in calls.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return results
-
-
 def reraise(outcome) -> None:
     """Raise the exception of a ``concurrently`` outcome (for ``check.raises``); nothing if it succeeded."""
     error, _ = outcome

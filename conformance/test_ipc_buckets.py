@@ -5,6 +5,7 @@ tamper with its manifests (plain dicts) before serving them. Buckets are tiny (2
 the large cases (>= 8 MiB, so that a loader switching to a threaded or chunked copy for large buffers
 runs that copy too), and the frame-limit cases, whose manifest is padded to 64 MiB. Fault tests use timeout_s 0.2 s.
 """
+import functools
 import os
 import threading
 import time
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from conformance import check
-from conformance.harness import Worker, in_child
+from conformance.harness import Worker, concurrently, in_child
 from fixtures import buckets as B
 from fixtures import models as M
 
@@ -558,14 +559,10 @@ def timed_updates(request, tmp_path_factory):
                                    timeout_s=FAULT_TIMEOUT, **script) for case, script in TIMEOUT_CASES.items()}
             outcomes = {}
 
-            def run(case):
+            def bounded(case):  # _bounded, so that a worker that never gives up is reported, not waited out
                 outcomes[case] = _bounded(served[case][1].update, 4.0)
 
-            threads = [threading.Thread(target=run, args=(case,), name=f"conformance-{case}") for case in served]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(6.0)
+            concurrently({case: functools.partial(bounded, case) for case in served})
             yield {case: (*served[case], outcomes[case]) for case in served}
         finally:
             loader.close_all()

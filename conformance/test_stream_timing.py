@@ -7,7 +7,7 @@ import pytest
 
 from conformance import check, harness
 from conformance.plugin import ADAPTER_KEY
-from conformance.stream_support import FAULT_TIMEOUT_S, STRATEGY_CAPS, case, concurrently, open_stream, reraise
+from conformance.stream_support import FAULT_TIMEOUT_S, STRATEGY_CAPS, case, open_stream, reraise
 from fixtures import models as M
 from fixtures import streams as S
 
@@ -68,7 +68,7 @@ def stream_timing(request, tmp_path_factory):
                     if atomic:
                         session.update()
                     cases[(strategy, name)] = TimingCase(strategy, name, session, trainer, states)
-            outcomes = concurrently({key: case.session.update for key, case in cases.items()})
+            outcomes = harness.concurrently({key: case.session.update for key, case in cases.items()})
             for key, case in cases.items():
                 case.outcome = outcomes[key]
             yield cases

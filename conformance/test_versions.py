@@ -148,17 +148,23 @@ def test_version_never_goes_backwards(loader, sources, kind, staged):
 BAD_FILES = ["step: -1", "step: two", "step: 1.5", "[1, 2]", "step: [", "other: 3", "step: true"]
 
 
-@pytest.mark.rule("VER-MONOTONIC")
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=_needs(k), id=k) for k in ("snapshot", "ipc")])
-def test_quoted_step_is_a_version(loader, sources, kind):
-    """FastDeploy reads ``step`` as a string ("12345"); a quoted number is that version."""
-    src = sources(kind)
+def _version_file_reading(loader, src, kind: str, text: str):
+    """Version 2 loaded and cleared, version 3 published, its ``version.yaml`` then rewritten to hold
+    ``text``: (the session, the file's path), ready for the update that reads it."""
     session = _load(src, SPEC, 2)
     session.clear()
     src.publish(SPEC, 3)
     path = C.write_version(loader.model_dir if kind == "snapshot" else loader.shared_dir, 3)
     with open(path, "w", encoding="utf-8") as f:
-        f.write('step: "11"\n')
+        f.write(text + "\n")
+    return session, path
+
+
+@pytest.mark.rule("VER-MONOTONIC")
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=_needs(k), id=k) for k in ("snapshot", "ipc")])
+def test_quoted_step_is_a_version(loader, sources, kind):
+    """FastDeploy reads ``step`` as a string ("12345"); a quoted number is that version."""
+    session, path = _version_file_reading(loader, sources(kind), kind, 'step: "11"')
     session.update()
     check.params_equal(session.observe(), M.state(SPEC, version=3), f"{kind}: update with {path} reading step: \"11\"")
     check.equal(session.version(), 11, f"{kind}: version() after {path} reading step: \"11\"")
@@ -168,13 +174,7 @@ def test_quoted_step_is_a_version(loader, sources, kind):
 @pytest.mark.parametrize("kind,text", [pytest.param(k, t, marks=_needs(k), id=f"{k}:{t}") for k in ("snapshot", "ipc")
                                        for t in (BAD_FILES if k == "snapshot" else BAD_FILES[:2])])
 def test_unreadable_version_file_is_refused(loader, sources, kind, text):
-    src = sources(kind)
-    session = _load(src, SPEC, 2)
-    session.clear()
-    src.publish(SPEC, 3)
-    path = C.write_version(loader.model_dir if kind == "snapshot" else loader.shared_dir, 3)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
+    session, path = _version_file_reading(loader, sources(kind), kind, text)
     with check.raises(ValueError, match=r"version|step", names=["version.yaml"], where=f"{kind}: {path} reading {text!r}"):
         session.update()
     check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{kind}: after {path} was refused")

@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 
 import msgpack
 
+from wire.protocol import unpack_map
+
 PROTO = 1
 MAX_FRAME = 1 << 31  # one tensor per frame; the limit only guards against a confused peer
 
@@ -54,26 +56,14 @@ class WireError(ValueError):
     """A frame that is not a message of this wire format."""
 
 
-def _no_ext(code, data):
-    raise WireError(f"msgpack extension type {code} is not part of the wire format")
-
-
 def encode(message: Mapping) -> bytes:
     return msgpack.packb({"proto": PROTO, **message}, use_bin_type=True)
 
 
 def decode(frame, where: str, allowed: Sequence[str]) -> dict:
-    if len(frame) > MAX_FRAME:
-        raise WireError(f"{where}: frame of {len(frame)} bytes exceeds {MAX_FRAME}")
-    try:
-        message = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True)
-    except WireError:
-        raise
-    except Exception as e:  # noqa: BLE001 - every malformed frame is the same kind of error
-        raise WireError(f"{where}: not a msgpack message: {type(e).__name__}: {e}") from None
-    if not isinstance(message, dict) or message.get("type") not in allowed:
-        kind = message.get("type") if isinstance(message, dict) else type(message).__name__
-        raise WireError(f"{where}: message type {kind!r}, expected one of {list(allowed)}")
+    message = unpack_map(frame, where, limit=MAX_FRAME, error=WireError, noun="message")
+    if message.get("type") not in allowed:
+        raise WireError(f"{where}: message type {message.get('type')!r}, expected one of {list(allowed)}")
     if message.get("proto") != PROTO:
         raise WireError(f"{where}: proto {message.get('proto')!r}, expected {PROTO}")
     return message

@@ -58,31 +58,38 @@ class TransferTimeout(TimeoutError):
 
 
 # -- encoding --------------------------------------------------------------------------------------
-def _no_ext(code, data):
-    raise ManifestError(f"msgpack extension type {code} is not part of the wire format")
-
-
 def encode(message: Mapping) -> bytes:
     return msgpack.packb(dict(message), use_bin_type=True)
+
+
+def unpack_map(frame, where: str, *, limit: int, error: type[Exception] = ManifestError, noun: str = "manifest") -> dict:
+    """One msgpack map from ``frame``, or ``error`` naming ``where``: a frame over ``limit`` bytes (refused
+    before it is decoded), bytes that are not msgpack (a pickle is named as such: never unpickled), an
+    extension type, anything but a map. The one safe decoder of every msgpack wire (buckets here, the
+    CheckpointTransfer stand-in's ``sim.stream_wire``)."""
+    if len(frame) > limit:
+        raise error(f"{where}: message of {len(frame)} bytes exceeds the {limit}-byte limit")
+
+    def no_ext(code, data):
+        raise error(f"msgpack extension type {code} is not part of the wire format")
+
+    try:
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=no_ext, use_list=True)
+    except error:
+        raise
+    except Exception as e:  # ExtraData, FormatError, StackError, UnicodeDecodeError, ValueError...
+        head = bytes(frame[:8])
+        hint = " (it looks like a pickle; pickles are never loaded)" if head[:1] == b"\x80" else ""
+        raise error(f"{where}: not a msgpack {noun}{hint}: {type(e).__name__}: {e}; first bytes {head!r}") from None
+    if not isinstance(message, dict):
+        raise error(f"{where}: message is a msgpack {type(message).__name__}, expected a map")
+    return message
 
 
 def decode(frame: bytes, where: str, allowed: Sequence[str] = TRAINER_TYPES, limit: int = MAX_FRAME) -> dict:
     """One frame -> a message dict with a known ``type``; ManifestError otherwise (a frame over
     ``limit`` bytes is refused before it is decoded). Never unpickles."""
-    if len(frame) > limit:
-        raise ManifestError(f"{where}: message of {len(frame)} bytes exceeds the {limit}-byte limit")
-    try:
-        message = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True)
-    except ManifestError:
-        raise
-    except Exception as e:  # ExtraData, FormatError, StackError, UnicodeDecodeError, ValueError...
-        head = bytes(frame[:8])
-        hint = " (it looks like a pickle; pickles are never loaded)" if head[:1] == b"\x80" else ""
-        raise ManifestError(
-            f"{where}: not a msgpack manifest{hint}: {type(e).__name__}: {e}; first bytes {head!r}"
-        ) from None
-    if not isinstance(message, dict):
-        raise ManifestError(f"{where}: message is a msgpack {type(message).__name__}, expected a map")
+    message = unpack_map(frame, where, limit=limit)
     kind = message.get("type")
     if kind not in allowed:
         raise ManifestError(f"{where}: field type is {kind!r}, expected one of {list(allowed)}")
