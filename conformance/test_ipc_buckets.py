@@ -10,6 +10,7 @@ import os
 import threading
 import time
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -250,9 +251,9 @@ def test_buffer_overwritten_on_ack(loader, publisher, case):
     session.update()
     check.params_equal(session.observe(), state, where)
     pub.wait(5.0)
-    acks = [(m.get("version"), m.get("bucket")) for m in pub.replies("ack")]
-    want = [(VERSION, k) for k in range(len(updates[0].buckets))]
-    check.equal(acks, want, f"{where}: (version, bucket) of every ack, in order")
+    acks = [(m.get("proto"), m.get("version"), m.get("bucket")) for m in pub.replies("ack")]
+    want = [(1, VERSION, k) for k in range(len(updates[0].buckets))]
+    check.equal(acks, want, f"{where}: (proto, version, bucket) of every ack, in order")
 
 
 NBYTES = r"(?<!total_)nbytes"  # the field nbytes, not total_nbytes (a whole tensor's entry has no chunk fields)
@@ -665,9 +666,9 @@ def test_done_only_after_commit(loader, publisher, case):
         pub.wait(5.0)
     except TimeoutError:
         pass  # the trainer waited for a done or an error that never came: judged below
-    done = [(m.get("version"), m.get("count")) for m in pub.replies("done")]
+    done = [(m.get("proto"), m.get("version"), m.get("count")) for m in pub.replies("done")]
     if case in DONE_APPLIED:
-        check.equal(done, [(VERSION, len(state))], f"{where}: (version, count) of the done messages "
+        check.equal(done, [(1, VERSION, len(state))], f"{where}: (proto, version, count) of the done messages "
                     f"({len(state)} tensors in {len(updates[0].buckets)} buckets)")
         kinds = [m.get("type") for m in pub.received]
         check.equal(kinds, ["hello"] + ["ack"] * len(updates[0].buckets) + ["done"], f"{where}: messages in order")
@@ -708,7 +709,8 @@ def test_error_reported_to_trainer(loader, publisher, step):
     check.that("done" not in kinds, f"{where}: the worker sent done for a failed update: {kinds}")
     check.equal(kinds.count("ack"), bucket, f"{where}: buckets acknowledged before the rejection ({kinds})")
     err = pub.replies("error")[-1]
-    check.equal((err.get("version"), err.get("bucket")), (VERSION, bucket), f"{where}: (version, bucket) of the error")
+    check.equal((err.get("proto"), err.get("version"), err.get("bucket")), (1, VERSION, bucket),
+                f"{where}: (proto, version, bucket) of the error")
     text = str(err.get("message"))
     fault = {"end": "count", "commit": "norm.bias"}.get(step, "float4_e2m1fn")
     check.that(fault in text, f"{where}: the error sent to the trainer, {text!r}, does not name {fault!r}")
@@ -803,6 +805,25 @@ def test_pickled_manifest_never_unpickled(loader, publisher, tmp_path):
     _rejected(loader, publisher, tamper, match="msgpack", names=["bucket 0", f"version {VERSION}"],
               where="trainer replies to hello with a pickle")
     check.that(not marker.exists(), f"{marker}: created, so the worker unpickled the trainer's message")
+
+
+@pytest.mark.rule("BKT-NO-PICKLE")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("k", [0, 2], ids=["bucket-0", "last-bucket"])
+@pytest.mark.parametrize("frame", ["extension-type", "array"])
+def test_frame_that_is_not_a_plain_map_refused(loader, publisher, k, frame):
+    """SPEC wire format: one msgpack map per frame, extension types refused. ``extension-type``: an extension
+    type (code 5) in a field no message defines, so that a worker which ignores unknown fields never looks at
+    it; ``array``: the manifest's values as a msgpack array. Refused while decoded, naming the bucket;
+    nothing is loaded."""
+    def tamper(update):
+        if frame == "array":
+            update.buckets[k] = list(update.buckets[k].values())
+        else:
+            update.buckets[k]["note"] = msgpack.ExtType(5, b"x")
+
+    _rejected(loader, publisher, tamper, match="extension" if frame == "extension-type" else "map",
+              names=[f"bucket {k}"], bucket_bytes=256, where=f"bucket {k}'s frame: {frame}")
 
 
 MAX_FRAME = 64 * MiB  # SPEC wire format: frames over 64 MiB are refused

@@ -71,7 +71,7 @@ def unpack_map(frame, where: str, *, limit: int, error: type[Exception] = Manife
         raise error(f"{where}: message of {len(frame)} bytes exceeds the {limit}-byte limit")
 
     def no_ext(code, data):
-        raise error(f"msgpack extension type {code} is not part of the wire format")
+        raise error(f"{where}: msgpack extension type {code} is not part of the wire format")
 
     try:
         message = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=no_ext, use_list=True)

@@ -279,6 +279,28 @@ class ManifestUnpickled(Mutant):
         return {"reference.buckets.Link": PickleFirst}
 
 
+class ExtensionTypesDecoded(Mutant):
+    id = "bkt_extension_types_decoded"
+    bug = ("manifests are decoded with msgpack's default extension hook: an extension type in a field the worker "
+           "does not define becomes an ExtType value that nobody looks at, and the frame loads")
+    kills = frozenset({"BKT-NO-PICKLE"})
+
+    def patches(self):
+        import msgpack
+
+        class Lenient(_Link):
+            def parse(self, frame, where):
+                try:
+                    message = msgpack.unpackb(frame, raw=False)
+                except Exception:  # noqa: BLE001 - not msgpack at all: refused as the reference does
+                    return super().parse(frame, where)
+                if not isinstance(message, dict) or message.get("type") not in protocol.TRAINER_TYPES:
+                    return super().parse(frame, where)
+                return message
+
+        return {"reference.buckets.Link": Lenient}
+
+
 class MappingCached(Mutant):
     id = "bkt_mapping_cached"
     bug = ("attached buffers are cached for the next update instead of unmapped: the trainer's freed memory stays "
