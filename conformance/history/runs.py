@@ -1,0 +1,326 @@
+"""One suite run per distinct content: the command, the cache, and running many at once.
+
+A run is ``python -m pytest conformance --impl=NAME --impl-opt source=FILE --conformance-report R.json``
+in a child process (the same interpreter, in the suite's repository), so a version that crashes,
+hangs or leaks cannot harm the tool or the other runs. Results are cached by the file's sha256 and a
+hash of the suite (its code, SPEC.md, the command's options and the libraries it runs on): a rerun
+resumes, and a changed suite runs again. Each cache entry is one JSON file written to a temporary name
+and renamed into place, so an interrupted run leaves whole entries or none.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from .versions import HistoryError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the suite's repository
+# What the suite's verdicts depend on besides the version: its code and the rules' text.
+SUITE_TREES = ("conformance", "fixtures", "sim", "wire")
+SUITE_FILES = ("SPEC.md", "conftest.py", "pyproject.toml")
+LIBRARIES = ("paddlepaddle", "paddlepaddle-gpu", "numpy", "safetensors", "pyzmq", "msgpack", "pytest")
+CACHE_FORMAT = 1
+USAGE_ERROR = 4  # pytest's exit status for a usage error (the adapter cannot drive the file)
+REPORTED = (0, 1, 5)  # all passed, some failed, nothing tested: the suite wrote its report
+OUTCOMES = ("report", "usage_error", "crashed", "timed_out")
+CACHED_OUTCOMES = ("report", "usage_error")  # what the content decides; a crash or timeout may be the machine's
+KILL_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Suite:
+    """How each version is run: the implementation name and the extra pytest arguments."""
+    impl: str = "fastdeploy"
+    extra: tuple[str, ...] = ()
+    timeout_s: float | None = None
+
+    def command(self, source: str, report: str) -> list[str]:
+        return [sys.executable, "-m", "pytest", "conformance", f"--impl={self.impl}", "--impl-opt",
+                f"source={source}", "--conformance-report", report, "-p", "no:cacheprovider", "-q", *self.extra]
+
+    def fingerprint(self) -> str:
+        """sha256 of the suite's files, the options, the contents of files the options name (an
+        --expectations file) and the versions of Python and the libraries the suite runs on."""
+        h = hashlib.sha256()
+        paths = [os.path.join(ROOT, f) for f in SUITE_FILES]
+        for tree in SUITE_TREES:
+            for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, tree)):
+                dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith(".")
+                                     and os.path.join(dirpath, d) != os.path.join(ROOT, "conformance", "history"))
+                paths += [os.path.join(dirpath, n) for n in sorted(filenames) if not n.endswith((".pyc", ".pyo"))]
+        for path in paths:
+            if os.path.isfile(path):
+                h.update(os.path.relpath(path, ROOT).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+        h.update(json.dumps([CACHE_FORMAT, self.impl, list(self.extra), sys.version]).encode())
+        for arg in self.extra:
+            candidate = arg.split("=", 1)[-1]
+            if os.path.isfile(os.path.join(ROOT, candidate)):
+                with open(os.path.join(ROOT, candidate), "rb") as f:
+                    h.update(b"file:" + candidate.encode() + hashlib.sha256(f.read()).digest())
+        for lib in LIBRARIES:
+            try:
+                h.update(f"{lib}={metadata.version(lib)}".encode())
+            except metadata.PackageNotFoundError:
+                h.update(f"{lib}=absent".encode())
+        return h.hexdigest()
+
+
+@dataclass
+class Result:
+    """One suite run of one content: its outcome and, when the suite wrote one, its report."""
+    key: str
+    sha256: str
+    outcome: str  # one of OUTCOMES
+    exit_status: int | None
+    message: str  # the usage error, or the end of a crashed run's output; "" for a report
+    duration_s: float
+    report: dict | None
+    cached: bool = False
+
+    def to_json(self) -> dict:
+        return {"format": CACHE_FORMAT, "key": self.key, "sha256": self.sha256, "outcome": self.outcome,
+                "exit_status": self.exit_status, "message": self.message, "duration_s": round(self.duration_s, 2),
+                "report": self.report}
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, flushed, then renamed over it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class Cache:
+    """Results by key (sha256 of the content and of the suite), one JSON file each, and the sources the
+    runs read (``sources/<sha256>/<name>``), kept so a report's paths stay valid."""
+
+    def __init__(self, folder: str, suite_hash: str):
+        self.folder = folder
+        self.suite_hash = suite_hash
+        try:
+            os.makedirs(os.path.join(folder, "results"), exist_ok=True)
+            os.makedirs(os.path.join(folder, "sources"), exist_ok=True)
+        except OSError as e:
+            raise HistoryError(f"{folder}: cannot create the cache: {e.strerror or e}") from None
+        for name in os.listdir(os.path.join(folder, "results")):
+            if name.startswith(".tmp-"):  # left by a run killed mid-write (SIGKILL): never an entry
+                try:
+                    os.unlink(os.path.join(folder, "results", name))
+                except OSError:
+                    pass
+
+    def key(self, sha256: str) -> str:
+        return hashlib.sha256(f"{sha256}:{self.suite_hash}".encode()).hexdigest()
+
+    def _entry(self, key: str) -> str:
+        return os.path.join(self.folder, "results", f"{key}.json")
+
+    def get(self, sha256: str) -> Result | None:
+        key = self.key(sha256)
+        try:
+            with open(self._entry(key), encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return None  # unreadable: run it again (the new entry replaces it)
+        if not isinstance(data, dict) or data.get("key") != key or data.get("format") != CACHE_FORMAT \
+                or data.get("outcome") not in CACHED_OUTCOMES:
+            return None
+        return Result(key, sha256, data["outcome"], data.get("exit_status"), data.get("message") or "",
+                      float(data.get("duration_s") or 0.0), data.get("report"), cached=True)
+
+    def put(self, result: Result) -> None:
+        if result.outcome in CACHED_OUTCOMES:
+            atomic_write(self._entry(result.key), json.dumps(result.to_json()).encode())
+
+    def source(self, sha256: str, name: str, content: bytes) -> str:
+        path = os.path.join(self.folder, "sources", sha256, name)
+        if not os.path.isfile(path):
+            atomic_write(path, content)
+        return path
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def usage_message(output: str) -> str:
+    """pytest's ``ERROR: ...`` lines of a usage error (the adapter's reason), else the output's end."""
+    found, collecting = [], False
+    for line in output.splitlines():
+        if line.startswith("ERROR: "):
+            found.append(line[len("ERROR: "):])
+            collecting = True
+        elif collecting and line.startswith("  "):
+            found.append(line.strip())
+        else:
+            collecting = False
+    return "\n".join(found) if found else _tail(output)
+
+
+class Runner:
+    """Runs the suite on contents, at most ``jobs`` at a time, each once per cache key. ``stop()`` (from
+    the main thread on Ctrl-C) ends every child's process group and starts no new one."""
+
+    def __init__(self, suite: Suite, cache: Cache, jobs: int, work: str):
+        self.suite, self.cache, self.jobs, self.work = suite, cache, max(1, jobs), work
+        self.executed = 0
+        self._lock = threading.Lock()
+        self._children: set[subprocess.Popen] = set()
+        self._stopping = threading.Event()
+
+    def cached(self, sha256: str) -> Result | None:
+        return self.cache.get(sha256)
+
+    def run_one(self, sha256: str, name: str, content: bytes) -> Result:
+        """The cached result, or a new run (cached when its outcome depends on the content alone)."""
+        hit = self.cache.get(sha256)
+        if hit is not None:
+            return hit
+        source = self.cache.source(sha256, name, content)
+        key = self.cache.key(sha256)
+        os.makedirs(self.work, exist_ok=True)
+        scratch = tempfile.mkdtemp(prefix=f"run-{sha256[:12]}-", dir=self.work)
+        report_path = os.path.join(scratch, "report.json")
+        log_path = os.path.join(scratch, "output.txt")
+        started = time.monotonic()
+        with open(log_path, "wb") as log:
+            with self._lock:
+                if self._stopping.is_set():
+                    raise KeyboardInterrupt
+                # Its own session: Ctrl-C reaches the tool, which ends the child's whole group itself.
+                child = subprocess.Popen(self.suite.command(source, report_path), cwd=ROOT, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                self._children.add(child)
+                self.executed += 1
+            try:
+                status = child.wait(timeout=self.suite.timeout_s)
+            except subprocess.TimeoutExpired:
+                self._end(child)
+                status = None
+            except BaseException:  # Ctrl-C while the main thread waits on it (bisect)
+                self._stopping.set()
+                self._end(child)
+                raise
+            finally:
+                with self._lock:
+                    self._children.discard(child)
+        if self._stopping.is_set():
+            raise KeyboardInterrupt
+        duration = time.monotonic() - started
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            output = f.read()
+        result = self._result(key, sha256, status, output, report_path, duration)
+        self.cache.put(result)
+        if result.outcome in CACHED_OUTCOMES:
+            _remove_tree(scratch)
+        return result
+
+    def _result(self, key, sha256, status, output, report_path, duration) -> Result:
+        if status is None:
+            return Result(key, sha256, "timed_out", None, f"no verdict after {self.suite.timeout_s:g} s: ended "
+                          f"(--timeout)\n{_tail(output)}", duration, None)
+        if status == USAGE_ERROR:
+            return Result(key, sha256, "usage_error", status, usage_message(output), duration, None)
+        if status in REPORTED:
+            try:
+                with open(report_path, encoding="utf-8") as f:
+                    return Result(key, sha256, "report", status, "", duration, json.load(f))
+            except (OSError, ValueError) as e:
+                return Result(key, sha256, "crashed", status, f"exit status {status} but no readable report "
+                              f"({e})\n{_tail(output)}", duration, None)
+        return Result(key, sha256, "crashed", status, f"exit status {status}\n{_tail(output)}", duration, None)
+
+    def _end(self, child: subprocess.Popen) -> None:
+        for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 30.0)):
+            try:
+                os.killpg(child.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                child.wait(timeout=grace)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping.set()
+            children = list(self._children)
+        for child in children:
+            self._end(child)
+
+    def run_many(self, items: list[tuple[str, str, bytes]], on_done) -> dict[str, Result]:
+        """Run every (sha256, name, content) not cached, ``jobs`` at a time; ``on_done(result)`` after
+        each (cached ones first). Ctrl-C ends the children, lets the finished results stand in the cache
+        and re-raises KeyboardInterrupt."""
+        results: dict[str, Result] = {}
+        todo = []
+        for sha256, name, content in items:
+            if sha256 in results or any(t[0] == sha256 for t in todo):
+                continue
+            hit = self.cache.get(sha256)
+            if hit is not None:
+                results[sha256] = hit
+                on_done(hit)
+            else:
+                todo.append((sha256, name, content))
+        if not todo:
+            return results
+        pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="suite-run")
+        pending = {pool.submit(self.run_one, *item): item[0] for item in todo}
+        try:
+            while pending:
+                done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                for future in done:
+                    sha256 = pending.pop(future)
+                    results[sha256] = future.result()
+                    on_done(results[sha256])
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            self.stop()
+            pool.shutdown(wait=True)
+            raise
+        pool.shutdown(wait=True)
+        return results
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def default_jobs() -> int:
+    """Half the cores this process may use (a suite run keeps about one core busy and Paddle's threads
+    the rest), at least 1, at most 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2))

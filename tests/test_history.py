@@ -1,0 +1,475 @@
+"""conformance.history on a small git repository built here: the FastDeploy stand-ins as the commits of one
+dynamic_weight_manager.py, a bug reintroduced and reverted, a version the adapter cannot drive.
+
+Suite runs are real (``pytest conformance --impl=fastdeploy``) but narrowed to one test of PART-ORDER-NUMERIC,
+and they share one cache in a fixed order so that each distinct content runs once in the whole file:
+the bisection runs 3 of the 4 distinct contents, an interrupted full run is stopped during the 4th, and
+its resumption runs it. Everything after reads the cache.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from html.parser import HTMLParser
+
+import psutil
+import pytest
+
+from conformance.history import cli, runs, verdicts
+from conformance.history.versions import HistoryError, Version, from_folder, from_git
+from tests.conftest import REPO
+
+STANDINS = os.path.join(REPO, "tests", "fd_standins")
+FILE = "fastdeploy/rl/dynamic_weight_manager.py"
+RULE = "PART-ORDER-NUMERIC"
+# One test of the rule: parts 2 and 10, judged by the load trace (about a second once the suite is up).
+NARROW = ["--rule", RULE, "-k", "2-before-10 and trace"]
+NUMERIC_SORT = "parts.sort(key=lambda entry: entry[0])"
+LEXICAL_SORT = "parts.sort(key=lambda entry: str(entry[0]))"  # the bug: part 10 before part 2
+PARTS_INIT = "def __init__(self, fd_config: FDConfig, models, local_rank: int):"
+UNKNOWN_PARAMETER = "def __init__(self, fd_config: FDConfig, models, local_rank: int, engine_queue):"
+
+
+def standin(generation: str) -> str:
+    with open(os.path.join(STANDINS, generation, "dynamic_weight_manager.py"), encoding="utf-8") as f:
+        return f.read()
+
+
+def replaced(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, f"the stand-in no longer has {old!r} exactly once"
+    return text.replace(old, new)
+
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.org", "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+
+
+def git(repo, *args, env=None) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
+                          env={**os.environ, **GIT_ENV, **(env or {})}).stdout.strip()
+
+
+def commit(repo, title: str, day: int, files: dict[str, str]) -> str:
+    """Commit ``files`` (name -> text) on day ``day`` of January 2026; the short sha."""
+    for name, text in files.items():
+        path = repo / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        git(repo, "add", name)
+    stamp = f"2026-01-{day:02d}T12:00:00+00:00"
+    git(repo, "commit", "-q", "-m", title, env={"GIT_AUTHOR_DATE": stamp, "GIT_COMMITTER_DATE": stamp})
+    return git(repo, "rev-parse", "--short", "HEAD")
+
+
+# label -> (title, content); in commit order. "docs" touches another file only: not a version.
+PARTS = standin("parts")
+HISTORY = [
+    ("dwm0", "DWM-0: the first generation", standin("dwm0")),
+    ("parts", "Support chunked part files", PARTS),
+    ("docs", "Document the snapshot levels", None),
+    ("wip", "WIP: take the engine queue", replaced(PARTS, PARTS_INIT, UNKNOWN_PARAMETER)),
+    ("bug", "Sort part files by name", replaced(PARTS, NUMERIC_SORT, LEXICAL_SORT)),
+    ("revert", "Revert: sort part files by number", PARTS),
+]
+VERSIONS = [label for label, _, text in HISTORY if text is not None]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A git repository whose history of FILE is HISTORY (one commit each, a day apart), and an output
+    folder whose cache every run of this module shares. ``sha`` maps a label to its short commit id."""
+    root = tmp_path_factory.mktemp("history")
+    repo = root / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    sha = {}
+    for day, (label, title, text) in enumerate(HISTORY, start=1):
+        files = {FILE: text} if text is not None else {"README.md": "snapshot levels: parts, single, legacy\n"}
+        sha[label] = commit(repo, title, day, files)
+    return {"root": root, "repo": repo, "out": root / "out", "sha": sha}
+
+
+def tool(work, *args, out=None, timeout=300) -> subprocess.CompletedProcess:
+    """python -m conformance.history on the repository (unless args give --versions), non-interactive."""
+    source = [] if "--versions" in args else ["--repo", str(work["repo"]), "--path", FILE]
+    command = [sys.executable, "-m", "conformance.history", *source, "-o", str(out or work["out"]),
+               "--cache", str(work["out"] / ".history-cache"), *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def cache_entries(work) -> dict[str, dict]:
+    folder = work["out"] / ".history-cache" / "results"
+    return {p.name: json.loads(p.read_text()) for p in folder.iterdir()} if folder.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def bisected(work):
+    """The first run of the module: --bisect on a cold cache."""
+    proc = tool(work, "--bisect", RULE, "-k", "2-before-10 and trace", "--jobs", "2")
+    return proc, json.loads((work["out"] / "bisect.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def interrupted(work, bisected):
+    """A full run (2 of its 5 contents not cached) sent SIGINT once its first suite run is under way: the
+    tool's exit status and output, the processes under it at that moment, the cache before and after."""
+    before = cache_entries(work)
+    command = [sys.executable, "-m", "conformance.history", "--repo", str(work["repo"]), "--path", FILE,
+               "-o", str(work["out"]), "--cache", str(work["out"] / ".history-cache"), "--jobs", "1", *NARROW]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    parent = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 120
+    tree = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        tree = [p for p in parent.children(recursive=True) if "pytest" in " ".join(_cmdline(p))]
+        if tree:
+            break
+        time.sleep(0.1)
+    assert tree, f"no suite run started within 120 s: {proc.poll()}"
+    time.sleep(1.0)  # into the run (Paddle importing), well before it can finish
+    tree = parent.children(recursive=True)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    return {"rc": proc.returncode, "stdout": stdout, "stderr": stderr, "tree": tree, "before": before,
+            "after": cache_entries(work), "files": os.listdir(work["out"] / ".history-cache" / "results")}
+
+
+def _cmdline(p) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+@pytest.fixture(scope="module")
+def history(work, interrupted):
+    """The same full run again, to the end (resuming the interrupted one), and what it wrote."""
+    proc = tool(work, "--jobs", "2", *NARROW)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((work["out"] / "history.json").read_text())
+    return {"proc": proc, "data": data, "html": (work["out"] / "history.html").read_text(encoding="utf-8")}
+
+
+# --- bisect -----------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_bisect_names_the_first_change_and_runs_fewer_suites_than_versions(work, bisected):
+    proc, found = bisected
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    at = work["sha"]["parts"]
+    assert found["change"]["id"] == at and found["change"]["title"] == "Support chunked part files", found
+    assert (found["change"]["from"], found["change"]["to"]) == ("not_applicable", "passed"), found
+    assert found["change"]["previous"]["id"] == work["sha"]["dwm0"], found
+    assert f"first change of {RULE}: not_applicable -> passed" in proc.stdout, proc.stdout
+    assert re.search(rf"at +{at}.*2026-01-02.*Support chunked part files", proc.stdout), proc.stdout
+    assert re.search(rf"before +{work['sha']['dwm0']}.*DWM-0: the first generation", proc.stdout), proc.stdout
+    # 5 versions; the last has the content of "parts" (a revert), so probing "parts" is a cache hit.
+    assert found["versions"] == len(VERSIONS) == 5
+    assert found["runs"]["executed"] == 3 < found["versions"], found["runs"]
+    assert [p["id"] for p in found["probed"]] == [work["sha"][k] for k in ("dwm0", "revert", "wip", "parts")]
+    assert [p["verdict"] for p in found["probed"]] == ["not_applicable", "passed", "usage_error", "passed"]
+    assert len(cache_entries(work)) == 3, "one cache entry per content run"
+
+
+# --- interrupt, resume, cache ---------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_an_interrupted_run_ends_its_suite_runs_and_leaves_the_cache_whole(interrupted):
+    assert interrupted["rc"] == 130, interrupted["stderr"]
+    assert "interrupted" in interrupted["stderr"] and "resumes" in interrupted["stderr"], interrupted["stderr"]
+    assert "Traceback" not in interrupted["stderr"], interrupted["stderr"]
+    alive = [p.pid for p in interrupted["tree"] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes of the interrupted run still alive: {alive}"
+    assert interrupted["after"] == interrupted["before"], "an interrupted suite run left a cache entry"
+    assert sorted(interrupted["files"]) == sorted(interrupted["before"]), "a temporary file was left in the cache"
+    for name, entry in interrupted["after"].items():
+        assert name == f"{entry['key']}.json" and entry["outcome"] in runs.CACHED_OUTCOMES, name
+
+
+@pytest.mark.timeout(300)
+def test_the_interrupted_run_resumes_running_only_what_is_missing(history):
+    runs_ = history["data"]["runs"]
+    assert runs_ == {"versions": 5, "distinct": 4, "executed": 1, "cached": 3}, runs_
+    assert "5 version(s), 4 distinct content(s)" in history["proc"].stdout
+    assert "1 suite run(s), 3 from the cache" in history["proc"].stdout, history["proc"].stdout
+    # Plain progress lines off a terminal: one per distinct content.
+    assert len(re.findall(r"^\[\d/4\] ", history["proc"].stderr, re.M)) == 4, history["proc"].stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_second_run_reads_everything_from_the_cache(work, history):
+    proc = tool(work, *NARROW)
+    assert proc.returncode == 0, proc.stderr
+    assert "0 suite run(s), 4 from the cache" in proc.stdout, proc.stdout
+    assert json.loads((work["out"] / "history.json").read_text())["changes"] == history["data"]["changes"]
+
+
+# --- what a full run writes -----------------------------------------------------------------------
+
+def test_one_suite_report_per_version_in_commit_order(work, history):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads(open(runs.ROOT + "/conformance/report.schema.json").read())
+    described = history["data"]["versions"]
+    assert [v["id"] for v in described] == [work["sha"][k] for k in VERSIONS]
+    assert [v["title"] for v in described] == [t for _, t, text in HISTORY if text is not None]
+    assert [v["date"][:10] for v in described] == ["2026-01-01", "2026-01-02", "2026-01-04", "2026-01-05",
+                                                   "2026-01-06"]
+    for v in described:
+        if v["outcome"] != "report":
+            continue
+        report = json.loads((work["out"] / v["report"]).read_text())
+        jsonschema.validate(report, schema)
+        # The adapter names the file it ran by its sha256: the report is this version's.
+        assert f"sha256 {v['sha256'][:12]}" in report["run_info"]["implementation_version"], v["id"]
+        assert [r["id"] for r in report["rules"]] == [RULE], v["id"]
+    assert described[-1]["report"] != described[1]["report"], "one file per version, even for equal contents"
+
+
+def test_a_version_the_adapter_cannot_drive_is_recorded_with_its_reason(work, history):
+    wip = history["data"]["versions"][VERSIONS.index("wip")]
+    assert wip["outcome"] == "usage_error" and wip["exit_status"] == 4 and wip["report"] is None, wip
+    assert "cannot supply ['engine_queue']" in wip["message"], wip["message"]
+    assert f"{work['sha']['wip']}: usage error: --impl=fastdeploy" in history["proc"].stdout
+
+
+def test_each_verdict_change_is_at_its_commit_with_its_title(work, history):
+    data = history["data"]
+    assert [r["id"] for r in data["rules"]] == [RULE]
+    assert data["rules"][0]["verdicts"] == ["not_applicable", "passed", None, "failed", "passed"]
+    s = work["sha"]
+    got = [(c["rule"], c["id"], c["title"], c["from"], c["to"], c["previous"]) for c in data["changes"]]
+    assert got == [
+        (RULE, s["parts"], "Support chunked part files", "not_applicable", "passed", s["dwm0"]),
+        (RULE, s["bug"], "Sort part files by name", "passed", "failed", s["parts"]),  # across the usage error
+        (RULE, s["revert"], "Revert: sort part files by number", "failed", "passed", s["bug"]),
+    ]
+    assert f"{RULE}: passed -> failed at {s['bug']} (2026-01-05T12:00:00+00:00) Sort part files by name" \
+        in history["proc"].stdout
+
+
+class Cells(HTMLParser):
+    """Every header and data cell with a data-col: its attributes and its text."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.cells, self.heads, self._open = {}, {}, None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "td" and "data-rule" in a:
+            self._open = self.cells.setdefault((a["data-rule"], int(a["data-col"])), {**a, "text": ""})
+        elif tag == "th" and "data-col" in a and "impl" in a.get("class", ""):
+            self._open = self.heads.setdefault(int(a["data-col"]), {**a, "text": ""})
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self._open = None
+
+    def handle_data(self, data):
+        if self._open is not None:
+            self._open["text"] += data
+
+
+def test_the_page_has_versions_as_columns_and_marks_each_change(work, history):
+    page = Cells(history["html"])
+    s = work["sha"]
+    assert [page.heads[j]["text"].split("2026")[0] for j in range(5)] == [s[k] for k in VERSIONS]
+    classes = [page.cells[(RULE, j)]["class"].split() for j in range(5)]
+    assert [c[1] for c in classes] == ["not-applicable", "passed", "norun", "failed-contract", "passed"]
+    changed = [j for j in range(5) if "change" in classes[j]]
+    assert changed == [1, 3, 4], classes
+    bug = page.cells[(RULE, 3)]
+    assert f"changed at {s['bug']}: Sort part files by name" in bug["text"], bug["text"]
+    assert "passed → failed" in bug["title"] and s["parts"] in bug["title"], bug["title"]
+    assert page.cells[(RULE, 2)]["text"] == "usage error"
+    assert "cannot supply" in page.heads[2]["title"], page.heads[2]["title"]
+    assert "<script" not in history["html"] and "src=" not in history["html"]
+
+
+# --- the same history from other inputs, from the cache -------------------------------------------
+
+def test_bisect_from_to_within_a_rev_range(work, history):
+    s = work["sha"]
+    proc = tool(work, "--bisect", RULE, "--from", "passed", "--to", "failed", "--rev-range",
+                f"{s['dwm0']}..{s['bug']}", "-k", "2-before-10 and trace")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "first change of PART-ORDER-NUMERIC: usage_error -> failed" in proc.stdout, proc.stdout
+    assert re.search(rf"at +{s['bug']}.*Sort part files by name", proc.stdout), proc.stdout
+    assert "not passed" in proc.stdout, "the version before the change could not be run: said so"
+    assert "0 suite run(s)" in proc.stdout, proc.stdout
+
+
+def test_a_folder_of_versions_in_manifest_order(work, history, tmp_path):
+    folder = tmp_path / "copies"
+    folder.mkdir()
+    texts = {label: text for label, _, text in HISTORY if text is not None}
+    for label in ("dwm0", "bug", "parts"):
+        (folder / f"{label}.py").write_text(texts[label], encoding="utf-8")
+    manifest = tmp_path / "order.json"
+    manifest.write_text(json.dumps(["dwm0.py", {"file": "parts.py", "title": "numeric", "date": "2026-02-01"},
+                                    {"file": "bug.py", "id": "v3", "title": "by name"}]))
+    proc = tool(work, "--versions", str(folder), "--manifest", str(manifest), *NARROW, out=tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert "0 suite run(s), 3 from the cache" in proc.stdout, proc.stdout
+    data = json.loads((tmp_path / "out" / "history.json").read_text())
+    assert [(v["id"], v["title"]) for v in data["versions"]] == [("dwm0.py", "dwm0.py"), ("parts.py", "numeric"),
+                                                                 ("v3", "by name")]
+    assert [(c["id"], c["from"], c["to"]) for c in data["changes"]] == [
+        ("parts.py", "not_applicable", "passed"), ("v3", "passed", "failed")]
+
+
+# --- errors (no suite run) ------------------------------------------------------------------------
+
+def run_main(argv, capsys) -> tuple[int, str]:
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, argv, message", [
+    ("unknown rule", ["--bisect", "PART-ORDER"], "--bisect 'PART-ORDER': no such rule id in SPEC.md"),
+    ("an area", ["--bisect", "PART"], "(an area? its rules: PART-ORDER-NUMERIC"),
+    ("rule left out", ["--bisect", RULE, "--rule", "LEVEL"], "the --rule selection (LEVEL) leaves it out"),
+    ("unknown --rule", ["--rule", "PART-ORDR"], "--rule 'PART-ORDR' matches no rule in SPEC.md"),
+    ("path never there", ["--path-override", "fastdeploy/rl/other.py"],
+     "fastdeploy/rl/other.py: never in the history of"),
+    ("--from alone", ["--from", "passed"], "--from and --to go with --bisect RULE"),
+])
+def test_clear_errors(work, tmp_path, capsys, case, argv, message):
+    path = FILE
+    if argv[0] == "--path-override":
+        path, argv = argv[1], argv[2:]
+    rc, err = run_main(["--repo", str(work["repo"]), "--path", path, "-o", str(tmp_path), *argv], capsys)
+    assert rc == 2 and message in err, (rc, err)
+    assert not (tmp_path / ".history-cache" / "results").exists() or not os.listdir(
+        tmp_path / ".history-cache" / "results"), "an error before any run ran nothing"
+
+
+def test_not_a_git_repository_and_no_versions_are_clear_errors(tmp_path, capsys):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    rc, err = run_main(["--repo", str(plain), "--path", FILE, "-o", str(tmp_path / "o")], capsys)
+    assert rc == 2 and f"{plain}: not a git repository" in err, err
+    rc, err = run_main(["--versions", str(plain), "-o", str(tmp_path / "o")], capsys)
+    assert rc == 2 and f"{plain}: no versions (the folder has no files)" in err, err
+    rc, err = run_main(["--versions", str(tmp_path / "absent"), "-o", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "absent: no such directory" in err, err
+    rc, err = run_main(["-o", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "either --repo PATH --path FILE, or --versions DIR" in err, err
+
+
+def test_bad_manifests_name_the_manifest_and_entry(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    for data, message in ([{"title": "no file"}], "entry 0 is neither a file name nor an object"), \
+                         ({"a.py": 1}, "a JSON list"), (["a.py", "b.py"], "b.py: cannot read this version"), \
+                         ([{"file": "a.py", "date": 5}], 'entry 0 (a.py): "date" is not a string'):
+        manifest = tmp_path / "m.json"
+        manifest.write_text(json.dumps(data))
+        with pytest.raises(HistoryError, match=re.escape(message)):
+            from_folder(str(tmp_path), str(manifest))
+
+
+def test_folder_order_is_natural_and_hidden_files_are_left_out(tmp_path):
+    for name in ("v10.py", "v2.py", "v1.py", ".hidden.py"):
+        (tmp_path / name).write_text(name)
+    (tmp_path / "sub").mkdir()
+    assert [v.id for v in from_folder(str(tmp_path))] == ["v1.py", "v2.py", "v10.py"]
+
+
+def test_renames_are_followed_and_deletions_are_not_versions(tmp_path):
+    repo = tmp_path / "r"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    first = commit(repo, "old name", 1, {"old/dwm.py": "one\n"})
+    (repo / "new").mkdir()
+    git(repo, "mv", "old/dwm.py", "new/dwm.py")
+    second = commit(repo, "rename", 2, {"new/dwm.py": "one\n"})
+    third = commit(repo, "edit", 3, {"new/dwm.py": "two\n"})
+    git(repo, "rm", "-q", "new/dwm.py")
+    commit(repo, "delete", 4, {"sub/other.txt": "x\n"})
+    found = from_git(str(repo / "sub"), "new/dwm.py", rev_range=None)  # a folder inside the repository works
+    assert [(v.id, v.path, v.content) for v in found] == [
+        (first, "old/dwm.py", b"one\n"), (second, "new/dwm.py", b"one\n"), (third, "new/dwm.py", b"two\n")]
+
+
+# --- units ----------------------------------------------------------------------------------------
+
+def fake_versions(n: int) -> list[Version]:
+    return [Version(i, f"c{i}", "", f"commit {i}", "f.py", None, b"%d" % i) for i in range(n)]
+
+
+@pytest.mark.parametrize("n, first_changed", [(2, 1), (9, 1), (9, 5), (9, 8), (16, 11)])
+def test_bisect_finds_the_first_change_in_log_probes(n, first_changed):
+    asked = []
+
+    def verdict_at(i):
+        asked.append(i)
+        return "failed" if i >= first_changed else "passed"
+
+    found = verdicts.bisect(fake_versions(n), RULE, verdict_at)
+    assert (found.found, found.index, found.before, found.old, found.new) == (
+        True, first_changed, first_changed - 1, "passed", "failed"), found
+    assert len(asked) == len(set(asked)) <= 2 + (n - 1).bit_length(), asked
+
+
+def test_bisect_says_when_there_is_nothing_to_find():
+    versions = fake_versions(5)
+    same = verdicts.bisect(versions, RULE, lambda i: "passed")
+    assert not same.found and "passed at the first and passed at the last" in same.message
+    wrong_start = verdicts.bisect(versions, RULE, lambda i: "failed", want_from="passed")
+    assert not wrong_start.found and "has PART-ORDER-NUMERIC failed, not passed" in wrong_start.message
+    already = verdicts.bisect(versions, RULE, lambda i: "failed", want_to="failed")
+    assert not already.found and "already has verdict failed" in already.message
+
+
+def test_the_suite_hash_follows_the_suite_code_and_options_but_not_this_tool(tmp_path, monkeypatch):
+    for name in ("conformance/plugin.py", "conformance/history/cli.py", "fixtures/a.py", "SPEC.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("v1\n")
+    monkeypatch.setattr(runs, "ROOT", str(tmp_path))
+    base = runs.Suite().fingerprint()
+    assert runs.Suite().fingerprint() == base
+    assert runs.Suite(extra=("--rule", "PART")).fingerprint() != base
+    assert runs.Suite(impl="other").fingerprint() != base
+    (tmp_path / "conformance/history/cli.py").write_text("v2\n")
+    assert runs.Suite().fingerprint() == base, "the history tool is not the suite"
+    (tmp_path / "SPEC.md").write_text("v2\n")
+    changed = runs.Suite().fingerprint()
+    assert changed != base
+    (tmp_path / "conformance/plugin.py").write_text("v2\n")
+    assert runs.Suite().fingerprint() != changed
+    (tmp_path / "exp.toml").write_text("a\n")
+    with_file = runs.Suite(extra=("--expectations", "exp.toml")).fingerprint()
+    (tmp_path / "exp.toml").write_text("b\n")
+    assert runs.Suite(extra=("--expectations", "exp.toml")).fingerprint() != with_file, "a named file's content"
+
+
+def test_a_usage_error_message_is_pytests_error_lines():
+    output = "some header\nERROR: --impl=fastdeploy: cannot supply ['x']\n  more detail\n\nafter\n"
+    assert runs.usage_message(output) == "--impl=fastdeploy: cannot supply ['x']\nmore detail"
+    assert runs.usage_message("just\nnoise\n") == "just\nnoise"
+
+
+def test_cache_entries_are_whole_or_absent(tmp_path):
+    cache = runs.Cache(str(tmp_path), "suite")
+    result = runs.Result(cache.key("abc"), "abc", "report", 0, "", 1.0, {"rules": []})
+    cache.put(result)
+    assert cache.get("abc").report == {"rules": []} and cache.get("abc").cached
+    crashed = runs.Result(cache.key("def"), "def", "crashed", -9, "killed", 1.0, None)
+    cache.put(crashed)
+    assert cache.get("def") is None, "a crash may be the machine's: not cached"
+    (tmp_path / "results" / f"{cache.key('ghi')}.json").write_text('{"key": "tru')
+    assert cache.get("ghi") is None, "an unreadable entry is run again"
+    (tmp_path / "results" / ".tmp-x.part").write_text("partial")
+    runs.Cache(str(tmp_path), "suite")
+    assert ".tmp-x.part" not in os.listdir(tmp_path / "results")
+    assert runs.Cache(str(tmp_path), "other suite").get("abc") is None, "another suite's results are not reused"
