@@ -24,6 +24,7 @@ import pytest
 from conformance.history import cli, runs, verdicts
 from conformance.history.versions import HistoryError, Version, from_folder, from_git
 from tests.conftest import REPO
+from tests.test_matrix import Dom
 
 STANDINS = os.path.join(REPO, "tests", "fd_standins")
 FILE = "fastdeploy/rl/dynamic_weight_manager.py"
@@ -137,7 +138,8 @@ def interrupted(work, bisected):
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     return {"rc": proc.returncode, "stdout": stdout, "stderr": stderr, "tree": tree, "before": before,
-            "after": cache_entries(work), "files": os.listdir(work["out"] / ".history-cache" / "results")}
+            "after": cache_entries(work), "files": os.listdir(work["out"] / ".history-cache" / "results"),
+            "scratch": os.listdir(work["out"] / ".history-cache" / "work")}
 
 
 def _cmdline(p) -> list[str]:
@@ -188,6 +190,7 @@ def test_an_interrupted_run_ends_its_suite_runs_and_leaves_the_cache_whole(inter
     assert not alive, f"processes of the interrupted run still alive: {alive}"
     assert interrupted["after"] == interrupted["before"], "an interrupted suite run left a cache entry"
     assert sorted(interrupted["files"]) == sorted(interrupted["before"]), "a temporary file was left in the cache"
+    assert interrupted["scratch"] == [], "the ended run's scratch folder was left behind"
     for name, entry in interrupted["after"].items():
         assert name == f"{entry['key']}.json" and entry["outcome"] in runs.CACHED_OUTCOMES, name
 
@@ -291,6 +294,12 @@ def test_the_page_has_versions_as_columns_and_marks_each_change(work, history):
     assert page.cells[(RULE, 2)]["text"] == "usage error"
     assert "cannot supply" in page.heads[2]["title"], page.heads[2]["title"]
     assert "<script" not in history["html"] and "src=" not in history["html"]
+    dom = Dom(history["html"])  # well formed, as conformance.matrix's page
+    assert dom.stray == [] and dom.unbalanced == [] and dom.unclosed == [], (dom.stray, dom.unbalanced, dom.unclosed)
+    assert [d.lower() for d in dom.decls] == ["doctype html"]
+    listed = [(r.attrs["data-rule"], int(r.attrs["data-col"])) for r in dom.one("table", "changes").all("tr")
+              if "data-rule" in r.attrs]
+    assert listed == [(RULE, 1), (RULE, 3), (RULE, 4)], "the changes above the table, in commit order"
 
 
 # --- the same history from other inputs, from the cache -------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -206,40 +207,42 @@ class Runner:
         key = self.cache.key(sha256)
         os.makedirs(self.work, exist_ok=True)
         scratch = tempfile.mkdtemp(prefix=f"run-{sha256[:12]}-", dir=self.work)
-        report_path = os.path.join(scratch, "report.json")
-        log_path = os.path.join(scratch, "output.txt")
-        started = time.monotonic()
-        with open(log_path, "wb") as log:
-            with self._lock:
-                if self._stopping.is_set():
-                    raise KeyboardInterrupt
-                # Its own session: Ctrl-C reaches the tool, which ends the child's whole group itself.
-                child = subprocess.Popen(self.suite.command(source, report_path), cwd=ROOT, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-                self._children.add(child)
-                self.executed += 1
-            try:
-                status = child.wait(timeout=self.suite.timeout_s)
-            except subprocess.TimeoutExpired:
-                self._end(child)
-                status = None
-            except BaseException:  # Ctrl-C while the main thread waits on it (bisect)
-                self._stopping.set()
-                self._end(child)
-                raise
-            finally:
+        try:
+            report_path = os.path.join(scratch, "report.json")
+            log_path = os.path.join(scratch, "output.txt")
+            started = time.monotonic()
+            with open(log_path, "wb") as log:
                 with self._lock:
-                    self._children.discard(child)
-        if self._stopping.is_set():
-            raise KeyboardInterrupt
-        duration = time.monotonic() - started
-        with open(log_path, encoding="utf-8", errors="replace") as f:
-            output = f.read()
-        result = self._result(key, sha256, status, output, report_path, duration)
-        self.cache.put(result)
-        if result.outcome in CACHED_OUTCOMES:
-            _remove_tree(scratch)
-        return result
+                    if self._stopping.is_set():
+                        raise KeyboardInterrupt
+                    # Its own session: Ctrl-C reaches the tool, which ends the child's whole group itself.
+                    child = subprocess.Popen(self.suite.command(source, report_path), cwd=ROOT, stdout=log,
+                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             start_new_session=True)
+                    self._children.add(child)
+                    self.executed += 1
+                try:
+                    status = child.wait(timeout=self.suite.timeout_s)
+                except subprocess.TimeoutExpired:
+                    self._end(child)
+                    status = None
+                except BaseException:  # Ctrl-C while the main thread waits on it (bisect)
+                    self._stopping.set()
+                    self._end(child)
+                    raise
+                finally:
+                    with self._lock:
+                        self._children.discard(child)
+            if self._stopping.is_set():
+                raise KeyboardInterrupt
+            duration = time.monotonic() - started
+            with open(log_path, encoding="utf-8", errors="replace") as f:
+                output = f.read()
+            result = self._result(key, sha256, status, output, report_path, duration)
+            self.cache.put(result)
+            return result
+        finally:
+            _remove_tree(scratch)  # a crash's message has the end of its output
 
     def _result(self, key, sha256, status, output, report_path, duration) -> Result:
         if status is None:
@@ -312,7 +315,6 @@ class Runner:
 
 
 def _remove_tree(path: str) -> None:
-    import shutil
     shutil.rmtree(path, ignore_errors=True)
 
 
