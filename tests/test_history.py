@@ -142,6 +142,13 @@ def interrupted(work, bisected):
             "scratch": os.listdir(work["out"] / ".history-cache" / "work")}
 
 
+def _alive(p) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _cmdline(p) -> list[str]:
     try:
         return p.cmdline()
@@ -186,7 +193,7 @@ def test_an_interrupted_run_ends_its_suite_runs_and_leaves_the_cache_whole(inter
     assert interrupted["rc"] == 130, interrupted["stderr"]
     assert "interrupted" in interrupted["stderr"] and "resumes" in interrupted["stderr"], interrupted["stderr"]
     assert "Traceback" not in interrupted["stderr"], interrupted["stderr"]
-    alive = [p.pid for p in interrupted["tree"] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p.pid for p in interrupted["tree"] if _alive(p)]
     assert not alive, f"processes of the interrupted run still alive: {alive}"
     assert interrupted["after"] == interrupted["before"], "an interrupted suite run left a cache entry"
     assert sorted(interrupted["files"]) == sorted(interrupted["before"]), "a temporary file was left in the cache"
@@ -408,6 +415,34 @@ def test_renames_are_followed_and_deletions_are_not_versions(tmp_path):
     found = from_git(str(repo / "sub"), "new/dwm.py", rev_range=None)  # a folder inside the repository works
     assert [(v.id, v.path, v.content) for v in found] == [
         (first, "old/dwm.py", b"one\n"), (second, "new/dwm.py", b"one\n"), (third, "new/dwm.py", b"two\n")]
+
+
+def test_first_parent_by_default_every_branch_with_all_and_a_rev_range(tmp_path):
+    repo = tmp_path / "r"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    one = commit(repo, "one", 1, {"f.py": "1\n"})
+    git(repo, "checkout", "-q", "-b", "side")
+    side = commit(repo, "on a side branch", 2, {"f.py": "side\n"})
+    git(repo, "checkout", "-q", "main")
+    two = commit(repo, "two", 3, {"f.py": "2\n"})
+    three = commit(repo, "three", 4, {"f.py": "3\n"})
+    assert [v.id for v in from_git(str(repo), "f.py")] == [one, two, three]
+    everything = [v.id for v in from_git(str(repo), "f.py", all_branches=True)]
+    assert sorted(everything) == sorted([one, side, two, three]) and everything[0] == one, everything
+    assert everything.index(two) < everything.index(three), "topological: a parent before its child"
+    assert [v.id for v in from_git(str(repo), "f.py", rev_range=f"{one}..{three}")] == [two, three]
+    with pytest.raises(HistoryError, match="--all and --rev-range exclude each other"):
+        from_git(str(repo), "f.py", rev_range="HEAD", all_branches=True)
+    with pytest.raises(HistoryError, match="bad revision 'nosuch..HEAD'"):
+        from_git(str(repo), "f.py", rev_range="nosuch..HEAD")
+
+
+def test_arguments_pytest_refuses_end_the_run():
+    refused = runs.Result("k", "s", "usage_error", 4, "pytest: error: unrecognized arguments: --jbos", 1.0, None)
+    with pytest.raises(HistoryError, match="pytest refused the arguments passed to it: .*--jbos"):
+        cli.abort_on_bad_arguments(refused)
+    cli.abort_on_bad_arguments(runs.Result("k", "s", "usage_error", 4, "cannot supply ['x']", 1.0, None))
 
 
 # --- units ----------------------------------------------------------------------------------------
