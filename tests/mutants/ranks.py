@@ -253,6 +253,35 @@ class VersionStampedAtAnnounce(Mutant):
         return {"reference.adapter.WeightManager": _EarlyStampManager}
 
 
+class _StickyPendingManager(_manager.WeightManager):
+    """The announced version is cleared only by the commit that stamps it, not when an update starts."""
+
+    @property
+    def _pending_version(self):
+        return self.__dict__.get("_sticky_version")
+
+    @_pending_version.setter
+    def _pending_version(self, version):
+        if version is not None:  # the reset at the start of an update is lost
+            self.__dict__["_sticky_version"] = version
+
+    def finalize(self):
+        committed = self._committed
+        super().finalize()
+        if self._committed and not committed:
+            self.__dict__["_sticky_version"] = None  # consumed by this commit
+
+
+class FailedVersionStampedLater(Mutant):
+    id = "version_of_failed_update_stamped_later"
+    bug = ("the version a failed update announced stays pending (cleared only by a commit): the next update that "
+           "carries no version (no version.yaml) is stamped with the failed update's version, which never loaded")
+    kills = frozenset({"VER-FAILED-KEEPS"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _StickyPendingManager}
+
+
 class VersionGoesBackwards(Mutant):
     id = "version_goes_backwards"
     bug = "any announced version is accepted: a stale trainer moves the reported version (and the weights) back"
