@@ -10,11 +10,11 @@ import pytest
 
 from conformance import check, harness
 from conformance import multirank_plan as P
-from sim.ranks import NORMAL, UPDATING
+from sim.ranks import CLEARED, HOLD_S, NORMAL, UPDATING
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]  # the job runs in the first test's setup
 NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", -1: "CLEARING", -2: "CLEARED"}
-FAILURE_STEPS = [(3, "kill", None), (5, "missing", 1), (7, "bad-dtype", 0)]
+FAILURE_STEPS = [(3, "kill", None), (5, "missing", 1), (7, "bad-dtype", 0), (9, "partial", 1)]
 SLACK_S = 20.0  # a failure must reach every rank well within this after the UPDATING (loaded machine)
 
 
@@ -37,7 +37,7 @@ def _cell(history):
 def _healthy(rank_job, p):
     """(where, sent by rank, what each rank reported) for the first load and every healthy update."""
     yield "first load of version 1", p["first_sent"], p["first"], 1
-    for s in [P.step(rank_job, p, v) for v in range(2, 9)] + p["cycles"]:
+    for s in [P.step(rank_job, p, v) for v in range(2, P.LAST_STEP + 1)] + p["cycles"]:
         if s["fault"] is None:
             yield f"update to version {s['version']}", s["sent"], s["update"], s["version"]
 
@@ -57,11 +57,34 @@ def test_every_rank_loads_its_own_shard(rank_job, path):
             check.that(all(event["digests"] != sent[r] for r in others), f"{at}: the rank holds another rank's shard")
 
 
+def _cleared_after_every_rank(rank_job, path, s):
+    """The clear before ``s``: every rank reported it, the cell ends CLEARED, and when a rank was held inside
+    its clear, the cell read CLEARED only after that rank was let go (before that it had not cleared)."""
+    where = f"{path}: the clear before version {s['version']}"
+    check.equal(sorted(int(r) for r in s["clear"]), list(range(rank_job["ranks"])), f"{where}: ranks that reported the clear")
+    check.that(all(e["event"] == "cleared" for e in s["clear"].values()),
+               f"{where}: what each rank reported: {[(r, e['event'], e.get('error')) for r, e in s['clear'].items()]}")
+    history = _cell(s["cell_clear"])
+    check.that(history[-1:] == ["CLEARED"], f"{where}: the cell after every rank reported: {history}")
+    slow = s.get("slow_clear_rank")
+    if slow is None:
+        return
+    event = s["clear"].get(slow, s["clear"].get(str(slow)))
+    released = P.held_until(event, s["version"])
+    check.that(released is not None, f"{where}: rank {slow} was to be held {HOLD_S:g}s inside its clear, but its "
+               "status() never read CLEARING during the iteration that cleared")
+    t_cleared = min(t for t, v in s["cell_clear"] if v == CLEARED)
+    check.that(t_cleared >= released,
+               f"{where}: the cell read CLEARED {released - t_cleared:.3f}s before rank {slow} could have cleared "
+               f"(held {HOLD_S:g}s inside its clear): CLEARED was published before every rank had cleared")
+
+
 @pytest.mark.rule("MR-AGREE-BEFORE-NORMAL")
 @pytest.mark.parametrize("path", _paths())
 def test_normal_only_after_every_rank(rank_job, path):
     p = _path(rank_job, path)
-    for s in [P.step(rank_job, p, v) for v in range(2, 9)]:
+    for s in [P.step(rank_job, p, v) for v in range(2, P.LAST_STEP + 1)]:
+        _cleared_after_every_rank(rank_job, path, s)
         history = _cell(s["cell"])
         where = f"{path}: update to version {s['version']}" + (f" with {s['fault']} on rank {s['rank']}" if s["fault"] else "")
         if s["fault"]:
@@ -88,6 +111,7 @@ def test_failure_reaches_every_rank(rank_job, path, version, fault, rank):
     s = P.step(rank_job, p, version)
     failing = s["rank"]
     where = f"{path}: version {version} with {fault} on rank {failing}"
+    check.equal(sorted(int(r) for r in s["update"]), list(range(rank_job["ranks"])), f"{where}: ranks that reported the update")
     for r, event in s["update"].items():
         at = f"{where}, rank {r}"
         check.equal(event["event"], "failed", f"{at}: what the rank reported ({event.get('status')}, {event.get('version')})")
