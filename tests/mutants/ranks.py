@@ -373,7 +373,7 @@ class VoteBeforeCompletenessCheck(Mutant):
     bug = ("a rank votes success once its transfer ended, before checking that every parameter arrived: a rank whose "
            "well-formed shard lacks a tensor agrees, the other ranks commit (NORMAL, the new version), and only then "
            "does it fail its own check")
-    kills = frozenset({"MR-FAILURE-EVERY-RANK"})
+    kills = frozenset({"MR-FAILURE-EVERY-RANK", "MR-AGREE-BEFORE-NORMAL", "STAGE-ATOMIC"})
     zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
 
     def patches(self):
