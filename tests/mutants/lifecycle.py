@@ -363,6 +363,25 @@ class HoldsEverySource(Mutant):
         return _manager_patch(Manager)
 
 
+class FailureForAnotherReason(Mutant):
+    id = "failed_update_raises_its_own_crash"
+    bug = ("the error path of update() crashes while it logs the failure (an attribute of a source that was never "
+           "opened), so every failed update raises an AttributeError that names nothing: the status and the version "
+           "stay right, but the operator never learns which tensor, file or field was at fault")
+    kills = frozenset({"LIFE-FAILED-NOT-NORMAL", "LIFE-RECOVERY", "MODEL-TRANSFORM-FAILED", "MODEL-HOOKS",
+                       "VER-FAILED-KEEPS", "STAGE-ATOMIC", "STREAM-NO-LEAK"})
+
+    def patches(self):
+        class Manager(_manager.WeightManager):
+            def update(self):
+                try:
+                    return super().update()
+                except Exception:
+                    raise AttributeError("'NoneType' object has no attribute 'name'") from None
+
+        return _manager_patch(Manager)
+
+
 class TraceAccumulates(Mutant):
     id = "trace_accumulates"
     bug = ("the list of applied sources is created once per session and never reset: after the second update "
