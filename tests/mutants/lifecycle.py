@@ -370,6 +370,7 @@ class FailureForAnotherReason(Mutant):
            "stay right, but the operator never learns which tensor, file or field was at fault")
     kills = frozenset({"LIFE-FAILED-NOT-NORMAL", "LIFE-RECOVERY", "MODEL-TRANSFORM-FAILED", "MODEL-HOOKS",
                        "VER-FAILED-KEEPS", "STAGE-ATOMIC", "STREAM-NO-LEAK"})
+    zoo_args = ("-k", "not test_multirank")  # the single-process tests of these rules are enough
 
     def patches(self):
         class Manager(_manager.WeightManager):
