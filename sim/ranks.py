@@ -6,7 +6,9 @@ This process plays the engine: it creates one status cell per path, starts one t
 path, launches the ranks (``conformance/rank_worker.py``, which runs the implementation under test),
 and then, for each step of each path's plan, writes CLEARING and waits for CLEARED, has every trainer
 publish the next version (one of them, optionally, with a fault), writes UPDATING and waits until every
-rank has reported the update or its failure. A thread reads the cell every 0.2 ms throughout, so a
+rank has reported the update or its failure. A step's ``slow_clear_rank`` is held ``HOLD_S`` inside its
+clear by its harness (``hold.{path}`` in the run directory, taken by ``rank_worker.ClearHold`` before the
+CLEARING is written). A thread reads the cell every 0.2 ms throughout, so a
 NORMAL that lasts a moment is still seen. Every wait has a deadline; the job's result is plain data
 (what each rank reported, what each trainer sent, the cell's history, resources), judged by the caller
 (the MR and CYCLE rules, ``benchmarks/rank_cycle.py``).
