@@ -30,6 +30,11 @@ def _path(rank_job, path):
 
 
 
+def _every_rank(rank_job, reports, where):
+    """Every rank of the job reported (a loop over no report checks nothing)."""
+    check.equal(sorted(int(r) for r in reports), list(range(rank_job["ranks"])), f"{where}: ranks that reported")
+
+
 def _cell(history):
     return [NAMES.get(v, v) for _, v in history]
 
@@ -47,6 +52,7 @@ def _healthy(rank_job, p):
 def test_every_rank_loads_its_own_shard(rank_job, path):
     p = _path(rank_job, path)
     for where, sent, got, version in _healthy(rank_job, p):
+        _every_rank(rank_job, got, f"{path}: {where}")
         for rank, event in got.items():
             rank = int(rank)
             at = f"{path}, rank {rank} (physical GPU {rank_job['visible'][rank]}): {where}"
@@ -61,7 +67,7 @@ def _cleared_after_every_rank(rank_job, path, s):
     """The clear before ``s``: every rank reported it, the cell ends CLEARED, and when a rank was held inside
     its clear, the cell read CLEARED only after that rank was let go (before that it had not cleared)."""
     where = f"{path}: the clear before version {s['version']}"
-    check.equal(sorted(int(r) for r in s["clear"]), list(range(rank_job["ranks"])), f"{where}: ranks that reported the clear")
+    _every_rank(rank_job, s["clear"], f"{where}: the clear")
     check.that(all(e["event"] == "cleared" for e in s["clear"].values()),
                f"{where}: what each rank reported: {[(r, e['event'], e.get('error')) for r, e in s['clear'].items()]}")
     history = _cell(s["cell_clear"])
@@ -91,6 +97,7 @@ def test_normal_only_after_every_rank(rank_job, path):
             check.that("NORMAL" not in history, f"{where}: the cell read NORMAL after the UPDATING ({history}) although a rank failed")
             continue
         check.that(history[-1:] == ["NORMAL"], f"{where}: the cell after every rank reported: {history}")
+        _every_rank(rank_job, s["update"], where)
         check.that(all(e["status"] == "NORMAL" for e in s["update"].values()),
                    f"{where}: statuses {[e['status'] for e in s['update'].values()]}")
         if s["slow_rank"] is not None:
@@ -111,7 +118,7 @@ def test_failure_reaches_every_rank(rank_job, path, version, fault, rank):
     s = P.step(rank_job, p, version)
     failing = s["rank"]
     where = f"{path}: version {version} with {fault} on rank {failing}"
-    check.equal(sorted(int(r) for r in s["update"]), list(range(rank_job["ranks"])), f"{where}: ranks that reported the update")
+    _every_rank(rank_job, s["update"], where)
     for r, event in s["update"].items():
         at = f"{where}, rank {r}"
         check.equal(event["event"], "failed", f"{at}: what the rank reported ({event.get('status')}, {event.get('version')})")
@@ -122,7 +129,8 @@ def test_failure_reaches_every_rank(rank_job, path, version, fault, rank):
             check.that(f"rank {failing}" in event["error"], f"{at}: the error does not name the failing rank {failing}: {event['error']!r}")
     check.that("NORMAL" not in _cell(s["cell"]), f"{where}: the cell after the UPDATING: {_cell(s['cell'])}")
     nxt = P.step(rank_job, p, version + 1)
-    check.that(all(e["event"] == "updated" and e["digests"] == nxt["sent"][r] for r, e in nxt["update"].items()),
+    check.that(sorted(int(r) for r in nxt["update"]) == list(range(rank_job["ranks"]))
+               and all(e["event"] == "updated" and e["digests"] == nxt["sent"][r] for r, e in nxt["update"].items()),
                f"{where}: the recovery (clear, then version {version + 1}) on every rank: "
                f"{[(r, e['event'], e.get('error')) for r, e in nxt['update'].items()]}")
 
@@ -134,6 +142,7 @@ def test_no_rank_waits_past_its_deadline(rank_job, path):
     s = P.step(rank_job, p, "hang")
     stalled = s["rank"]
     where = f"{path}: rank {stalled}'s trainer never answers (its transfer deadline {P.STALL_TIMEOUT_S:g}s, the agreement's {P.AGREE_TIMEOUT_S:g}s)"
+    _every_rank(rank_job, s["update"], where)
     times = {int(r): e["t"] - s["t_update"] for r, e in s["update"].items()}
     for r, event in s["update"].items():
         check.equal(event["event"], "failed", f"{where}: rank {r} reported ({event.get('error')})")
@@ -153,6 +162,7 @@ def test_failure_on_one_rank_changes_no_rank(rank_job, path):
     p = _path(rank_job, path)
     for version, fault, _ in FAILURE_STEPS:
         s = P.step(rank_job, p, version)
+        _every_rank(rank_job, s["update"], f"{path}: version {version} with {fault}")
         for r, event in s["update"].items():
             loaded = sorted(n for n, d in event["digests"].items() if d is not None)
             check.that(not loaded, f"{path}: version {version} with {fault} on rank {s['rank']}: rank {r} holds "
