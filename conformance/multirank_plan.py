@@ -6,7 +6,8 @@ steps, after the first load of version 1:
 ====  ==================================================  ===========================================
 ver   what the trainers publish                           what it proves
 ====  ==================================================  ===========================================
-2     healthy (bucket: rank 1's trainer slow)              own shards; NORMAL only after every rank
+2     healthy (bucket: rank 1's trainer slow); rank 1      own shards; NORMAL only after every rank;
+      held 0.3 s inside the clear before it                CLEARED only after every rank cleared
 3     a trainer killed (snapshot: mid-write; meta: after   failure mid-transfer
       publishing; bucket: while packing bucket 1)
 4     healthy                                              recovery
@@ -14,6 +15,8 @@ ver   what the trainers publish                           what it proves
 6     healthy                                              recovery
 7     rank 0's last tensor in the wrong dtype             failure on the first rank
 8     healthy                                              recovery
+9     rank 1's shard lacks its last tensor (well formed)   an incomplete rank that nothing else fails
+10    healthy                                              recovery
 ====  ==================================================  ===========================================
 
 then ``CYCLES`` healthy cycles when the cycle tier is selected (resources after the first and the last),
@@ -35,13 +38,16 @@ PATH_CAPS = {"snapshot": "snapshot.parts", "meta": "ipc.meta", "bucket": "ipc.bu
 NEEDS = ("multirank", "status.cell")
 KILL_RANK = {"snapshot": 1, "meta": 1, "bucket": 0}  # bucket: rank 1 has the long (stall) deadline
 HANG_RANK = 1
+SLOW_CLEAR_RANK = 1  # not the rank that writes the cell
+LAST_STEP = 10
 
 
 def steps(path: str) -> list[Step]:
     # The kill comes early: its trainer is replaced by a fresh process, which has published several
     # versions by the time the cycles measure it (its allocator settles after its first two).
-    return [Step(1), Step(2, slow_rank=1 if path == "bucket" else None), Step(3, "kill", KILL_RANK[path]), Step(4),
-            Step(5, "missing", 1), Step(6), Step(7, "bad-dtype", 0), Step(8)]
+    return [Step(1), Step(2, slow_rank=1 if path == "bucket" else None, slow_clear_rank=SLOW_CLEAR_RANK),
+            Step(3, "kill", KILL_RANK[path]), Step(4), Step(5, "missing", 1), Step(6), Step(7, "bad-dtype", 0), Step(8),
+            Step(9, "partial", 1), Step(10)]
 
 
 def plans(paths, cycles: int, hang: bool, staged: bool) -> list[PathPlan]:
@@ -86,6 +92,12 @@ def step(job: dict, p: dict, key) -> dict:
     if found is None or "update" not in found:
         raise AssertionError(f"the multi-rank job stopped before {p['path']} step {key}: {job.get('error', 'not run')}")
     return found
+
+
+def held_until(event: dict, version: int) -> float | None:
+    """When the rank's harness let it go on after holding it inside the clear before ``version``."""
+    held = event.get("held_until") or {}
+    return held.get(str(version), held.get(version))
 
 
 def cycles(job: dict, p: dict) -> list:

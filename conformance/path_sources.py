@@ -16,6 +16,7 @@ Versions: ``version.yaml`` (``step``) beside the snapshot or the meta file; the 
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 
@@ -50,6 +51,8 @@ class Sources:
         self.exports: list = []
         self.publisher = None
         self.where = ""
+        self.paths: list[str] = []  # snapshot: the parts of the last publish
+        self.last_bucket = 0  # bucket: the index of the last publish's last bucket
 
     def options(self, **extra) -> dict:
         if self.kind == "bucket":
@@ -67,7 +70,7 @@ class Sources:
             d = self.loader.model_dir
             for name in os.listdir(d):
                 os.remove(os.path.join(d, name))
-            paths = S.write_parts(d, self.rank, self.gpu, dict(enumerate(S.split(st, min(3, len(st))))))
+            paths = self.paths = S.write_parts(d, self.rank, self.gpu, dict(enumerate(S.split(st, min(3, len(st))))))
             if fault == "gone":
                 with open(paths[-1], "r+b") as f:
                     f.truncate(os.path.getsize(paths[-1]) // 2)
@@ -84,14 +87,36 @@ class Sources:
                 export.free(list(st)[-1])
             if write_version:
                 C.write_version(self.loader.shared_dir, version)
+            elif os.path.exists(os.path.join(self.loader.shared_dir, "version.yaml")):
+                os.remove(os.path.join(self.loader.shared_dir, "version.yaml"))  # the last version's, gone with it
             self.where = f"ipc metas {path}"
         else:
             update = B.pack(st, version, BUCKET_BYTES)
+            self.last_bucket = len(update.buckets) - 1
             if fault == "gone":
-                update.fault = ("die", len(update.buckets) - 1)
+                update.fault = ("die", self.last_bucket)
             self.options()
             self.publisher.serve(update)
             self.where = f"buckets of version {version} at {self.publisher.endpoint}"
+
+    def failure(self, spec, fault: str) -> tuple[type, str, list[str]]:
+        """(exception type, pattern, names) that the update of the last ``publish(spec, v, fault)`` must
+        raise, as SPEC.md names them: a missing parameter the verification's RuntimeError (its words or the
+        parameter's name: APPLY-MISSING-FAILS), a
+        wrong dtype a TypeError naming the tensor (APPLY-DTYPE-MISMATCH); the source gone mid-transfer a
+        ValueError naming the truncated part (FILE-TRUNCATED), a ValueError naming a tensor of the freed
+        segment (IPC-SEGMENT-GONE), a TimeoutError naming the bucket awaited (BKT-TIMEOUT)."""
+        last = sorted(p.name for p in spec.all_params)[-1]
+        if fault == "missing":  # FastDeploy's verification names no parameter (fd-spec §2.7); the reference's does
+            return RuntimeError, rf"verification failed|{re.escape(last)}", []
+        if fault == "bad-dtype":
+            return TypeError, re.escape(last), [last]
+        if self.kind == "snapshot":
+            return ValueError, re.escape(os.path.basename(self.paths[-1])), [self.paths[-1]]
+        if self.kind == "ipc":
+            freed = self.exports[0].sharing(last)
+            return ValueError, "|".join(map(re.escape, freed)), []
+        return TimeoutError, rf"bucket {self.last_bucket}\b", []
 
     def settle(self) -> None:
         """Wait for the trainer to finish serving (buckets); a publisher that died is replaced."""

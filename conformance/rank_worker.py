@@ -77,6 +77,54 @@ def wait_for_master(deadline: float) -> None:
 RUN, WAIT, STOP = 0, 1, 2
 
 
+class ClearHold:
+    """The orchestrator's order to hold this rank inside its clear (``hold.{job}``: rank, version, hold_s):
+    a profile function, set around the worker loop's iterations until it fires, sleeps ``hold_s`` at the
+    first Python call after the session's ``status()`` reads CLEARING, i.e. inside the implementation's
+    clear, before this rank can tell a peer it has cleared. It writes nothing and replaces nothing: a peer
+    that publishes CLEARED before this rank's clear ended did not wait for it. ``armed.{job}`` tells the
+    orchestrator the order was taken (it writes CLEARING only then: no iteration can slip past it)."""
+
+    def __init__(self, run_dir: str, job: str, rank: int, session):
+        self.order_path = os.path.join(run_dir, f"hold.{job}")
+        self.armed_path = os.path.join(run_dir, f"armed.{job}")
+        self.rank, self.session = rank, session
+        self.held: dict[int, float] = {}  # version -> when the hold ended (wall clock)
+        self.armed: set[int] = set()
+
+    def probe(self):
+        """The profile function for the next iteration, or None when there is no pending order."""
+        try:
+            with open(self.order_path, encoding="utf-8") as f:
+                order = json.load(f)
+        except (FileNotFoundError, ValueError):
+            return None
+        if order["rank"] != self.rank or order["version"] in self.held:
+            return None
+        if order["version"] not in self.armed:
+            self.armed.add(order["version"])
+            with open(self.armed_path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(str(order["version"]))
+            os.replace(self.armed_path + ".tmp", self.armed_path)
+        busy = [False]
+
+        def probe(frame, event, arg):
+            if event != "call" or busy[0] or order["version"] in self.held:
+                return
+            busy[0] = True
+            try:
+                if self.session.status() == "CLEARING":
+                    time.sleep(order["hold_s"])
+                    self.held[order["version"]] = time.time()
+            finally:
+                busy[0] = False
+
+        return probe
+
+    def held_until(self, version) -> float | None:
+        return self.held.get(version)
+
+
 class Collective:
     """The harness's own bounded collective: rank 0's word on every rank. Every rank takes the same
     decision from it, so the harness's collectives and the implementation's stay in step."""
@@ -142,6 +190,7 @@ def run_path(job: dict, config: dict, adapter, rank: int, report: Reporter, coll
     except Exception as e:  # noqa: BLE001 (reported; the orchestrator judges)
         report("failed", **state(error=f"{type(e).__name__}: {e}", step="first"))
     runs = [0]
+    hold = ClearHold(config["run_dir"], name, rank, session)
 
     def run_model() -> None:
         runs[0] += 1
@@ -162,14 +211,20 @@ def run_path(job: dict, config: dict, adapter, rank: int, report: Reporter, coll
             time.sleep(0.005)
             continue
         failed = False
+        probe = hold.probe()
+        if probe is not None:
+            sys.setprofile(probe)
         try:
             result = session.worker_iteration(run_model, block=config["block"])
         except Exception as e:  # noqa: BLE001
-            report("failed", **state(error=f"{type(e).__name__}: {e}"))
+            sys.setprofile(None)
+            report("failed", **state(error=f"{type(e).__name__}: {e}", held_until=dict(hold.held)))
             failed = True
             continue
+        finally:
+            sys.setprofile(None)
         if result in ("cleared", "updated"):
-            report(result, **state(runs=runs[0]))
+            report(result, **state(runs=runs[0], held_until=dict(hold.held)))
         else:
             time.sleep(0.002)
     report("ended", job=name, runs=runs[0], resources=resources())

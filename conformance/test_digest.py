@@ -4,7 +4,8 @@ The oracle is ``fixtures.digests``, written from the spec: the trainer's digest 
 model digest is read from the session after updates over every path (snapshot single file and parts,
 ipc metas, ipc buckets, main + MTP); the sensitivity cases reload one session with one element, dtype,
 shape or name changed and compare the two digests tensor by tensor. Tensors are tiny (the largest is
-1 KiB, longer than any prefix-and-suffix sample a digest might take).
+1 KiB, longer than any prefix-and-suffix sample a digest might take), but for the middle-byte cases of
+tensors over 1 MiB (1 MiB + 1 byte, 2 MiB + 2 KiB), where a digest might start sampling.
 """
 import os
 import re
@@ -238,6 +239,34 @@ def test_one_change_changes_exactly_that_tensors_digest(loader):
         restate(st)
         other, publish = _open(loader, spec, "single", None, [])
         _only_changed(base, _update(other, publish, st), D.model(st), name, f"{name}: {case}")
+
+
+# Above 1 MiB a "fast" digest may sample (the first and last half MiB, a stride): one byte changed in the middle
+# of a tensor of 1 MiB + 1 byte, and of a larger one (2 MiB + 2 KiB), must change its digest.
+LARGE = (("big.odd", "uint8", ((1 << 20) + 1,)), ("big.bf16", "bfloat16", (1024, 1025)))
+SPEC_LARGE = M.spec(*LARGE)
+
+
+def _flip_middle_byte(name):
+    def edit(st):
+        raw = st[name].reshape(-1).view(np.uint8)
+        raw[raw.size // 2] ^= 0x10  # one bit of the byte at the middle: neither an element's first nor last byte
+    return edit
+
+
+@pytest.mark.rule("DIGEST-MODEL-SENSITIVE")
+@pytest.mark.requires("snapshot.single", "digest.model")
+def test_one_middle_byte_of_a_large_tensor_changes_its_digest(loader):
+    base_state = M.state(SPEC_LARGE)
+    session, publish = _open(loader, SPEC_LARGE, "single", None, [])
+    base = _update(session, publish, base_state)
+    _compare(base, D.model(base_state), "base model of tensors over 1 MiB")
+    for name, dtype, shape in LARGE:
+        st = {n: a.copy() for n, a in base_state.items()}
+        _flip_middle_byte(name)(st)
+        nbytes = st[name].nbytes
+        _only_changed(base, _update(session, publish, st), D.model(st), name,
+                      f"byte {nbytes // 2} of {nbytes} ({dtype} {list(shape)}) changed in {name}")
 
 
 @pytest.mark.rule("DIGEST-MODEL-INCOMPLETE")

@@ -224,15 +224,24 @@ def test_meta_of_wrong_length_is_a_clear_error(loader, trainer, bad):
     check.not_loaded(session.observe(), NAMES, f"{path}: meta of {LAST} is {bad}")
 
 
+# (worker, the trainer's device_id): ordinal 0 from device 0, and ordinal 1 (physical 3) from device 0 and 5:
+# a tuple's device_id must be replaced like a list's (IPC-DEVICE-ID-REPLACED), not kept because it is immutable.
+TUPLE_WORKERS = {"ordinal0-from-dev0": (Worker(0, "0", "0"), 0), "ordinal1-physical3-from-dev0": (PHYSICAL, 0),
+                 "ordinal1-physical3-from-dev5": (PHYSICAL, 5)}
+
+
 @pytest.mark.rule("IPC-META-TUPLE")
 @pytest.mark.requires("ipc.meta")
-def test_meta_stored_as_tuple_is_accepted(loader, trainer):
+@pytest.mark.parametrize("case", list(TUPLE_WORKERS))
+def test_meta_stored_as_tuple_is_accepted(loader, trainer, case):
+    worker, trainer_device = TUPLE_WORKERS[case]
     want = M.state(SPEC)
-    export = trainer(want)
-    path = I.write_metas(_meta_file(loader), {n: tuple(m) for n, m in export.metas.items()})
-    session = loader.open(SPEC, strategy="ipc")
+    export = trainer(want, device_id=trainer_device)
+    path = I.write_metas(_meta_file(loader, worker.gpu_id), {n: tuple(m) for n, m in export.metas.items()})
+    session = loader.open(SPEC, strategy="ipc", worker=worker)
     session.update()
-    check.params_equal(session.observe(), want, f"{path}: every meta a tuple")
+    check.params_equal(session.observe(), want, f"{path}: every meta a tuple with device_id {trainer_device}, worker "
+                       f"CUDA_VISIBLE_DEVICES={worker.visible} FLAGS_selected_gpus={worker.selected}")
 
 
 BAD_HANDLES = {
@@ -246,10 +255,12 @@ BAD_HANDLES = {
 
 @pytest.mark.rule("IPC-HANDLE-BYTES")
 @pytest.mark.requires("ipc.meta")
-@pytest.mark.parametrize("case", ["bytes-in-list", "bytes-in-tuple-as-share-cuda-returns", *BAD_HANDLES])
+@pytest.mark.parametrize("case", ["bytes-in-list", "bytes-in-tuple-as-share-cuda-returns", "bytes-in-tuple-on-ordinal1",
+                                  *BAD_HANDLES])
 def test_handle_stored_as_bytes_is_accepted(loader, trainer, case):
     want = M.state(SPEC)
-    export = trainer(want)
+    worker = PHYSICAL if case.endswith("ordinal1") else Worker(0, "0", "0")
+    export = trainer(want, device_id=5 if worker is PHYSICAL else 0)
     if case in BAD_HANDLES:
         session, path, metas = _open_tampered(
             loader, export, lambda metas: metas[LAST].__setitem__(0, BAD_HANDLES[case](metas[LAST][0])), pickle_writer=True)
@@ -257,10 +268,11 @@ def test_handle_stored_as_bytes_is_accepted(loader, trainer, case):
         return
     container = tuple if "tuple" in case else list
     metas = {n: container([m[0].encode("latin-1"), *m[1:]]) for n, m in export.metas.items()}
-    path = I.write_metas_pickle(_meta_file(loader), metas)
-    session = loader.open(SPEC, strategy="ipc")
+    path = I.write_metas_pickle(_meta_file(loader, worker.gpu_id), metas)
+    session = loader.open(SPEC, strategy="ipc", worker=worker)
     session.update()
-    check.params_equal(session.observe(), want, f"{path}: handles as 64 bytes in a {container.__name__}")
+    check.params_equal(session.observe(), want, f"{path}: handles as 64 bytes in a {container.__name__}, device_id "
+                       f"{metas[LAST][6]}, worker FLAGS_selected_gpus={worker.selected}")
 
 
 @pytest.mark.rule("IPC-META-MISSING")

@@ -155,3 +155,80 @@ def test_snapshot_update_peak_memory(loader, snapshots, layout, k, tensors):
         f"{where}: peak resident growth {peak / 1024:.0f} MiB ({peak * 1024 / spec.nbytes:.2f} M) during update(), "
         f"expected under M (1 + 1.5/{k}) + {SLACK_MIB} MiB = {bound / 1024:.0f} MiB",
     )
+
+
+# -- tensors no parameter takes ---------------------------------------------------------------------
+# Files that also carry tensors the model lacks (another model's, optimizer state) of U bytes, U > M. A
+# loader holding one file at a time holds at most that file's tensors beyond the model, wherever they
+# go; the bound is M + 1.5 F + 64 MiB, F the largest file's tensor bytes (M/k when every tensor is the
+# model's: the bound above). A reader that holds every file's tensors before applying (each known one
+# adopted without a copy, the unknown ones kept until the end) peaks at M + U: under the bound when every
+# tensor is the model's, over it here. M = 32 MiB and U = 128 MiB in 5 parts of 32 MiB (F = 32): bound
+# 144 MiB; one file at a time measured near 100 MiB, every file held near 195 MiB. The single-file layouts
+# (one source: holding it is holding every source) carry U = 48 MiB: bound 200 MiB, one copy of the file
+# beyond the model 112 MiB.
+UNKNOWN_CASES = [
+    pytest.param("parts", 5, 8, marks=pytest.mark.requires("snapshot.parts"), id="5-parts-32MiB-model-128MiB-unknown"),
+    pytest.param("single", 1, 3, marks=pytest.mark.requires("snapshot.single"), id="single-32MiB-model-48MiB-unknown"),
+    pytest.param("legacy", 1, 3, marks=pytest.mark.requires("snapshot.legacy"), id="legacy-32MiB-model-48MiB-unknown"),
+    pytest.param("shared", 1, 3, marks=pytest.mark.requires("snapshot.shared_fallback"),
+                 id="shared-32MiB-model-48MiB-unknown"),
+]
+KNOWN_TENSORS = 2
+
+
+@pytest.fixture(scope="module")
+def snapshots_with_unknown(tmp_path_factory):
+    """(layout, k, unknown) -> (model_dir, shared_dir, largest file's tensor bytes), written on first use:
+    the model's tensors and ``unknown`` tensors of 16 MiB it lacks, known and unknown alternating in file order."""
+    root = tmp_path_factory.mktemp("mem-unknown")
+    made = {}
+
+    def get(layout, k, unknown):
+        key = (layout, k, unknown)
+        if key not in made:
+            st = _state(_spec(KNOWN_TENSORS))
+            extra = _state(_spec(unknown))
+            names = [f"unknown.{n}" for n in extra]
+            for i, (name, arr) in enumerate(zip(names, extra.values())):
+                st[name] = arr
+            order = sorted(st, key=lambda n: (n.startswith("unknown."), n))
+            known, rest = order[:KNOWN_TENSORS], order[KNOWN_TENSORS:]
+            ordered = {n: st[n] for n in rest[:1] + known[:1] + rest[1:2] + known[1:] + rest[2:]}
+            model_dir, shared_dir = root / f"{layout}{k}" / "model", root / f"{layout}{k}" / "shared"
+            model_dir.mkdir(parents=True)
+            shared_dir.mkdir()
+            if layout == "parts":
+                files = S.split(ordered, k)
+                S.write_parts(model_dir, 0, 0, dict(enumerate(files)))
+            else:
+                files = [ordered]
+                S.write_level(layout, model_dir, shared_dir, 0, 0, ordered)
+            made[key] = (str(model_dir), str(shared_dir), max(sum(a.nbytes for a in f.values()) for f in files))
+        return made[key]
+
+    return get
+
+
+@pytest.mark.rule("MEM-SNAPSHOT-PEAK")
+@pytest.mark.parametrize("layout,k,unknown", UNKNOWN_CASES)
+def test_snapshot_peak_memory_with_unknown_tensors(loader, snapshots_with_unknown, layout, k, unknown):
+    spec = _spec(KNOWN_TENSORS)
+    model_dir, shared_dir, largest = snapshots_with_unknown(layout, k, unknown)
+    for name in os.listdir(shared_dir):  # the shared fallback lives in the session's shared directory
+        os.link(os.path.join(shared_dir, name), os.path.join(loader.shared_dir, name))
+    session = loader.open(spec, model_dir=model_dir)
+    result = _in_child(lambda: _measure(session, spec))
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    where = (f"{layout} snapshot of {k} file(s) in {model_dir}, model M = {spec.nbytes // MIB} MiB, "
+             f"{unknown * TENSOR_MIB} MiB of tensors the model lacks, largest file F = {largest // MIB} MiB")
+    check.that("error" not in result, f"{where}: the update failed in the measuring child: {result.get('error')}")
+    bound = (spec.nbytes + 1.5 * largest) / 1024 + SLACK_MIB * 1024
+    peak = result["peak_kib"]
+    check.that(
+        peak < bound,
+        f"{where}: peak resident growth {peak / 1024:.0f} MiB during update(), expected under M + 1.5 F + "
+        f"{SLACK_MIB} MiB = {bound / 1024:.0f} MiB (one file beyond the model; every file's tensors held: "
+        f"{(spec.nbytes + unknown * TENSOR_MIB * MIB) // MIB} MiB)",
+    )

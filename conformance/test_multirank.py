@@ -10,11 +10,11 @@ import pytest
 
 from conformance import check, harness
 from conformance import multirank_plan as P
-from sim.ranks import NORMAL, UPDATING
+from sim.ranks import CLEARED, HOLD_S, NORMAL, UPDATING
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]  # the job runs in the first test's setup
 NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", -1: "CLEARING", -2: "CLEARED"}
-FAILURE_STEPS = [(3, "kill", None), (5, "missing", 1), (7, "bad-dtype", 0)]
+FAILURE_STEPS = [(3, "kill", None), (5, "missing", 1), (7, "bad-dtype", 0), (9, "partial", 1)]
 SLACK_S = 20.0  # a failure must reach every rank well within this after the UPDATING (loaded machine)
 
 
@@ -30,6 +30,11 @@ def _path(rank_job, path):
 
 
 
+def _every_rank(rank_job, reports, where):
+    """Every rank of the job reported (a loop over no report checks nothing)."""
+    check.equal(sorted(int(r) for r in reports), list(range(rank_job["ranks"])), f"{where}: ranks that reported")
+
+
 def _cell(history):
     return [NAMES.get(v, v) for _, v in history]
 
@@ -37,7 +42,7 @@ def _cell(history):
 def _healthy(rank_job, p):
     """(where, sent by rank, what each rank reported) for the first load and every healthy update."""
     yield "first load of version 1", p["first_sent"], p["first"], 1
-    for s in [P.step(rank_job, p, v) for v in range(2, 9)] + p["cycles"]:
+    for s in [P.step(rank_job, p, v) for v in range(2, P.LAST_STEP + 1)] + p["cycles"]:
         if s["fault"] is None:
             yield f"update to version {s['version']}", s["sent"], s["update"], s["version"]
 
@@ -47,6 +52,7 @@ def _healthy(rank_job, p):
 def test_every_rank_loads_its_own_shard(rank_job, path):
     p = _path(rank_job, path)
     for where, sent, got, version in _healthy(rank_job, p):
+        _every_rank(rank_job, got, f"{path}: {where}")
         for rank, event in got.items():
             rank = int(rank)
             at = f"{path}, rank {rank} (physical GPU {rank_job['visible'][rank]}): {where}"
@@ -57,17 +63,41 @@ def test_every_rank_loads_its_own_shard(rank_job, path):
             check.that(all(event["digests"] != sent[r] for r in others), f"{at}: the rank holds another rank's shard")
 
 
+def _cleared_after_every_rank(rank_job, path, s):
+    """The clear before ``s``: every rank reported it, the cell ends CLEARED, and when a rank was held inside
+    its clear, the cell read CLEARED only after that rank was let go (before that it had not cleared)."""
+    where = f"{path}: the clear before version {s['version']}"
+    _every_rank(rank_job, s["clear"], f"{where}: the clear")
+    check.that(all(e["event"] == "cleared" for e in s["clear"].values()),
+               f"{where}: what each rank reported: {[(r, e['event'], e.get('error')) for r, e in s['clear'].items()]}")
+    history = _cell(s["cell_clear"])
+    check.that(history[-1:] == ["CLEARED"], f"{where}: the cell after every rank reported: {history}")
+    slow = s.get("slow_clear_rank")
+    if slow is None:
+        return
+    event = s["clear"].get(slow, s["clear"].get(str(slow)))
+    released = P.held_until(event, s["version"])
+    check.that(released is not None, f"{where}: rank {slow} was to be held {HOLD_S:g}s inside its clear, but its "
+               "status() never read CLEARING during the iteration that cleared")
+    t_cleared = min(t for t, v in s["cell_clear"] if v == CLEARED)
+    check.that(t_cleared >= released,
+               f"{where}: the cell read CLEARED {released - t_cleared:.3f}s before rank {slow} could have cleared "
+               f"(held {HOLD_S:g}s inside its clear): CLEARED was published before every rank had cleared")
+
+
 @pytest.mark.rule("MR-AGREE-BEFORE-NORMAL")
 @pytest.mark.parametrize("path", _paths())
 def test_normal_only_after_every_rank(rank_job, path):
     p = _path(rank_job, path)
-    for s in [P.step(rank_job, p, v) for v in range(2, 9)]:
+    for s in [P.step(rank_job, p, v) for v in range(2, P.LAST_STEP + 1)]:
+        _cleared_after_every_rank(rank_job, path, s)
         history = _cell(s["cell"])
         where = f"{path}: update to version {s['version']}" + (f" with {s['fault']} on rank {s['rank']}" if s["fault"] else "")
         if s["fault"]:
             check.that("NORMAL" not in history, f"{where}: the cell read NORMAL after the UPDATING ({history}) although a rank failed")
             continue
         check.that(history[-1:] == ["NORMAL"], f"{where}: the cell after every rank reported: {history}")
+        _every_rank(rank_job, s["update"], where)
         check.that(all(e["status"] == "NORMAL" for e in s["update"].values()),
                    f"{where}: statuses {[e['status'] for e in s['update'].values()]}")
         if s["slow_rank"] is not None:
@@ -88,6 +118,7 @@ def test_failure_reaches_every_rank(rank_job, path, version, fault, rank):
     s = P.step(rank_job, p, version)
     failing = s["rank"]
     where = f"{path}: version {version} with {fault} on rank {failing}"
+    _every_rank(rank_job, s["update"], where)
     for r, event in s["update"].items():
         at = f"{where}, rank {r}"
         check.equal(event["event"], "failed", f"{at}: what the rank reported ({event.get('status')}, {event.get('version')})")
@@ -98,7 +129,8 @@ def test_failure_reaches_every_rank(rank_job, path, version, fault, rank):
             check.that(f"rank {failing}" in event["error"], f"{at}: the error does not name the failing rank {failing}: {event['error']!r}")
     check.that("NORMAL" not in _cell(s["cell"]), f"{where}: the cell after the UPDATING: {_cell(s['cell'])}")
     nxt = P.step(rank_job, p, version + 1)
-    check.that(all(e["event"] == "updated" and e["digests"] == nxt["sent"][r] for r, e in nxt["update"].items()),
+    check.that(sorted(int(r) for r in nxt["update"]) == list(range(rank_job["ranks"]))
+               and all(e["event"] == "updated" and e["digests"] == nxt["sent"][r] for r, e in nxt["update"].items()),
                f"{where}: the recovery (clear, then version {version + 1}) on every rank: "
                f"{[(r, e['event'], e.get('error')) for r, e in nxt['update'].items()]}")
 
@@ -110,6 +142,7 @@ def test_no_rank_waits_past_its_deadline(rank_job, path):
     s = P.step(rank_job, p, "hang")
     stalled = s["rank"]
     where = f"{path}: rank {stalled}'s trainer never answers (its transfer deadline {P.STALL_TIMEOUT_S:g}s, the agreement's {P.AGREE_TIMEOUT_S:g}s)"
+    _every_rank(rank_job, s["update"], where)
     times = {int(r): e["t"] - s["t_update"] for r, e in s["update"].items()}
     for r, event in s["update"].items():
         check.equal(event["event"], "failed", f"{where}: rank {r} reported ({event.get('error')})")
@@ -129,6 +162,7 @@ def test_failure_on_one_rank_changes_no_rank(rank_job, path):
     p = _path(rank_job, path)
     for version, fault, _ in FAILURE_STEPS:
         s = P.step(rank_job, p, version)
+        _every_rank(rank_job, s["update"], f"{path}: version {version} with {fault}")
         for r, event in s["update"].items():
             loaded = sorted(n for n, d in event["digests"].items() if d is not None)
             check.that(not loaded, f"{path}: version {version} with {fault} on rank {s['rank']}: rank {r} holds "

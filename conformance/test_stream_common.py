@@ -19,15 +19,20 @@ SPEC_MTP = M.spec(*((p.name, p.dtype, p.shape) for p in SPEC.main), mtp=[(("mtp_
 
 
 def _failures(strategy, session, state):
-    """(name, stream, prepare) of the failing updates each path goes through."""
+    """(name, stream, prepare, (exception type, pattern, names)) of the failing updates each path goes
+    through, each with what it must raise: the library's ConnectionError and cancellation (RSYNC/GDR
+    stream rules), rsync's one ValueError `Invalid new_state_dict` for a shape mismatch (RSYNC-VALIDATE-ALL), the model
+    loader's own RuntimeError."""
     def loader_breaks():
         session.models[0].load_weights.fail_at = 1
 
-    broken = [("stream breaks mid-way", S.stream_of(state, fault=("fail", 1)), None),
-              ("stream cancelled", S.stream_of(state, fault=("cancel", 2)), None)]
+    broken = [("stream breaks mid-way", S.stream_of(state, fault=("fail", 1)), None, (ConnectionError, "broke", [])),
+              ("stream cancelled", S.stream_of(state, fault=("cancel", 2)), None,
+               ((asyncio.CancelledError, RuntimeError), "(?i)cancel", []))]
     if strategy == "rsync":
-        return broken + [("shape mismatch", S.stream_of({**state, "model.norm.weight": state["model.norm.weight"].reshape(2, 2)}), None)]
-    return broken + [("loader fails", S.stream_of(state), loader_breaks)]
+        return broken + [("shape mismatch", S.stream_of({**state, "model.norm.weight": state["model.norm.weight"].reshape(2, 2)}),
+                          None, (ValueError, r"Invalid new_state_dict", []))]
+    return broken + [("loader fails", S.stream_of(state), loader_breaks, (RuntimeError, r"loader failed", []))]
 
 
 @pytest.mark.rule("STREAM-NO-LEAK")
@@ -38,13 +43,13 @@ def test_nothing_left_after_close(loader, ct_trainer, strategy):
     state = M.state(SPEC, version=2)
     session, _ = open_stream(loader, ct_trainer, SPEC, strategy, timeout_s=FAULT_TIMEOUT_S)
     failures = _failures(strategy, session, state)
-    ct_trainer.serve(S.stream_of(state), *(stream for _, stream, _ in failures), S.stream_of(state))
+    ct_trainer.serve(S.stream_of(state), *(stream for _, stream, _, _ in failures), S.stream_of(state))
     threads, sockets = check.live_threads(), socket_fds()  # the trainer's own already among them
     session.update()
-    for name, _, prepare in failures:
+    for name, _, prepare, (error, match, names) in failures:
         if prepare:
             prepare()
-        with check.raises((Exception, asyncio.CancelledError), match=".", where=f"{strategy}: {name}"):
+        with check.raises(error, match=match, names=names, where=f"{strategy}: {name}"):
             session.update()
         session.models[0].load_weights.fail_at = None
     session.update()

@@ -12,6 +12,7 @@ Each trainer publishes its rank's shard of every version it is asked for, on one
 Requests (msgpack over a REP socket): ``publish`` {version, fault} answers ``published`` with the
 sha256 of every tensor of the shard as sent (bucket: once armed, before the worker connects); ``exit``.
 Faults: ``missing`` (snapshot, meta: the shard is not there; bucket: its last tensor is left out),
+``partial`` (every path: the shard is published whole but for its last tensor, files and metas well formed),
 ``bad-dtype`` (its last tensor in float64), ``kill`` (the trainer dies: mid-write of its last part,
 after publishing its segment, or while packing bucket 1), ``stall`` (bucket: never answers the
 worker) and ``slow`` (bucket, healthy: a pause before every message). ``served`` answers, for the
@@ -34,7 +35,7 @@ from wire import protocol
 
 from .trainer import BucketTrainer, MetaTrainer
 
-FAULTS = ("missing", "bad-dtype", "kill", "stall", "slow")
+FAULTS = ("missing", "partial", "bad-dtype", "kill", "stall", "slow")
 
 
 def shard(spec, rank: int, version: int, fault: str | None, fast: bool = False) -> dict[str, np.ndarray]:
@@ -51,6 +52,8 @@ def shard(spec, rank: int, version: int, fault: str | None, fast: bool = False) 
 
         st = dict(sorted(state(spec, seed=rank, version=version).items()))
     last = list(st)[-1]
+    if fault == "partial":  # a well-formed shard that lacks its last tensor: nothing fails before the commit's check
+        del st[last]
     if fault == "bad-dtype":
         st[last] = st[last].astype(np.float64 if st[last].dtype != np.float64 else np.float32)
     return st

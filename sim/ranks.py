@@ -6,7 +6,9 @@ This process plays the engine: it creates one status cell per path, starts one t
 path, launches the ranks (``conformance/rank_worker.py``, which runs the implementation under test),
 and then, for each step of each path's plan, writes CLEARING and waits for CLEARED, has every trainer
 publish the next version (one of them, optionally, with a fault), writes UPDATING and waits until every
-rank has reported the update or its failure. A thread reads the cell every 0.2 ms throughout, so a
+rank has reported the update or its failure. A step's ``slow_clear_rank`` is held ``HOLD_S`` inside its
+clear by its harness (``hold.{path}`` in the run directory, taken by ``rank_worker.ClearHold`` before the
+CLEARING is written). A thread reads the cell every 0.2 ms throughout, so a
 NORMAL that lasts a moment is still seen. Every wait has a deadline; the job's result is plain data
 (what each rank reported, what each trainer sent, the cell's history, resources), judged by the caller
 (the MR and CYCLE rules, ``benchmarks/rank_cycle.py``).
@@ -42,6 +44,7 @@ WORKER = os.path.join(REPO, "conformance", "rank_worker.py")
 STRATEGIES = {"snapshot": "ipc_snapshot", "meta": "ipc", "bucket": "ipc_bucket"}
 TERMINAL = ("left", "crashed", "watchdog", "exit")
 NORMAL, UPDATING, CLEARING, CLEARED = 0, 1, -1, -2
+HOLD_S = 0.3  # how long a step's slow_clear_rank is held inside its clear
 
 
 class JobError(RuntimeError):
@@ -54,6 +57,7 @@ class Step:
     fault: str | None = None  # sim.rank_trainer.FAULTS, on the trainer of `rank`
     rank: int | None = None
     slow_rank: int | None = None  # bucket: this rank's trainer pauses before every message (healthy)
+    slow_clear_rank: int | None = None  # this rank is held HOLD_S inside its clear (once its status reads CLEARING)
 
 
 @dataclass
@@ -64,6 +68,14 @@ class PathPlan:
     cycles: int = 0  # healthy clear/update cycles after the steps, resources measured after the first and last
     hang_rank: int | None = None  # bucket, last: this rank's trainer never answers, past the agreement's deadline
     options: dict = field(default_factory=dict)  # extra session options (e.g. {"staged": True})
+
+
+def _reads(path: str, text: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read() == text
+    except FileNotFoundError:
+        return False
 
 
 # -- the cell ---------------------------------------------------------------------------------------
@@ -340,12 +352,26 @@ class Job:
 
     def _cycle(self, events: Events, p: dict, watch: CellWatch, step: Step, measure: bool = False) -> dict:
         job = p["plan"].path
-        out = {"version": step.version, "fault": step.fault, "rank": step.rank, "slow_rank": step.slow_rank}
+        out = {"version": step.version, "fault": step.fault, "rank": step.rank, "slow_rank": step.slow_rank,
+               "slow_clear_rank": step.slow_clear_rank}
+        hold = os.path.join(self._run_dir, f"hold.{job}")
+        if step.slow_clear_rank is not None:  # read by the ranks' harness (rank_worker), never by the implementation
+            with open(hold + ".tmp", "w", encoding="utf-8") as f:
+                json.dump({"rank": step.slow_clear_rank, "version": step.version, "hold_s": HOLD_S}, f)
+            os.replace(hold + ".tmp", hold)
+            armed, deadline = os.path.join(self._run_dir, f"armed.{job}"), time.monotonic() + self.step_timeout_s
+            while not _reads(armed, str(step.version)):  # the rank took the order: its next iteration clears held
+                if time.monotonic() > deadline:
+                    raise JobError(f"{job}: rank {step.slow_clear_rank} never took the order to hold its clear")
+                time.sleep(0.002)
+            os.remove(armed)
         t_clear = time.time()
         watch.write(CLEARING)
         out["clear"] = self._collect(events, job, ("cleared", "failed"))
         out["cleared_cell"] = watch.wait_for(CLEARED, time.monotonic() + self.step_timeout_s)
         out["cell_clear"] = watch.since(t_clear)
+        if os.path.exists(hold):
+            os.remove(hold)
         out["sent"] = self._publish(p, step)
         t_update = out["t_update"] = time.time()
         watch.write(UPDATING)

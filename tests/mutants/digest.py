@@ -71,6 +71,21 @@ class DigestSamplesBytes(Mutant):
         return _rehashed(lambda dtype, data: data if len(data) <= 256 else data[:64] + data[-64:])
 
 
+class DigestSamplesLargeTensors(Mutant):
+    id = "digest_samples_large_tensors"
+    bug = ("a digest that samples tensors above 1 MiB (the first and the last 512 KiB, and the length): exact for "
+           "every small tensor, blind to a change in the middle of a large one")
+    kills = frozenset({SENSITIVE})
+
+    def patches(self):
+        half = 512 << 10
+
+        def sample(dtype, data):
+            return data if len(data) <= 2 * half else data[:half] + data[-half:] + len(data).to_bytes(8, "little")
+
+        return _rehashed(sample)
+
+
 class DigestCanonicalValues(Mutant):
     id = "digest_canonical_values"
     bug = ("values canonicalised before hashing so that equal values digest alike: every NaN made the same NaN and "

@@ -53,6 +53,21 @@ class DeviceNotReplaced(Mutant):
         return {"reference.ipc_meta.normalize_meta": normalize}
 
 
+class TupleKeepsTrainerDevice(Mutant):
+    id = "ipc_tuple_keeps_trainer_device"
+    bug = ("a meta stored as a tuple (what _share_cuda() returns) cannot be assigned to, so the loader converts its "
+           "handle but keeps the trainer's device_id (meta[6] = FLAGS_selected_gpus only for a list): on a worker whose "
+           "ordinal is not the trainer's device the handle opens on the wrong device")
+    kills = frozenset({"IPC-META-TUPLE", "IPC-HANDLE-BYTES"})
+
+    def patches(self):
+        def normalize(meta, *, name, device):
+            kept = isinstance(meta, tuple) and len(meta) == 7
+            return _normalize(meta, name=name, device=meta[6] if kept else device)
+
+        return {"reference.ipc_meta.normalize_meta": normalize}
+
+
 class DevicePhysicalId(Mutant):
     id = "ipc_device_physical_id"
     bug = "device_id set to the physical GPU id (the file-name id) instead of the CUDA ordinal FLAGS_selected_gpus"

@@ -329,6 +329,60 @@ class HoldsAllParts(Mutant):
         return _manager_patch(Manager)
 
 
+class HoldsEverySource(Mutant):
+    id = "holds_every_source"
+    bug = ("every source is read before any is applied, and applied at the end without a copy (each known tensor "
+           "adopted as it is): when every tensor is the model's this costs no more than the model, but the tensors "
+           "no parameter takes, of every file, stay alive until the last file is read")
+    kills = frozenset({"MEM-SNAPSHOT-PEAK"})
+
+    def patches(self):
+        class Manager(_manager.WeightManager):
+            def update(self):
+                self._sources = []
+                try:
+                    super().update()
+                finally:
+                    self._sources = []
+
+            def apply(self, tensors, label, source):
+                items = list(tensors)
+                if not items:
+                    raise ValueError(f"No parameter found in state dict from {source or label} ({label})")
+                self._sources.append((items, source or label))
+                self.trace.append(_manager.LoadEvent(label, source, sum(n in self.params for n, _ in items), len(items)))
+                return len(items)
+
+            def finalize(self):
+                held, self._sources = self._sources, []
+                for items, source in held:
+                    _real_apply_tensors(self.params, items, source)
+                del held, items
+                super().finalize()
+
+        return _manager_patch(Manager)
+
+
+class FailureForAnotherReason(Mutant):
+    id = "failed_update_raises_its_own_crash"
+    bug = ("the error path of update() crashes while it logs the failure (an attribute of a source that was never "
+           "opened), so every failed update raises an AttributeError that names nothing: the status and the version "
+           "stay right, but the operator never learns which tensor, file or field was at fault")
+    kills = frozenset({"LIFE-FAILED-NOT-NORMAL", "LIFE-RECOVERY", "MODEL-TRANSFORM-FAILED", "MODEL-HOOKS",
+                       "VER-FAILED-KEEPS", "STAGE-ATOMIC", "STREAM-NO-LEAK"})
+    zoo_args = ("-k", "not test_multirank")  # the single-process tests of these rules are enough
+
+    def patches(self):
+        class Manager(_manager.WeightManager):
+            def update(self):
+                try:
+                    return super().update()
+                except Exception:
+                    raise AttributeError("'NoneType' object has no attribute 'name'") from None
+
+        return _manager_patch(Manager)
+
+
 class TraceAccumulates(Mutant):
     id = "trace_accumulates"
     bug = ("the list of applied sources is created once per session and never reset: after the second update "

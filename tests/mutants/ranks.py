@@ -253,6 +253,35 @@ class VersionStampedAtAnnounce(Mutant):
         return {"reference.adapter.WeightManager": _EarlyStampManager}
 
 
+class _StickyPendingManager(_manager.WeightManager):
+    """The announced version is cleared only by the commit that stamps it, not when an update starts."""
+
+    @property
+    def _pending_version(self):
+        return self.__dict__.get("_sticky_version")
+
+    @_pending_version.setter
+    def _pending_version(self, version):
+        if version is not None:  # the reset at the start of an update is lost
+            self.__dict__["_sticky_version"] = version
+
+    def finalize(self):
+        committed = self._committed
+        super().finalize()
+        if self._committed and not committed:
+            self.__dict__["_sticky_version"] = None  # consumed by this commit
+
+
+class FailedVersionStampedLater(Mutant):
+    id = "version_of_failed_update_stamped_later"
+    bug = ("the version a failed update announced stays pending (cleared only by a commit): the next update that "
+           "carries no version (no version.yaml) is stamped with the failed update's version, which never loaded")
+    kills = frozenset({"VER-FAILED-KEEPS"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _StickyPendingManager}
+
+
 class VersionGoesBackwards(Mutant):
     id = "version_goes_backwards"
     bug = "any announced version is accepted: a stale trainer moves the reported version (and the weights) back"
@@ -296,6 +325,59 @@ class NormalBeforeAgreement(Mutant):
 
     def patches(self):
         return {"reference.adapter.WeightManager": _EarlyNormalManager}
+
+
+class _EarlyClearedManager(_manager.WeightManager):
+    def clear(self):
+        agree = self.agreement.require_all
+
+        def require_all(what):
+            if what == "clear":  # "this rank has cleared": published before the others said so
+                self.status = Status.CLEARED
+                self.cell.publish(Status.CLEARED, self.first_load)
+            agree(what)
+
+        self.agreement.require_all = require_all
+        try:
+            super().clear()
+        finally:
+            del self.agreement.require_all
+
+
+class ClearedBeforeAgreement(Mutant):
+    id = "rank0_cleared_before_agreement"
+    bug = ("tensor-parallel rank 0 writes CLEARED as soon as its own parameters are cleared, before the ranks agree "
+           "that every rank cleared: the API reports the weights cleared while another rank still holds them")
+    kills = frozenset({"MR-AGREE-BEFORE-NORMAL"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _EarlyClearedManager}
+
+
+class _VoteBeforeCheckManager(_manager.WeightManager):
+    def finalize(self):
+        if self._committed or self._voted:
+            return super().finalize()
+        self._voted = True
+        self.agreement.require_all("update")  # "my transfer ended": voted before checking every parameter arrived
+        self.agreement.require_all = lambda what: None  # (the vote is cast)
+        try:
+            return super().finalize()
+        finally:
+            del self.agreement.require_all
+
+
+class VoteBeforeCompletenessCheck(Mutant):
+    id = "rank_votes_before_checking_complete"
+    bug = ("a rank votes success once its transfer ended, before checking that every parameter arrived: a rank whose "
+           "well-formed shard lacks a tensor agrees, the other ranks commit (NORMAL, the new version), and only then "
+           "does it fail its own check")
+    kills = frozenset({"MR-FAILURE-EVERY-RANK", "MR-AGREE-BEFORE-NORMAL", "STAGE-ATOMIC"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _VoteBeforeCheckManager}
 
 
 class _OwnVoteOnly(_agreement.Agreement):
