@@ -67,6 +67,26 @@ class FakeAdapter:
 class NoCapsAdapter(FakeAdapter):
     name = "nocaps"
     capabilities = frozenset()
+
+
+class StrCapsAdapter(FakeAdapter):
+    capabilities = "snapshot.single"  # a str, not a set: read letter by letter before
+
+
+class RaisingAdapter(FakeAdapter):
+    def __init__(self, **options):
+        raise RuntimeError("no GPU visible to the adapter")  # RAISES-IN-INIT
+
+
+def raising_factory(**options):
+    return {}["engine"]  # RAISES-IN-FACTORY
+'''
+
+BROKEN_ADAPTER = '''
+"""An adapter file with a syntax error."""
+
+class Broken(:
+    pass
 '''
 
 SANDBOX_TESTS = '''
@@ -196,6 +216,7 @@ def sandbox(tmp_path_factory):
     (root / "pytest.ini").write_text(PYTEST_INI)
     (root / "conftest.py").write_text('pytest_plugins = ["conformance.plugin"]\n')
     (root / "fake_adapter.py").write_text(FAKE_ADAPTER)
+    (root / "broken_adapter.py").write_text(BROKEN_ADAPTER)
     (root / "test_sandbox.py").write_text(SANDBOX_TESTS)
     bad = root / "bad"
     bad.mkdir()
@@ -223,6 +244,11 @@ def runs(sandbox, tmp_path_factory):
         "bad_markers": (["bad", "--impl=fake_adapter:FakeAdapter"], sandbox, [sandbox], None),
         "unknown_rule": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "--rule", "NO-SUCH-RULE"], sandbox, [sandbox], None),
         "bad_opt": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "--impl-opt", "novalue"], sandbox, [sandbox], None),
+        # Broken adapters: usage errors naming the file and the line, never an INTERNALERROR.
+        "syntax_error": (["test_sandbox.py", "--impl=broken_adapter.py:Broken"], sandbox, [sandbox], None),
+        "raising_init": (["test_sandbox.py", "--impl=fake_adapter.py:RaisingAdapter"], sandbox, [sandbox], None),
+        "raising_factory": (["test_sandbox.py", "--impl=fake_adapter:raising_factory"], sandbox, [sandbox], None),
+        "str_caps": (["test_sandbox.py", "--impl=fake_adapter:StrCapsAdapter"], sandbox, [sandbox], None),
         # Runs that test nothing: no capability claimed, -k matching only plain tests, -k matching nothing.
         "no_caps": (["test_sandbox.py", "--impl=fake_adapter:NoCapsAdapter", "--rule", "SNAP-GPU-ID", "--rule",
                      "LEVEL-SHARED-LAST"], sandbox, [sandbox], out / "nocaps.json"),
@@ -296,6 +322,47 @@ def test_conformance_tests_without_impl_are_usage_error(runs):
 def test_impl_opt_without_value_is_usage_error(runs):
     run = runs["bad_opt"]
     assert run.code == USAGE_ERROR and "expected KEY=VALUE" in run.output, run.output[-2000:]
+
+
+def _line_of(text: str, marker: str) -> int:
+    """The line number of ``marker`` in a file written from ``text``."""
+    return next(i for i, line in enumerate(text.splitlines(), 1) if marker in line)
+
+
+BROKEN = {
+    "syntax_error": ("broken_adapter.py", r"broken_adapter\.py failed to import: SyntaxError: .* at \S*broken_adapter\.py, "
+                                          rf"line {_line_of(BROKEN_ADAPTER, 'class Broken(:')}$"),
+    "raising_init": ("fake_adapter.py", r"RaisingAdapter\(\) raised RuntimeError: no GPU visible to the adapter at "
+                                        rf"\S*fake_adapter\.py, line {_line_of(FAKE_ADAPTER, 'RAISES-IN-INIT')}$"),
+    "raising_factory": ("fake_adapter.py", r"raising_factory\(\) raised KeyError: 'engine' at \S*fake_adapter\.py, "
+                                           rf"line {_line_of(FAKE_ADAPTER, 'RAISES-IN-FACTORY')}$"),
+    "str_caps": ("fake_adapter", r"capabilities must be a collection of names, such as frozenset\(\{'snapshot\.single'\}\); "
+                                 r"got the str 'snapshot\.single'"),
+}
+
+
+@pytest.mark.parametrize("form", list(BROKEN))
+def test_a_broken_adapter_is_a_usage_error_naming_the_file_and_line(runs, sandbox, form):
+    """A SyntaxError in the adapter file, a constructor or factory that raises, capabilities given as
+    one str: exit 4 with one line naming the file and the line (or the value), not an INTERNALERROR."""
+    run = runs[form]
+    name, pattern = BROKEN[form]
+    assert run.code == USAGE_ERROR, f"{form}: exit {run.code}, expected {USAGE_ERROR}:\n{run.output[-3000:]}"
+    assert "INTERNALERROR" not in run.output and "Traceback" not in run.output, f"{form}:\n{run.output[-3000:]}"
+    error = [line for line in run.output.splitlines() if line.startswith("ERROR:")]
+    assert len(error) == 1 and re.search(pattern, error[0]) and name in error[0], \
+        f"{form}: expected one ERROR line matching {pattern!r}:\n{run.output[-3000:]}"
+
+
+def test_capabilities_must_be_a_collection_of_names():
+    from conformance.capabilities import validate
+
+    assert validate(["snapshot.single"]) == frozenset({"snapshot.single"}) == validate(("snapshot.single",))
+    assert validate(frozenset()) == frozenset()
+    for bad, message in (("snapshot.single", "got the str 'snapshot.single'"), (b"ipc.meta", "got the bytes b'ipc.meta'"),
+                         (3, "got int 3"), ([None], "must be names (str), got [None]")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            validate(bad)
 
 
 # -- markers and --rule ---------------------------------------------------------------------------
