@@ -573,7 +573,7 @@ def test_docs_example_adapter_passes_its_rules(runs):
 @pytest.mark.parametrize("pattern", ["", "a*", "(x)?", ".*", "|foo"])
 def test_check_raises_refuses_pattern_matching_empty_string(pattern):
     with pytest.raises(ValueError, match="matches the empty string"):
-        with check.raises(RuntimeError, match=pattern):
+        with check.raises(RuntimeError, match=pattern, where="x"):
             raise RuntimeError("anything")
 
 
@@ -581,6 +581,41 @@ def test_check_raises_requires_named_things():
     with pytest.raises(AssertionError, match=r"does not name \['norm.bias'\]"):
         with check.raises(ValueError, match="Shape mismatch", names=["norm.bias"], where="x"):
             raise ValueError("Shape mismatch for embed.weight")
+
+
+def test_check_raises_failure_names_the_case_and_what_was_expected():
+    """Nothing raised, or another type raised: the message names the case (``where``: file, tensor,
+    dtypes) and the expected type, pattern and names, not pytest's bare "DID NOT RAISE ValueError"."""
+    where = "/m/model_state.tp0.0.pdparams: w float32 into a bfloat16 parameter"
+    with pytest.raises(AssertionError) as info:
+        with check.raises(TypeError, match="Type mismatch", names=["w"], where=where):
+            pass
+    assert str(info.value) == (f"{where}: expected TypeError with a message matching 'Type mismatch' and naming ['w']; "
+                               "nothing was raised (DID NOT RAISE)"), str(info.value)
+    with pytest.raises(AssertionError) as info:
+        with check.raises((ValueError, TypeError), match="Shape", where=where):
+            raise KeyError("w")
+    assert str(info.value) == f"{where}: expected ValueError or TypeError with a message matching 'Shape'; got KeyError: 'w'"
+    assert isinstance(info.value.__cause__, KeyError), "the implementation's exception is kept as the cause"
+    with check.raises(ValueError, match="Shape", where=where) as got:
+        raise ValueError("Shape mismatch for w")
+    assert isinstance(got.value, ValueError) and str(got.value) == "Shape mismatch for w", "the exception is handed back"
+    with pytest.raises(TypeError):
+        with check.raises(ValueError, match="Shape"):  # where= is required
+            raise ValueError("Shape")
+    with pytest.raises(ValueError, match="where= must name the case"):
+        with check.raises(ValueError, match="Shape", where=" "):
+            raise ValueError("Shape")
+
+
+def test_check_refused_names_the_case():
+    with pytest.raises(AssertionError, match=r"^rank 1, update from a file with dtype: expected ValueError or "
+                                             r"RuntimeError; nothing was raised \(DID NOT RAISE\)$"):
+        with check.refused((ValueError, RuntimeError), where="rank 1, update from a file with dtype"):
+            pass
+    with check.refused(RuntimeError, where="x") as got:
+        raise RuntimeError("any message")
+    assert str(got.value) == "any message"
 
 
 def test_params_equal_names_tensor_and_both_values():
