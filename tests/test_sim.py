@@ -2,6 +2,7 @@
 
 After every test no shared-memory segment of ours is left in /dev/shm and no child process runs.
 """
+import hashlib
 import io
 import os
 import pickle
@@ -229,3 +230,19 @@ def test_manifest_roundtrip_and_digest():
     assert P.name_digest(["ab", "c"]) != P.name_digest(["a", "bc"]), "digest must keep name boundaries"
     with pytest.raises(P.ManifestError, match="digest"):
         C.validate_end(P.end(7, 1, ["b", "a"]), state)
+
+
+def test_the_trainer_side_refuses_a_name_holding_a_nul():
+    """BKT-FIELDS on the trainer's side: NUL ends each name in the end digest, so ["a\\0b"] and ["a", "b"] would
+    digest alike; planning a layout or building the digest of such a name is refused naming it, and the
+    receiver's check refuses it in a manifest (the conformance case entry-name-nul drives a real worker)."""
+    assert P.name_digest(["a", "b"]) == hashlib.sha256(b"a\0b\0").hexdigest()
+    for call in (lambda: P.name_digest(["a\0b"]), lambda: P.plan_layout([("w", 4), ("a\0b", 4)], 1024),
+                 lambda: P.end(1, 1, ["a\0b"])):
+        with pytest.raises(ValueError, match=r"tensor 'a\\x00b': a name may not hold a NUL character \(index 1\)"):
+            call()
+    assert P.plan_layout([("a\N{NO-BREAK SPACE}b", 4)], 1024)[0][0].name == "a\xa0b", "any other character is carried"
+    entry = C.Entry("a\0b", "uint8", (4,), 0, 4, 0, 4)
+    with pytest.raises(P.ManifestError, match=r"bucket 0 of version 1, tensor 'a\\x00b': field name holds a NUL"):
+        C.check_name_text(entry, "bucket 0 of version 1")
+    C.check_name_text(C.Entry("a.b", "uint8", (4,), 0, 4, 0, 4), "bucket 0 of version 1")
