@@ -246,3 +246,55 @@ def test_the_trainer_side_refuses_a_name_holding_a_nul():
     with pytest.raises(P.ManifestError, match=r"bucket 0 of version 1, tensor 'a\\x00b': field name holds a NUL"):
         C.check_name_text(entry, "bucket 0 of version 1")
     C.check_name_text(C.Entry("a.b", "uint8", (4,), 0, 4, 0, 4), "bucket 0 of version 1")
+
+
+def test_a_frame_over_the_limit_is_reported_as_such_not_as_a_dead_trainer():
+    """ZMQ drops a frame over MAXMSGSIZE together with the connection; the receiver says the frame was too
+    large (at once, not after its timeout as "trainer dead or stalled"). A trainer that really went away is
+    still a timeout naming a dead or stalled trainer, and a frame at the limit is taken in."""
+    import shutil
+    import tempfile
+    import zmq
+
+    from reference.buckets import Link
+
+    class SmallFrames(Link):
+        max_frame = 4096
+
+    base = tempfile.mkdtemp(prefix="wsfl")
+    ctx = zmq.Context.instance()
+    try:
+        for case, reply, timeout_s in (("over", 4097, 5.0), ("at", 4096, 5.0), ("gone", None, 0.3)):
+            endpoint = f"ipc://{base}/{case}.sock"
+            trainer = ctx.socket(zmq.ROUTER)
+            trainer.setsockopt(zmq.LINGER, 0)
+            trainer.bind(endpoint)
+            link = SmallFrames(endpoint, timeout_s)
+            try:
+                link.sock.send(P.encode(P.hello(3)))
+                ident, _, _ = trainer.recv_multipart()
+                if reply is None:
+                    trainer.close()  # the trainer goes away while a reply is due
+                else:
+                    pad = reply
+                    while len(frame := P.encode(P.abort(3, "x" * pad))) != reply:
+                        pad -= len(frame) - reply  # msgpack's str header grows with the str
+                    assert len(frame) == reply, (case, len(frame))
+                    trainer.send_multipart([ident, b"", frame])
+                start = time.monotonic()
+                if case == "at":
+                    assert link.receive("bucket 0 of version 3")["type"] == P.ABORT
+                    continue
+                expected = (P.ManifestError, r"trainer at ipc://\S+ sent a frame the transport refused while bucket 0 of "
+                            r"version 3 was awaited: a frame over the 4096-byte \(0.00390625 MiB\) frame limit") \
+                    if case == "over" else (P.TransferTimeout, r"within 0.3s while waiting for bucket 0 of version 3 "
+                                                               r"\(trainer dead or stalled\)")
+                with pytest.raises(expected[0], match=expected[1]):
+                    link.receive("bucket 0 of version 3")
+                elapsed = time.monotonic() - start
+                assert elapsed < (2.0 if case == "over" else 2.3), f"{case}: raised after {elapsed:.2f}s"
+            finally:
+                link.close()
+                trainer.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
