@@ -140,6 +140,26 @@ def test_render_reports_mismatch_and_exit_status():
         assert ("MISMATCH" in buf.getvalue()) == bool(want), buf.getvalue()
 
 
+def test_a_failed_run_reports_no_throughput():
+    """A run whose update failed (or whose digests differ) prints no throughput: a rate would read as a result."""
+    from rich.console import Console
+
+    from sim.cli import ModelCheck, TensorCheck, VersionResult, model_spec, render
+
+    model = model_spec(1)
+    good = TensorCheck(0, 1, "w", "float32", (2,), "a" * 32, "a" * 32, "c" * 32, "c" * 32)
+    same = ModelCheck(0, 1, {"xxh3": "e" * 32}, {"xxh3": "e" * 32})
+    failed = VersionResult(1, 8 << 20, 0.1, [], [], {1: TimeoutError("no bucket 1 of version 1 within 1s")})
+    for results, want, line in (([VersionResult(1, 8 << 20, 0.1, [good], [same])], 0, "throughput: 0.08 GB/s"),
+                                ([failed], 2, "no throughput reported: the run failed (an update failed)")):
+        buf = io.StringIO()
+        assert render(results, Console(file=buf, width=200), model, 2) == want, buf.getvalue()
+        out = buf.getvalue()
+        assert line in out and (want == 0) == ("throughput:" in out), out
+        if want:
+            assert not re.search(r"\d GB/s|│\s+\d+\.\d\d\s+│\s*$", out, re.M), f"a rate for a failed version:\n{out}"
+
+
 CORRUPTING_RECEIVER = """
 import sys
 import numpy as np

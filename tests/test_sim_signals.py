@@ -171,6 +171,56 @@ def test_trainers_die_with_a_killed_cli(held):
     assert not run.segments(), f"segments left by the trainers: {run.segments()}"
 
 
+def test_the_next_run_sweeps_what_a_killed_cli_left(held):
+    """SIGKILL of the CLI leaves its run directory (named with its pid) in TMPDIR, and whatever its processes
+    had in /dev/shm when nobody could unlink it; the next run removes both, since their owner is dead."""
+    run = held(PHASES["mid-transfer"])
+    cli = run.proc.pid
+    run.proc.kill()
+    run.proc.communicate()
+    psutil.wait_procs(run.children, timeout=10)
+    left = [p.name for p in run.tmp.iterdir()]
+    assert left and all(n.startswith(f"wscf-sim-{cli}-") for n in left), f"the killed run's directory: {left}"
+    orphan = pathlib.Path("/dev/shm") / f"wscf_{cli}_0123456789ab"  # a segment its process could not unlink
+    orphan.write_bytes(b"\0" * 4096)
+    try:
+        env = dict(os.environ, TMPDIR=str(run.tmp))
+        proc = subprocess.run([sys.executable, "-m", "sim", "roundtrip", "--ranks", "1", "--model-mib", "1", "--versions", "1",
+                               "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert not list(run.tmp.iterdir()), f"left in TMPDIR after the next run: {list(run.tmp.iterdir())}"
+        assert not orphan.exists(), f"{orphan} of the dead run {cli} was not swept"
+        assert "leftover(s) of dead runs" in proc.stderr and str(orphan) in proc.stderr, proc.stderr[-2000:]
+    finally:
+        orphan.unlink(missing_ok=True)
+
+
+def test_sweep_removes_only_our_leftovers_whose_process_is_dead(tmp_path):
+    from sim.leftovers import sweep_dead_runs
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is now no process's
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    live, me = os.getpid(), os.getpid()
+    swept = [shm / f"wscf_{dead.pid}_00aa11bb22cc", shm / f"model_weights_status.wscf{dead.pid}x3",
+             tmp / f"wscf-sim-{dead.pid}-abcd", tmp / f"wscf-ranks-{dead.pid}-efgh"]
+    kept = [shm / f"wscf_{live}_00aa11bb22cc", shm / f"model_weights_status.wscf{me}x1", shm / f"other_{dead.pid}_00",
+            shm / f"wscf_{dead.pid}_not-hex", tmp / f"wscf-sim-{live}-abcd", tmp / f"wscf-sim-{dead.pid}",
+            tmp / f"pytest-{dead.pid}-x", shm / "wscf_1_00aa"]  # pid 1 is alive
+    for path in swept + kept:
+        if path.parent == tmp and path.name.startswith("wscf-"):
+            path.mkdir()
+            (path / "status.sock").write_bytes(b"")
+        else:
+            path.write_bytes(b"x")
+    removed = sweep_dead_runs(shm_dir=str(shm), tmp_dir=str(tmp))
+    assert sorted(removed) == sorted(map(str, swept)), removed
+    assert not [p for p in swept if p.exists()] and all(p.exists() for p in kept), [p for p in kept if not p.exists()]
+    assert sweep_dead_runs(shm_dir=str(shm), tmp_dir=str(tmp)) == [], "a second sweep finds nothing"
+
+
 # -- usage errors ------------------------------------------------------------------------------------
 USAGE = {
     "bucket below the alignment": (["--bucket-mib", "0.0001"], "104 bytes, less than the 256-byte alignment"),
