@@ -32,6 +32,7 @@ import zmq
 
 from wire import protocol
 
+from . import interrupt
 from .trainer import BucketTrainer, MetaTrainer
 
 FAULTS = ("missing", "bad-dtype", "kill", "stall", "slow")
@@ -174,11 +175,17 @@ class BucketShard:
         self.trainer.close()
 
 
+def _on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwind through finally: segments are unlinked
+
+
 def serve(config: dict) -> None:
     """Process entry point (spawned): ``config`` is plain data (JSON-able)."""
     from fixtures.models import spec as make_spec
 
-    signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(SystemExit(143)))
+    # SIGINT ignored (a terminal's Ctrl-C reaches the orchestrator's whole group; it stops the trainers), SIGTERM
+    # unwinds (segments unlinked), and SIGTERM comes by itself if the orchestrator dies.
+    interrupt.trainer_signals(_on_sigterm, config.get("parent") or os.getppid())
     spec = make_spec(*(tuple(p[:2]) + (tuple(p[2]),) for p in config["params"]))
     rank, path = config["rank"], config["path"]
     if path == "snapshot":
@@ -187,6 +194,7 @@ def serve(config: dict) -> None:
         from .ipc_handles import phi_dtype_codes
 
         phi_dtype_codes()  # Paddle imported now, not inside the first update
+        signal.signal(signal.SIGTERM, _on_sigterm)  # Paddle's import set a C handler that dumps a stack and dies
         source = MetaShard(config["shared_dir"], config["gpu"])
     else:
         source = BucketShard(config["endpoint"], config["bucket_bytes"], config["timeout_s"], config["slow_pause_s"])
