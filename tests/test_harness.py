@@ -786,3 +786,65 @@ def test_pinned_malloc_threshold_returns_freed_buffers_whatever_came_before():
     assert result["pinned"] is True, result
     assert result["grown"] > 60 << 10, f"4 x 16 MiB grew the resident set by only {result['grown']} KiB"
     assert result["left"] < 8 << 10, f"{result['left']} KiB still resident after freeing 4 x 16 MiB with the threshold pinned"
+
+
+# -- output within the terminal's width -----------------------------------------------------------
+class _Reporter:
+    """What the plugin's printers use of pytest's terminal reporter, into a string."""
+
+    def __init__(self):
+        import io
+
+        from _pytest._io import TerminalWriter
+
+        self.buf = io.StringIO()
+        self._tw = TerminalWriter(file=self.buf)
+
+    def write_line(self, line, **markup):
+        self._tw.line(line)
+
+
+@pytest.mark.parametrize("columns", ["80", "120", ""])
+def test_list_rules_and_area_table_fit_columns(monkeypatch, columns):
+    """``--list-rules`` (230 columns before) and the area table (130 whatever COLUMNS said) fit COLUMNS, or 130
+    columns where output goes to no terminal; every rule id starts a line with its level and area."""
+    from conformance import plugin
+
+    monkeypatch.setenv("COLUMNS", columns)
+    width = int(columns or plugin.NATURAL_WIDTH)
+    caps = ",".join(sorted(plugin.CAPABILITIES))[:148]  # as long as MODEL-HOOKS' capabilities
+    listing = [("MODEL-HOOKS", "contract", "MODEL", caps, rules()["MODEL-HOOKS"]),
+               ("SNAP-GPU-ID", "contract", "SNAP", "snapshot.single", rules()["SNAP-GPU-ID"])]
+    reporter = _Reporter()
+    plugin._print_listing(reporter, listing)
+    lines = reporter.buf.getvalue().splitlines()
+    assert max(map(len, lines)) <= width, f"COLUMNS={columns!r}: widest line {max(map(len, lines))}:\n" + "\n".join(lines)
+    for rule_id, level, area_name, *_ in listing:
+        assert any(re.match(rf"{rule_id}\s+{level}\s+{area_name}\s", line) for line in lines), "\n".join(lines)
+    squeezed = re.sub(r"\s", "", reporter.buf.getvalue())
+    assert "SNAP-GPU-IDcontractSNAPsnapshot.single" in squeezed, "a short row stays on one line"
+
+    class Adapter:
+        name, version = "fake", "1"
+
+    results = {f"t{i}": {"rule": r, "level": "contract", "status": "passed"} for i, r in enumerate(list(rules())[:20])}
+    reporter = _Reporter()
+    plugin._print_table(reporter, Adapter, results, {r["rule"]: "passed" for r in results.values()})
+    lines = reporter.buf.getvalue().splitlines()
+    assert max(map(len, lines)) <= width and any("all" in line for line in lines), reporter.buf.getvalue()
+
+
+def test_header_explains_the_env_line(monkeypatch):
+    from types import SimpleNamespace
+
+    from conformance import plugin
+
+    adapter = SimpleNamespace(name="fake", version="1", capabilities=frozenset(), _conformance_where="here")
+    config = SimpleNamespace(stash={plugin.ADAPTER_KEY: adapter}, getoption=lambda name: None)
+    for key in [k for k in os.environ if k.startswith("CONFORMANCE_")]:
+        monkeypatch.delenv(key)
+    line = next(line for line in plugin.pytest_report_header(config) if "env" in line)
+    assert line.startswith("conformance: env: none set (CONFORMANCE_LOOP_SEED replays one seed") and "{}" not in line, line
+    monkeypatch.setenv("CONFORMANCE_LOOP_SEED", "7")
+    line = next(line for line in plugin.pytest_report_header(config) if "env" in line)
+    assert line.endswith("set in this run: {'CONFORMANCE_LOOP_SEED': '7'}"), line
