@@ -73,3 +73,12 @@ def test_ci_runs_the_chromium_step_before_the_tests():
     step = next(i for i, line in enumerate(ci) if line.startswith(".ci/chromium"))
     tests = next(i for i, line in enumerate(ci) if line.startswith(".venv/bin/python -m pytest tests"))
     assert step < tests, ".ci/chromium must run before the project tests"
+
+
+def test_readme_commands_run_with_the_venvs_interpreter():
+    """A new user has the venv of the first code block, not an activated one: every ``python -m`` command in the
+    README's code blocks is ``.venv/bin/python -m`` (a bare ``python`` fails with ModuleNotFoundError: zmq)."""
+    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    bare = [line for block in blocks for line in block.splitlines() if re.search(r"(^|[\s;&|])python3? -m (?!venv)", line)]
+    assert blocks and not bare, f"README commands without the venv's interpreter: {bare}"

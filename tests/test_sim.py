@@ -49,7 +49,7 @@ def nothing_left_behind():
 def _readme_command() -> list[str]:
     text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
     section = text.split("## Simulator", 1)[1]
-    line = next(ln.strip() for ln in section.splitlines() if ln.strip().startswith("python -m sim roundtrip"))
+    line = next(ln.strip() for ln in section.splitlines() if ln.strip().startswith(".venv/bin/python -m sim roundtrip"))
     return line.split()
 
 
@@ -67,7 +67,7 @@ def _summary(output: str):
 
 
 def test_readme_roundtrip_command():
-    """``python -m sim roundtrip --ranks 2 --model-mib 64 --bucket-mib 16 --versions 3``, verbatim from README."""
+    """``.venv/bin/python -m sim roundtrip --ranks 2 --model-mib 64 --bucket-mib 16 --versions 3``, verbatim from README."""
     cmd = _readme_command()
     code, out, _ = _run(cmd)
     assert code == 0, f"{' '.join(cmd)} exited {code}:\n{out[-4000:]}"
