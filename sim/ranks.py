@@ -456,9 +456,9 @@ class Job:
             return result
         finally:
             with interrupt.shielded():  # a signal now is raised once everything is released
-                self._release(launch, paths, run_dir, log_dir)
+                self._release(launch, paths, run_dir)
 
-    def _release(self, launch, paths: list[dict], run_dir: str, log_dir: str) -> None:
+    def _release(self, launch, paths: list[dict], run_dir: str) -> None:
         """Kill the launcher and every rank (the launcher puts each in a session of its own, so killing its
         group does not reach them), stop the trainers, unlink the cells, remove the run's directory."""
         if launch is not None and launch.poll() is None:
