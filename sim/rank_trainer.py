@@ -105,6 +105,9 @@ class SnapshotShard:
     def close(self) -> None:
         pass
 
+    def abandon(self) -> None:
+        pass
+
 
 class MetaShard:
     def __init__(self, shared_dir: str, gpu: int):
@@ -124,6 +127,9 @@ class MetaShard:
 
     def close(self) -> None:
         self.trainer.close()
+
+    def abandon(self) -> None:
+        self.trainer.release()
 
 
 class PacedBucketTrainer(BucketTrainer):
@@ -174,6 +180,11 @@ class BucketShard:
         self.wait()
         self.trainer.close()
 
+    def abandon(self) -> None:
+        """Unlink the buffers' names (the process exits next: its mappings go with it)."""
+        for seg in self.trainer.segments:
+            seg.unlink()
+
 
 def _on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # unwind through finally: segments are unlinked
@@ -216,6 +227,12 @@ def serve(config: dict) -> None:
             sent = hashes(st)
             source.publish(st, version, fault)
             control.send(protocol.encode({"type": "published", "version": version, "hashes": sent}))
+    except SystemExit:
+        # SIGTERM (stopped, or the orchestrator died): a serving thread may wait on ranks that are gone for
+        # minutes, so unlink what this trainer created and leave now instead of joining it.
+        source.abandon()
+        sys.stdout.flush()
+        os._exit(143)
     finally:
         source.close()
         control.close()
