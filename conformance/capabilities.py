@@ -43,6 +43,18 @@ CAPABILITIES = {
 
 
 def validate(names) -> frozenset[str]:
+    """The declared capabilities as a frozenset: a collection of names (a set, frozenset, list or tuple).
+    A str is refused (``frozenset("snapshot.single")`` is a set of letters), as is anything not iterable."""
+    if isinstance(names, (str, bytes)):
+        raise ValueError(f"capabilities must be a collection of names, such as frozenset({{{names!r}}}); "
+                         f"got the {type(names).__name__} {names!r}, which would be read letter by letter")
+    try:
+        names = list(names)
+    except TypeError:
+        raise ValueError(f"capabilities must be a collection of names, got {type(names).__name__} {names!r}") from None
+    strange = [n for n in names if not isinstance(n, str)]
+    if strange:
+        raise ValueError(f"capabilities must be names (str), got {strange!r}")
     unknown = sorted(set(names) - set(CAPABILITIES))
     if unknown:
         raise ValueError(f"unknown capabilities {unknown}; the vocabulary is {sorted(CAPABILITIES)}")

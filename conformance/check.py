@@ -109,19 +109,62 @@ def status_not(session, forbidden: str, where: str) -> None:
     assert got != forbidden, f"{where}: status is {got} after a failed update; it must not be {forbidden}"
 
 
+def _type_names(exc_type) -> str:
+    types = exc_type if isinstance(exc_type, tuple) else (exc_type,)
+    return " or ".join(t.__name__ for t in types)
+
+
+def _expected(exc_type, match: str | None, names) -> str:
+    text = _type_names(exc_type)
+    if match is not None:
+        text += f" with a message matching {match!r}"
+    if names:
+        text += f"{' and' if match is not None else ' with a message'} naming {list(map(str, names))}"
+    return text
+
+
 @contextlib.contextmanager
-def raises(exc_type, *, match: str, names: Iterable[str] = (), where: str = ""):
+def _expect(exc_type, where: str, expected: str):
+    """Yield an ExceptionInfo filled with the ``exc_type`` the block raises. Nothing raised, or an
+    exception of another type, fails naming the case (``where``) and what was expected: pytest's
+    own "DID NOT RAISE ValueError" names neither."""
+    if not where or not str(where).strip():
+        raise ValueError("check: where= must name the case (file, tensor, rank or field); a failure would name nothing")
+    info = pytest.ExceptionInfo.for_later()
+    try:
+        yield info
+    except exc_type as e:
+        info.fill_unfilled((type(e), e, e.__traceback__))
+    except Exception as e:
+        raise AssertionError(f"{where}: expected {expected}; got {type(e).__name__}: {e}") from e
+    else:
+        raise AssertionError(f"{where}: expected {expected}; nothing was raised (DID NOT RAISE)")
+
+
+@contextlib.contextmanager
+def raises(exc_type, *, match: str, names: Iterable[str] = (), where: str):
     """Expect ``exc_type`` whose message matches ``match`` (anchored search, never empty) and
-    mentions every string in ``names`` (file, tensor, rank or field at fault)."""
+    mentions every string in ``names`` (file, tensor, rank or field at fault). ``where`` names the
+    case: a failure (nothing raised, another type, another message) says it and what was expected."""
     _count()
     if not match or re.fullmatch(match, "") is not None:
         raise ValueError(f"check.raises: pattern {match!r} matches the empty string; it could never fail")
-    with pytest.raises(exc_type) as info:
+    names = list(names)
+    with _expect(exc_type, where, _expected(exc_type, match, names)) as info:
         yield info
     message = str(info.value)
     assert re.search(match, message), f"{where}: {type(info.value).__name__} message {message!r} does not match {match!r}"
     missing = [n for n in names if str(n) not in message]
     assert not missing, f"{where}: error message {message!r} does not name {missing}"
+
+
+@contextlib.contextmanager
+def refused(exc_type, *, where: str):
+    """Expect any exception of ``exc_type`` (a type or a tuple), message unchecked: for a step whose
+    refusal is not itself the rule (the rule checks the aftermath). A failure names the case."""
+    _count()
+    with _expect(exc_type, where, _expected(exc_type, None, ())) as info:
+        yield info
 
 
 def that(condition: bool, message: str) -> None:

@@ -119,6 +119,11 @@ def _adapter(config):
     return config.stash.get(ADAPTER_KEY, None)
 
 
+# The suite's environment variables, named in the header so that a run's output says how to repeat it.
+ENV_MEANING = ("CONFORMANCE_LOOP_SEED replays one seed of the status loop's schedules, CONFORMANCE_FASTDEPLOY_SOURCE "
+               "is the file --impl=fastdeploy loads")
+
+
 def pytest_report_header(config):
     adapter = _adapter(config)
     if adapter is None:
@@ -129,7 +134,7 @@ def pytest_report_header(config):
         f"conformance: suite {SUITE_VERSION}, protocol {SUITE_PROTOCOL}, {len(rules())} rules in SPEC.md",
         f"conformance: capabilities {', '.join(sorted(adapter.capabilities)) or '(none)'}",
         f"conformance: fail on {config.getoption('--fail-on')}; expectations {config.getoption('--expectations') or 'none'}",
-        f"conformance: env {env or '{}'}",
+        f"conformance: env: {ENV_MEANING}; set in this run: {env}" if env else f"conformance: env: none set ({ENV_MEANING})",
     ]
     notes = getattr(adapter, "notes", None)
     if notes:
@@ -575,13 +580,47 @@ def _print_verdicts(terminalreporter, config, results, statuses) -> None:
             terminalreporter.write_line(f"    rules: {', '.join(c['rules'])}")
 
 
+NATURAL_WIDTH = 130  # the width of output that goes to no terminal and no COLUMNS (a CI log)
+
+
+def _width(terminalreporter) -> int:
+    """Columns to fit: ``COLUMNS`` when set, else the terminal's width, else NATURAL_WIDTH (a log, a pipe)."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) >= 40:
+        return int(columns)
+    tw = terminalreporter._tw
+    isatty = getattr(getattr(tw, "_file", None), "isatty", lambda: False)
+    return tw.fullwidth if isatty() else NATURAL_WIDTH
+
+
+def _print_rich(terminalreporter, renderable) -> None:
+    """A rich table within the width (``_width``), each line written without the padding after it."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), force_terminal=False, width=_width(terminalreporter), color_system=None)
+    console.print(renderable)
+    for line in console.file.getvalue().splitlines():
+        terminalreporter.write_line(line.rstrip())
+
+
 def _print_listing(terminalreporter, listing) -> None:
-    """One line per rule, columns aligned, so that the list greps and diffs well."""
-    header = ("id", "level", "area", "capabilities", "title")
-    widths = [max(len(row[i]) for row in [header, *listing]) for i in range(4)]
-    terminalreporter.write_line(f"{len(listing)} rules (SPEC.md):")
-    for row in [header, *listing]:
-        terminalreporter.write_line("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    """One row per rule, its id, level and area on its first line (so that an id greps to them), long
+    capability lists and titles wrapped within the terminal's width (``COLUMNS``)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, title=f"{len(listing)} rules (SPEC.md):",
+                  title_justify="left")
+    for name in ("id", "level", "area"):
+        table.add_column(name, no_wrap=True)
+    table.add_column("capabilities", ratio=2, overflow="fold")
+    table.add_column("title", ratio=3, overflow="fold")
+    for rule_id, level, area_name, caps, title in listing:
+        table.add_row(rule_id, level, area_name, caps.replace(",", ", "), title)
+    terminalreporter.write_line("")
+    _print_rich(terminalreporter, table)
 
 
 TABLE_COLUMNS = (("passed", "passed"), ("failed contract", None), ("failed hardening", None), ("error", "error"),
@@ -595,7 +634,6 @@ def _print_table(terminalreporter, adapter, results, statuses) -> None:
     for rule_id, status in statuses.items():
         key = f"failed {levels_of[rule_id]}" if status == "failed" else status
         per_area[area(rule_id)][key] += 1
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"Conformance of {adapter.name} {adapter.version}: rules by area")
@@ -608,9 +646,8 @@ def _print_table(terminalreporter, adapter, results, statuses) -> None:
         total.update(c)
         table.add_row(name, *(str(c[key or title]) for title, key in TABLE_COLUMNS))
     table.add_row("all", *(str(total[key or title]) for title, key in TABLE_COLUMNS))
-    console = Console(file=terminalreporter._tw, force_terminal=False, width=130, color_system=None)
     terminalreporter.write_line("")
-    console.print(table)
+    _print_rich(terminalreporter, table)
 
 
 def build_report(config, adapter, results) -> dict:

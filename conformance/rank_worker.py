@@ -232,6 +232,32 @@ def run_path(job: dict, config: dict, adapter, rank: int, report: Reporter, coll
     return True
 
 
+def leave_when_orphaned(orchestrator: int | None, rank: int, interval_s: float = 0.2) -> None:
+    """Leave (exit 4) as soon as the launcher (this process's parent) or the orchestrator is gone: a job
+    whose driver was killed must not leave its ranks polling the cell, re-parented to init."""
+    launcher = os.getppid()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            gone = "launcher" if os.getppid() != launcher else \
+                "orchestrator" if orchestrator and not alive(orchestrator) else None
+            if gone:
+                print(f"rank {rank}: the {gone} is gone; leaving", file=sys.stderr, flush=True)
+                os._exit(4)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
 def main(config_path: str) -> int:
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
@@ -244,6 +270,7 @@ def main(config_path: str) -> int:
     watchdog = threading.Timer(config["life_s"], lambda: (report("watchdog", life_s=config["life_s"]), os._exit(3)))
     watchdog.daemon = True
     watchdog.start()
+    leave_when_orphaned(config.get("orchestrator"), rank)
     code = 0
     try:
         start = time.monotonic()

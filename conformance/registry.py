@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from importlib.metadata import entry_points
 
 from .adapter import LoaderAdapter
@@ -27,6 +28,28 @@ class ImplError(Exception):
     """--impl could not be resolved to a valid adapter."""
 
 
+def _raised_at(exc: BaseException, prefer: str | None = None) -> str:
+    """Where ``exc`` was raised, as ``FILE, line N``: the innermost frame in ``prefer`` (the adapter's
+    own file) when there is one, with the innermost frame of all after it when that lies elsewhere."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "(no traceback)"
+    inner = frames[-1]
+    mine = [f for f in frames if prefer and os.path.abspath(f.filename) == prefer]
+    shown = mine[-1] if mine else inner
+    where = f"{shown.filename}, line {shown.lineno}"
+    if shown is not inner:
+        where += f" (raised in {inner.filename}, line {inner.lineno})"
+    return where
+
+
+def _failure(exc: BaseException, prefer: str | None = None) -> str:
+    """``SyntaxError: MSG at FILE, line N`` for a failure to import or build an adapter."""
+    if isinstance(exc, SyntaxError):  # its location is the file being compiled, not a frame
+        return f"{type(exc).__name__}: {exc.msg} at {exc.filename}, line {exc.lineno}"
+    return f"{type(exc).__name__}: {exc} at {_raised_at(exc, prefer)}"
+
+
 def _import_target(target: str):
     module_part, _, attr = target.rpartition(":")
     if not module_part or not attr:
@@ -39,12 +62,18 @@ def _import_target(target: str):
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # a broken adapter file is a usage error naming the file and the line
+            sys.modules.pop(name, None)
+            raise ImplError(f"--impl {target!r}: adapter file {path} failed to import: {_failure(e, path)}") from None
     else:
         try:
             module = importlib.import_module(module_part)
         except ImportError as e:
             raise ImplError(f"--impl {target!r}: cannot import {module_part} ({e})") from e
+        except Exception as e:
+            raise ImplError(f"--impl {target!r}: importing {module_part} failed: {_failure(e)}") from None
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -76,9 +105,21 @@ def resolve(name: str, options: dict[str, str] | None = None) -> tuple[LoaderAda
                 "or pass 'module:attr' / 'path/to/file.py:attr'"
             )
         where = f"entry point {ENTRY_POINT_GROUP}:{name} = {eps[name].value}"
-        factory = eps[name].load()
+        try:
+            factory = eps[name].load()
+        except Exception as e:
+            raise ImplError(f"--impl {name!r}: loading {where} failed: {_failure(e)}") from None
     if isinstance(factory, type) or (callable(factory) and not hasattr(factory, "open")):
-        adapter = factory(**options)
+        try:
+            adapter = factory(**options)
+        except ImplError:
+            raise  # the adapter's own usage error (the FastDeploy adapter's checks) says it best
+        except Exception as e:
+            given = ", ".join(f"{k}={v!r}" for k, v in options.items())
+            source = getattr(sys.modules.get(getattr(factory, "__module__", "")), "__file__", None)
+            raise ImplError(f"--impl {name!r} ({where}): the adapter factory "
+                            f"{getattr(factory, '__qualname__', factory)!s}({given}) raised "
+                            f"{_failure(e, os.path.abspath(source) if source else None)}") from None
     elif options:
         raise ImplError(f"--impl {name!r} ({where}) is an adapter instance; it takes no --impl-opt")
     else:
@@ -89,5 +130,5 @@ def resolve(name: str, options: dict[str, str] | None = None) -> tuple[LoaderAda
     try:
         adapter.capabilities = validate(adapter.capabilities)
     except ValueError as e:
-        raise ImplError(f"--impl {name!r}: {e}") from None
+        raise ImplError(f"--impl {name!r} ({where}): {e}") from None
     return adapter, where

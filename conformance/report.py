@@ -75,11 +75,19 @@ def cause_key(message: str) -> str:
     return first[:300]
 
 
+# An exception that was expected and never came is each rule's own gap, not a cause shared with others:
+# "DID NOT RAISE ValueError" (pytest's words, or check.raises' after the case it names) explains nothing.
+_NO_CAUSE = re.compile(r"DID NOT RAISE")
+
+
 def root_causes(results: dict, min_rules: int = 2) -> list[dict]:
     """Causes shared by failures of at least ``min_rules`` rules, largest first: the cause (its
-    normalized message), one real message, the rules it explains and how many tests it failed."""
+    normalized message), one real message, the rules it explains and how many tests it failed. A
+    failure because nothing was raised is never a shared cause."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in results.values():
+        if _NO_CAUSE.search(r["message"] or ""):
+            continue
         if r["actual"] in ("failed", "error") and r["status"] != "expected_failure":
             groups[cause_key(r["message"])].append(r)
     found = []

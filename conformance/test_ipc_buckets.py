@@ -1117,6 +1117,7 @@ FIELD_CASES = {  # case -> (where: "manifest" or "entry", field, new value; DELE
     "entry-name-missing": ("entry", "name", "DELETE"),
     "entry-name-empty": ("entry", "name", ""),
     "entry-name-int": ("entry", "name", 7),
+    "entry-name-nul": ("entry", "name", "embed.weight\0"),  # NUL ends each name in the end digest
     "entry-dtype-int": ("entry", "dtype", 16),
     "entry-shape-str": ("entry", "shape", "8,16"),
     "entry-shape-negative": ("entry", "shape", [-8, -16]),
@@ -1141,6 +1142,8 @@ def test_manifest_fields_present_and_typed(loader, publisher, case):
     """Bucket 0 of SPEC in 512-byte buckets: embed.weight (bf16 (8, 16), 256 bytes at 0) and layers.0.mlp.weight."""
     kind, field, value = FIELD_CASES.get(case) or FIELD_DEFAULTS[case]
     named = {"entry-not-a-map": "entry"}.get(case, field)
+    # A NUL name is refused as such, not only as a name the model lacks (which any name check would say).
+    match = {"entry-name-nul": r"field name holds a NUL"}.get(case, named)
 
     def tamper(update):
         manifest = update.buckets[0]
@@ -1159,5 +1162,5 @@ def test_manifest_fields_present_and_typed(loader, publisher, case):
         session.update()
         check.params_equal(session.observe(), state, f"{pub.endpoint}: bucket 0 with {case}")
         return
-    _rejected(loader, publisher, tamper, bucket_bytes=512, match=named, names=[f"version {VERSION}"],
+    _rejected(loader, publisher, tamper, bucket_bytes=512, match=match, names=[f"version {VERSION}"],
               where=f"bucket 0 with {case}")

@@ -577,7 +577,7 @@ def test_no_mapping_or_descriptor_of_trainer_segments_is_kept(loader, trainer, c
         kind, position = case.rsplit("-", 1)
         name = POSITIONS[position]
         session, path, _ = _open_tampered(loader, export, lambda metas: _spoil(export, metas, kind.replace("freed", "freed-segment"), name))
-        with pytest.raises((ValueError, TypeError)):
+        with check.refused((ValueError, TypeError), where=f"{path}: {kind} of {name} ({case})"):
             session.update()
     segments = export.segment_names()
     export.vanish()  # the trainer's own mappings go: whatever is left is the worker's
@@ -762,7 +762,8 @@ def test_ipc_failed_update_is_not_normal(loader, trainer, kind, when):
         session.clear()
     export = trainer(M.state(SPEC, version=1), per_segment=1)
     path = _publish_failing(loader, export, kind)
-    with pytest.raises((ValueError, TypeError, RuntimeError, FileNotFoundError)):
+    with check.refused((ValueError, TypeError, RuntimeError, FileNotFoundError),
+                       where=f"{path}: update ({when}) from a file with {kind} in {MIDDLE}"):
         session.update()
     check.status_not(session, "NORMAL", f"{path}: after an update ({when}) rejected for {kind} in {MIDDLE}")
 
@@ -777,7 +778,7 @@ def test_ipc_recovers_after_a_rejected_meta_file(loader, trainer, kind):
     bad_v, good_v = M.state(SPEC, version=1), M.state(SPEC, version=2)
     path = _publish_failing(loader, trainer(bad_v, per_segment=1), kind)
     session = loader.open(SPEC, strategy="ipc")
-    with pytest.raises((ValueError, TypeError, RuntimeError, FileNotFoundError)):
+    with check.refused((ValueError, TypeError, RuntimeError, FileNotFoundError), where=f"{path}: update from a file with {kind}"):
         session.update()
     _publish(loader, trainer, good_v, per_segment=1)  # the trainer publishes a fixed file
     session.clear()

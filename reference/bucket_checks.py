@@ -132,6 +132,14 @@ def parse_bucket(message: Mapping, state: UpdateState) -> Bucket:
 
 
 # The checks below are separate functions so that each can be named in SPEC.md and broken alone.
+def check_name_text(e: Entry, where: str) -> None:
+    """No NUL in a name: the end message's digest ends each name with one, so ["a\\0b"] and ["a", "b"]
+    would digest alike (SPEC wire format, BKT-FIELDS)."""
+    if "\0" in e.name:
+        raise ManifestError(f"{where}, tensor {e.name!r}: field name holds a NUL character at index {e.name.index(chr(0))} "
+                            "(NUL ends each name in the end message's digest; a name may not contain one)")
+
+
 def check_dtype(e: Entry, where: str) -> None:
     if e.dtype not in DTYPES:
         raise ManifestError(f"{where}, tensor {e.name!r}: unknown dtype {e.dtype!r} (field dtype); "
@@ -206,6 +214,7 @@ def validate_bucket(bucket: Bucket, state: UpdateState, segment_size: int) -> No
     """Every check of one bucket manifest; raises before the receiver reads any byte of it."""
     where = f"ipc_bucket manifest for bucket {bucket.index} of version {bucket.version}"
     for e in bucket.entries:
+        check_name_text(e, where)
         check_dtype(e, where)
         check_nbytes(e, where)
     check_ranges(bucket.entries, segment_size, where)

@@ -43,6 +43,15 @@ CLOSE_LINGER_MS = 1000
 LOCAL_ENDPOINT = re.compile(r"^(ipc://.+|tcp://(127\.0\.0\.1|localhost|\[::1\]):\d+)$")
 
 
+# The transport's account of the connection (a monitor socket). ZMQ drops a frame over MAXMSGSIZE together
+# with the connection and, this being a protocol error, never reconnects; a peer that went away is
+# reconnected to at once (CONNECT_DELAYED or CONNECT_RETRIED right after DISCONNECTED). A drop with no
+# reconnect attempt within DROP_GRACE_S is therefore a refused frame, not a dead trainer.
+_RECONNECTING = (zmq.EVENT_CONNECT_DELAYED, zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECTED)
+_MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED
+DROP_GRACE_S = 0.1
+
+
 class Link:
     """The receiver's REQ socket: every request gets exactly one reply within ``timeout_s``."""
 
@@ -54,6 +63,7 @@ class Link:
         self.timeout_s = timeout_s
         self.sock = zmq.Context.instance().socket(zmq.REQ)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
+        self.monitor = self.sock.get_monitor_socket(_MONITORED)
         self.sock.connect(endpoint)
         self.can_send = True
 
@@ -62,12 +72,43 @@ class Link:
         self.can_send = False
         return self.receive(where)
 
+    def _dropped(self, dropped_at: float | None) -> float | None:
+        """Read the monitor's events: when the connection dropped with no reconnect attempt since, else None."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while self.monitor.poll(0):
+            event = parse_monitor_message(self.monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                dropped_at = time.monotonic()
+            elif event in _RECONNECTING:
+                dropped_at = None
+        return dropped_at
+
     def receive(self, where: str) -> dict:
-        if not self.sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
-            raise protocol.TransferTimeout(
-                f"ipc_bucket: no message from the trainer at {self.endpoint} within {self.timeout_s:g}s while "
-                f"waiting for {where} (trainer dead or stalled)"
-            )
+        deadline = time.monotonic() + self.timeout_s
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        dropped_at = None
+        while True:
+            now = time.monotonic()
+            until = deadline if dropped_at is None else min(deadline, dropped_at + DROP_GRACE_S)
+            ready = dict(poller.poll(max(0, int((until - now) * 1000)))) if until > now else {}
+            if self.sock in ready:
+                break
+            dropped_at = self._dropped(dropped_at)
+            now = time.monotonic()
+            if dropped_at is not None and (now >= dropped_at + DROP_GRACE_S or now >= deadline):
+                raise protocol.ManifestError(
+                    f"ipc_bucket: the trainer at {self.endpoint} sent a frame the transport refused while {where} was "
+                    f"awaited: a frame over the {self.max_frame}-byte ({self.max_frame / (1 << 20):g} MiB) frame limit "
+                    "(ZMQ MAXMSGSIZE drops it with the connection; the trainer was not reconnected to, so it is alive)"
+                )
+            if now >= deadline:
+                raise protocol.TransferTimeout(
+                    f"ipc_bucket: no message from the trainer at {self.endpoint} within {self.timeout_s:g}s while "
+                    f"waiting for {where} (trainer dead or stalled)"
+                )
         frame = self.sock.recv(copy=False).bytes
         self.can_send = True
         return self.parse(frame, f"message from {self.endpoint} for {where}")
@@ -88,6 +129,8 @@ class Link:
     def close(self) -> None:
         # Bounded linger: a done or error just queued still reaches a live trainer (LINGER 0 would
         # drop it), and the caller never waits for it (the context, not close(), does the flushing).
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=CLOSE_LINGER_MS)
 
 

@@ -30,7 +30,7 @@ import zmq
 
 from wire import protocol
 
-from . import interrupt
+from . import interrupt, leftovers
 from .trainer import TrainerConfig, sweep_segments, trainer_main
 
 MiB = 1 << 20
@@ -168,7 +168,9 @@ class Roundtrip:
         self.managers = []
         self.messages: list[dict] = []
         self.status = None
-        self.dir = tempfile.mkdtemp(prefix="wscf-sim-")  # short: ipc:// paths are limited to ~107 bytes
+        # Short (ipc:// paths are limited to ~107 bytes), and named with this pid: a SIGKILLed run's directory
+        # is swept by the next run (sim.leftovers).
+        self.dir = tempfile.mkdtemp(prefix=leftovers.run_dir_prefix("sim"))
         try:
             self.shared_dir = os.path.join(self.dir, "shared")
             os.makedirs(self.shared_dir)
@@ -424,7 +426,8 @@ def render(results: list[VersionResult], console, model, ranks: int) -> int:
     for r in results:
         ok, models_ok = sum(c.ok for c in r.checks), sum(m.ok for m in r.models)
         summary.add_row(str(r.version), f"{ranks - len(r.errors)}/{ranks}", f"{ok}/{len(r.checks)}",
-                        f"{models_ok}/{len(r.models)}", f"{r.nbytes:,}", f"{r.seconds:.3f}", f"{r.gbps:.2f}")
+                        f"{models_ok}/{len(r.models)}", f"{r.nbytes:,}", f"{r.seconds:.3f}",
+                        "-" if r.errors else f"{r.gbps:.2f}")
         if ok != len(r.checks) or models_ok != len(r.models):
             status = 1
     console.print(summary)
@@ -432,6 +435,10 @@ def render(results: list[VersionResult], console, model, ranks: int) -> int:
         for rank, e in sorted(r.errors.items()):
             console.print(f"[bold red]version {r.version}, rank {rank}: update failed:[/] {type(e).__name__}: {e}", highlight=False)
             status = 2
+    if status:  # a rate of a run that failed or landed wrong bytes would read as a result
+        why = "an update failed" if status == 2 else "a digest differs"
+        console.print(f"no throughput reported: the run failed ({why})", highlight=False)
+        return status
     total_bytes = sum(r.nbytes for r in results)
     total_s = sum(r.seconds for r in results)
     console.print(f"throughput: {total_bytes / max(total_s, 1e-9) / 1e9:.2f} GB/s ({total_bytes / MiB:,.0f} MiB landed in "
@@ -544,6 +551,10 @@ def main(argv=None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")  # before Paddle's
+    swept = leftovers.sweep_dead_runs()  # what SIGKILLed runs of ours left (their pid is dead)
+    if swept:
+        print(f"swept {len(swept)} leftover(s) of dead runs: {', '.join(swept[:6])}{' ...' if len(swept) > 6 else ''}",
+              file=sys.stderr, flush=True)
     interrupt.install()
     try:
         import paddle  # noqa: F401  (imported here: it sets a SIGTERM handler of its own, replaced below)

@@ -33,6 +33,7 @@ import zmq
 
 from wire import protocol
 
+from . import interrupt
 from .trainer import BucketTrainer, MetaTrainer
 
 FAULTS = ("missing", "partial", "bad-dtype", "kill", "stall", "slow")
@@ -107,6 +108,9 @@ class SnapshotShard:
     def close(self) -> None:
         pass
 
+    def abandon(self) -> None:
+        pass
+
 
 class MetaShard:
     def __init__(self, shared_dir: str, gpu: int):
@@ -126,6 +130,9 @@ class MetaShard:
 
     def close(self) -> None:
         self.trainer.close()
+
+    def abandon(self) -> None:
+        self.trainer.release()
 
 
 class PacedBucketTrainer(BucketTrainer):
@@ -176,12 +183,23 @@ class BucketShard:
         self.wait()
         self.trainer.close()
 
+    def abandon(self) -> None:
+        """Unlink the buffers' names (the process exits next: its mappings go with it)."""
+        for seg in self.trainer.segments:
+            seg.unlink()
+
+
+def _on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwind through finally: segments are unlinked
+
 
 def serve(config: dict) -> None:
     """Process entry point (spawned): ``config`` is plain data (JSON-able)."""
     from fixtures.models import spec as make_spec
 
-    signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(SystemExit(143)))
+    # SIGINT ignored (a terminal's Ctrl-C reaches the orchestrator's whole group; it stops the trainers), SIGTERM
+    # unwinds (segments unlinked), and SIGTERM comes by itself if the orchestrator dies.
+    interrupt.trainer_signals(_on_sigterm, config.get("parent") or os.getppid())
     spec = make_spec(*(tuple(p[:2]) + (tuple(p[2]),) for p in config["params"]))
     rank, path = config["rank"], config["path"]
     if path == "snapshot":
@@ -190,6 +208,7 @@ def serve(config: dict) -> None:
         from .ipc_handles import phi_dtype_codes
 
         phi_dtype_codes()  # Paddle imported now, not inside the first update
+        signal.signal(signal.SIGTERM, _on_sigterm)  # Paddle's import set a C handler that dumps a stack and dies
         source = MetaShard(config["shared_dir"], config["gpu"])
     else:
         source = BucketShard(config["endpoint"], config["bucket_bytes"], config["timeout_s"], config["slow_pause_s"])
@@ -211,6 +230,12 @@ def serve(config: dict) -> None:
             sent = hashes(st)
             source.publish(st, version, fault)
             control.send(protocol.encode({"type": "published", "version": version, "hashes": sent}))
+    except SystemExit:
+        # SIGTERM (stopped, or the orchestrator died): a serving thread may wait on ranks that are gone for
+        # minutes, so unlink what this trainer created and leave now instead of joining it.
+        source.abandon()
+        sys.stdout.flush()
+        os._exit(143)
     finally:
         source.close()
         control.close()

@@ -14,6 +14,12 @@ NORMAL that lasts a moment is still seen. Every wait has a deadline; the job's r
 (the MR and CYCLE rules, ``benchmarks/rank_cycle.py``).
 
     python -m sim.ranks --path snapshot --path meta --path bucket --ranks 2 --cycles 3
+
+SIGINT (Ctrl-C) and SIGTERM end a job at any step with exit status 130 and 143: the launcher and the
+ranks are killed, the trainers (which ignore SIGINT, and get SIGTERM if this process dies) stopped, the
+status cells and the run's directory removed. A rank whose launcher or orchestrator is gone leaves by
+itself. The run's directory is named with this process's pid, so that a SIGKILLed job's is swept by the
+next one (``sim.leftovers``).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import zmq
 
 from wire import protocol
 
+from . import interrupt, leftovers
 from .ipc_handles import SHM_DIR
 from .trainer import sweep_segments
 
@@ -143,11 +150,14 @@ class Trainer:
 
     def start(self) -> None:
         # Forked: no second import of numpy, zmq and Paddle (a trainer is ready in milliseconds), and a
-        # patched simulator (the zoo's trainer mutants) is the one that runs.
+        # patched simulator (the zoo's trainer mutants) is the one that runs. It starts with SIGINT and
+        # SIGTERM blocked until its own handlers are set (sim.interrupt.trainer_signals).
         ctx = multiprocessing.get_context("fork")
+        self.config = dict(self.config, parent=os.getpid())
         self.proc = ctx.Process(target=_trainer_entry, args=(self.config,), daemon=True,
                                 name=f"trainer-{self.config['path']}-{self.config['rank']}")
-        self.proc.start()
+        with interrupt.blocked():
+            self.proc.start()
         self.sock = zmq.Context.instance().socket(zmq.REQ)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.config["control"])
@@ -179,12 +189,17 @@ class Trainer:
     def resources(self) -> dict:
         return process_resources(self.proc.pid)
 
-    def stop(self) -> None:
-        if self.proc.is_alive():
+    def stop(self, graceful: bool = True) -> None:
+        """Ask the trainer to exit (``graceful``), else, or if that fails, SIGTERM it: it unwinds and unlinks its
+        segments. An interrupted job may have left a request unanswered, so its socket cannot ask."""
+        if self.proc.is_alive() and graceful:
             try:
                 self.request({"type": "exit"}, 10)
-            except JobError:
+            except (JobError, zmq.ZMQError):
                 pass
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.terminate()
             self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
@@ -268,14 +283,19 @@ class Job:
                  block: bool = False, agree_timeout_s: float = 3.0, transfer_timeout_s: float = 0.5,
                  stall_timeout_s: float = 5.0, step_timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
                  slow_pause_s: float = 0.05, keep: bool = False, progress=None, fast_fill: bool = False):
+        self.phase = "start-up"  # what the job is doing (the last progress line): an interruption names it
         self.impl, self.plans, self.ranks = impl, plans, ranks
         self.impl_opts = dict(impl_opts or {})
         self.block, self.agree_timeout_s = block, agree_timeout_s
         self.transfer_timeout_s, self.stall_timeout_s = transfer_timeout_s, stall_timeout_s
         self.step_timeout_s, self.bucket_bytes, self.slow_pause_s = step_timeout_s, bucket_bytes, slow_pause_s
         self.keep, self.fast_fill = keep, fast_fill
-        self.progress = progress or (lambda text: None)
+        self._progress = progress or (lambda text: None)
         self.visible = [2 + 2 * (ranks - 1 - r) for r in range(ranks)]  # physical ids: neither rank nor ordinal
+
+    def progress(self, text: str) -> None:
+        self.phase = text
+        self._progress(text)
 
     # the engine's side of one path
     def _setup(self, run_dir: str) -> list[dict]:
@@ -310,6 +330,7 @@ class Job:
                          "endpoints": [f"ipc://{p['base']}/bkt{r}" for r in range(self.ranks)],
                          "transfer_timeouts": timeouts, "options": dict(plan.options)})
         config = {"impl": self.impl, "impl_opts": self.impl_opts, "run_dir": run_dir, "block": self.block,
+                  "orchestrator": os.getpid(),
                   "agree_timeout_s": self.agree_timeout_s, "visible": ",".join(map(str, self.visible)),
                   "life_s": 600.0, "jobs": jobs}
         path = os.path.join(run_dir, "worker.json")
@@ -428,7 +449,7 @@ class Job:
         result["ended"] = self._collect(events, job, ("ended",), leaving_ok=plan.hang_rank is not None)
 
     def run(self) -> dict:
-        run_dir = self._run_dir = tempfile.mkdtemp(prefix="wscf-ranks-")
+        run_dir = self._run_dir = tempfile.mkdtemp(prefix=leftovers.run_dir_prefix("ranks"))
         log_dir = os.path.join(run_dir, "log")
         paths, launch, result = [], None, {"ranks": self.ranks, "visible": self.visible, "paths": []}
         started = time.monotonic()
@@ -460,15 +481,40 @@ class Job:
             result["error"] = str(e)  # what ran before it stays in the result
             return result
         finally:
-            if launch is not None and launch.poll() is None:
-                os.killpg(launch.pid, signal.SIGKILL)
-                launch.wait(10)
-            for p in paths:
-                for t in p["trainers"]:
-                    t.stop()
-                p["cell"].unlink()
-            if not self.keep:
-                shutil.rmtree(run_dir, ignore_errors=True)
+            with interrupt.shielded():  # a signal now is raised once everything is released
+                self._release(launch, paths, run_dir)
+
+    def _release(self, launch, paths: list[dict], run_dir: str) -> None:
+        """Kill the launcher and every rank (the launcher puts each in a session of its own, so killing its
+        group does not reach them), stop the trainers, unlink the cells, remove the run's directory."""
+        if launch is not None and launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait(10)
+        for pid in _rank_pids(run_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        graceful = not interrupt.pending()
+        for p in paths:
+            for t in p["trainers"]:
+                t.stop(graceful)
+            p["cell"].unlink()
+        if not self.keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _rank_pids(run_dir: str) -> list[int]:
+    """The live rank workers of this job: processes running the worker on this run's configuration."""
+    import psutil
+
+    config = os.path.join(run_dir, "worker.json")
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if config in cmdline and WORKER in cmdline and proc.pid != os.getpid():
+            pids.append(proc.pid)
+    return pids
 
 
 def default_params(model_mib: float) -> list:
@@ -481,7 +527,9 @@ def default_params(model_mib: float) -> list:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m sim.ranks", description=" ".join(__doc__.split("\n\n")[0].split()),
+                                     epilog="exit status: 0 every shard bit for bit, 1 a mismatch, 2 the job could not be "
+                                            "driven, 130 SIGINT, 143 SIGTERM")
     parser.add_argument("--impl", default="reference")
     parser.add_argument("--path", action="append", choices=sorted(STRATEGIES), help="repeatable; default all three")
     parser.add_argument("--ranks", type=int, default=2)
@@ -493,8 +541,21 @@ def main(argv=None) -> int:
     plans = [PathPlan(path, default_params(args.model_mib), [Step(1)], cycles=args.cycles,
                       options={"staged": True} if args.staged else {})
              for path in (args.path or ["snapshot", "meta", "bucket"])]
+    swept = leftovers.sweep_dead_runs()  # what SIGKILLed runs of ours left (their pid is dead)
+    if swept:
+        print(f"swept {len(swept)} leftover(s) of dead runs: {', '.join(swept[:6])}{' ...' if len(swept) > 6 else ''}",
+              file=sys.stderr, flush=True)
     job = Job(args.impl, plans, ranks=args.ranks, progress=lambda text: print(text, flush=True))
-    result = job.run()
+    interrupt.install()
+    try:
+        result = job.run()
+    except interrupt.Interrupted as e:
+        print(f"sim.ranks {e} during {job.phase}: launcher, ranks and trainers stopped, status cells and the run's "
+              "directory removed", file=sys.stderr, flush=True)
+        return e.exit_status
+    if "error" in result:
+        print(f"sim.ranks: the job failed: {result['error']}", file=sys.stderr, flush=True)
+        return 2
     ok = True
     for path in result["paths"]:
         for c in path["cycles"]:

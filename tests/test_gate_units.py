@@ -219,6 +219,17 @@ def test_cause_key_blanks_paths_numbers_and_addresses_only():
     assert len(causes[1]["example"]) == 500, len(causes[1]["example"])
 
 
+def test_nothing_raised_is_never_a_root_cause():
+    """Five rules failing because an expected exception never came share no cause: neither pytest's bare
+    "DID NOT RAISE" nor check.raises' message (which names each case) groups them."""
+    bare = {i: _t(f"R-{i}", "Failed: DID NOT RAISE <class 'ValueError'>") for i in range(5)}
+    named = {i: _t(f"R-{i}", f"AssertionError: bucket {i} of version 1: expected ValueError with a message matching "
+                             "'dtype'; nothing was raised (DID NOT RAISE)") for i in range(5)}
+    shared = {i: _t(f"R-{i}", f"AttributeError: 'Engine' object has no attribute 'cfg' (case {i})") for i in range(5)}
+    assert rep.root_causes(bare) == [] and rep.root_causes(named) == [], rep.root_causes({**bare, **named})
+    assert [c["rules"] for c in rep.root_causes(shared)] == [[f"R-{i}" for i in range(5)]], "a shared cause still groups"
+
+
 def test_rule_status_precedence():
     assert rep.rule_status(["passed", "expected_failure"]) == "expected_failure"
     assert rep.rule_status(["expected_failure", "unexpected_pass"]) == "unexpected_pass"

@@ -67,6 +67,26 @@ class FakeAdapter:
 class NoCapsAdapter(FakeAdapter):
     name = "nocaps"
     capabilities = frozenset()
+
+
+class StrCapsAdapter(FakeAdapter):
+    capabilities = "snapshot.single"  # a str, not a set: read letter by letter before
+
+
+class RaisingAdapter(FakeAdapter):
+    def __init__(self, **options):
+        raise RuntimeError("no GPU visible to the adapter")  # RAISES-IN-INIT
+
+
+def raising_factory(**options):
+    return {}["engine"]  # RAISES-IN-FACTORY
+'''
+
+BROKEN_ADAPTER = '''
+"""An adapter file with a syntax error."""
+
+class Broken(:
+    pass
 '''
 
 SANDBOX_TESTS = '''
@@ -196,6 +216,7 @@ def sandbox(tmp_path_factory):
     (root / "pytest.ini").write_text(PYTEST_INI)
     (root / "conftest.py").write_text('pytest_plugins = ["conformance.plugin"]\n')
     (root / "fake_adapter.py").write_text(FAKE_ADAPTER)
+    (root / "broken_adapter.py").write_text(BROKEN_ADAPTER)
     (root / "test_sandbox.py").write_text(SANDBOX_TESTS)
     bad = root / "bad"
     bad.mkdir()
@@ -223,6 +244,11 @@ def runs(sandbox, tmp_path_factory):
         "bad_markers": (["bad", "--impl=fake_adapter:FakeAdapter"], sandbox, [sandbox], None),
         "unknown_rule": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "--rule", "NO-SUCH-RULE"], sandbox, [sandbox], None),
         "bad_opt": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "--impl-opt", "novalue"], sandbox, [sandbox], None),
+        # Broken adapters: usage errors naming the file and the line, never an INTERNALERROR.
+        "syntax_error": (["test_sandbox.py", "--impl=broken_adapter.py:Broken"], sandbox, [sandbox], None),
+        "raising_init": (["test_sandbox.py", "--impl=fake_adapter.py:RaisingAdapter"], sandbox, [sandbox], None),
+        "raising_factory": (["test_sandbox.py", "--impl=fake_adapter:raising_factory"], sandbox, [sandbox], None),
+        "str_caps": (["test_sandbox.py", "--impl=fake_adapter:StrCapsAdapter"], sandbox, [sandbox], None),
         # Runs that test nothing: no capability claimed, -k matching only plain tests, -k matching nothing.
         "no_caps": (["test_sandbox.py", "--impl=fake_adapter:NoCapsAdapter", "--rule", "SNAP-GPU-ID", "--rule",
                      "LEVEL-SHARED-LAST"], sandbox, [sandbox], out / "nocaps.json"),
@@ -296,6 +322,47 @@ def test_conformance_tests_without_impl_are_usage_error(runs):
 def test_impl_opt_without_value_is_usage_error(runs):
     run = runs["bad_opt"]
     assert run.code == USAGE_ERROR and "expected KEY=VALUE" in run.output, run.output[-2000:]
+
+
+def _line_of(text: str, marker: str) -> int:
+    """The line number of ``marker`` in a file written from ``text``."""
+    return next(i for i, line in enumerate(text.splitlines(), 1) if marker in line)
+
+
+BROKEN = {
+    "syntax_error": ("broken_adapter.py", r"broken_adapter\.py failed to import: SyntaxError: .* at \S*broken_adapter\.py, "
+                                          rf"line {_line_of(BROKEN_ADAPTER, 'class Broken(:')}$"),
+    "raising_init": ("fake_adapter.py", r"RaisingAdapter\(\) raised RuntimeError: no GPU visible to the adapter at "
+                                        rf"\S*fake_adapter\.py, line {_line_of(FAKE_ADAPTER, 'RAISES-IN-INIT')}$"),
+    "raising_factory": ("fake_adapter.py", r"raising_factory\(\) raised KeyError: 'engine' at \S*fake_adapter\.py, "
+                                           rf"line {_line_of(FAKE_ADAPTER, 'RAISES-IN-FACTORY')}$"),
+    "str_caps": ("fake_adapter", r"capabilities must be a collection of names, such as frozenset\(\{'snapshot\.single'\}\); "
+                                 r"got the str 'snapshot\.single'"),
+}
+
+
+@pytest.mark.parametrize("form", list(BROKEN))
+def test_a_broken_adapter_is_a_usage_error_naming_the_file_and_line(runs, sandbox, form):
+    """A SyntaxError in the adapter file, a constructor or factory that raises, capabilities given as
+    one str: exit 4 with one line naming the file and the line (or the value), not an INTERNALERROR."""
+    run = runs[form]
+    name, pattern = BROKEN[form]
+    assert run.code == USAGE_ERROR, f"{form}: exit {run.code}, expected {USAGE_ERROR}:\n{run.output[-3000:]}"
+    assert "INTERNALERROR" not in run.output and "Traceback" not in run.output, f"{form}:\n{run.output[-3000:]}"
+    error = [line for line in run.output.splitlines() if line.startswith("ERROR:")]
+    assert len(error) == 1 and re.search(pattern, error[0]) and name in error[0], \
+        f"{form}: expected one ERROR line matching {pattern!r}:\n{run.output[-3000:]}"
+
+
+def test_capabilities_must_be_a_collection_of_names():
+    from conformance.capabilities import validate
+
+    assert validate(["snapshot.single"]) == frozenset({"snapshot.single"}) == validate(("snapshot.single",))
+    assert validate(frozenset()) == frozenset()
+    for bad, message in (("snapshot.single", "got the str 'snapshot.single'"), (b"ipc.meta", "got the bytes b'ipc.meta'"),
+                         (3, "got int 3"), ([None], "must be names (str), got [None]")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            validate(bad)
 
 
 # -- markers and --rule ---------------------------------------------------------------------------
@@ -506,7 +573,7 @@ def test_docs_example_adapter_passes_its_rules(runs):
 @pytest.mark.parametrize("pattern", ["", "a*", "(x)?", ".*", "|foo"])
 def test_check_raises_refuses_pattern_matching_empty_string(pattern):
     with pytest.raises(ValueError, match="matches the empty string"):
-        with check.raises(RuntimeError, match=pattern):
+        with check.raises(RuntimeError, match=pattern, where="x"):
             raise RuntimeError("anything")
 
 
@@ -514,6 +581,41 @@ def test_check_raises_requires_named_things():
     with pytest.raises(AssertionError, match=r"does not name \['norm.bias'\]"):
         with check.raises(ValueError, match="Shape mismatch", names=["norm.bias"], where="x"):
             raise ValueError("Shape mismatch for embed.weight")
+
+
+def test_check_raises_failure_names_the_case_and_what_was_expected():
+    """Nothing raised, or another type raised: the message names the case (``where``: file, tensor,
+    dtypes) and the expected type, pattern and names, not pytest's bare "DID NOT RAISE ValueError"."""
+    where = "/m/model_state.tp0.0.pdparams: w float32 into a bfloat16 parameter"
+    with pytest.raises(AssertionError) as info:
+        with check.raises(TypeError, match="Type mismatch", names=["w"], where=where):
+            pass
+    assert str(info.value) == (f"{where}: expected TypeError with a message matching 'Type mismatch' and naming ['w']; "
+                               "nothing was raised (DID NOT RAISE)"), str(info.value)
+    with pytest.raises(AssertionError) as info:
+        with check.raises((ValueError, TypeError), match="Shape", where=where):
+            raise KeyError("w")
+    assert str(info.value) == f"{where}: expected ValueError or TypeError with a message matching 'Shape'; got KeyError: 'w'"
+    assert isinstance(info.value.__cause__, KeyError), "the implementation's exception is kept as the cause"
+    with check.raises(ValueError, match="Shape", where=where) as got:
+        raise ValueError("Shape mismatch for w")
+    assert isinstance(got.value, ValueError) and str(got.value) == "Shape mismatch for w", "the exception is handed back"
+    with pytest.raises(TypeError):
+        with check.raises(ValueError, match="Shape"):  # where= is required
+            raise ValueError("Shape")
+    with pytest.raises(ValueError, match="where= must name the case"):
+        with check.raises(ValueError, match="Shape", where=" "):
+            raise ValueError("Shape")
+
+
+def test_check_refused_names_the_case():
+    with pytest.raises(AssertionError, match=r"^rank 1, update from a file with dtype: expected ValueError or "
+                                             r"RuntimeError; nothing was raised \(DID NOT RAISE\)$"):
+        with check.refused((ValueError, RuntimeError), where="rank 1, update from a file with dtype"):
+            pass
+    with check.refused(RuntimeError, where="x") as got:
+        raise RuntimeError("any message")
+    assert str(got.value) == "any message"
 
 
 def test_params_equal_names_tensor_and_both_values():
@@ -684,3 +786,65 @@ def test_pinned_malloc_threshold_returns_freed_buffers_whatever_came_before():
     assert result["pinned"] is True, result
     assert result["grown"] > 60 << 10, f"4 x 16 MiB grew the resident set by only {result['grown']} KiB"
     assert result["left"] < 8 << 10, f"{result['left']} KiB still resident after freeing 4 x 16 MiB with the threshold pinned"
+
+
+# -- output within the terminal's width -----------------------------------------------------------
+class _Reporter:
+    """What the plugin's printers use of pytest's terminal reporter, into a string."""
+
+    def __init__(self):
+        import io
+
+        from _pytest._io import TerminalWriter
+
+        self.buf = io.StringIO()
+        self._tw = TerminalWriter(file=self.buf)
+
+    def write_line(self, line, **markup):
+        self._tw.line(line)
+
+
+@pytest.mark.parametrize("columns", ["80", "120", ""])
+def test_list_rules_and_area_table_fit_columns(monkeypatch, columns):
+    """``--list-rules`` (230 columns before) and the area table (130 whatever COLUMNS said) fit COLUMNS, or 130
+    columns where output goes to no terminal; every rule id starts a line with its level and area."""
+    from conformance import plugin
+
+    monkeypatch.setenv("COLUMNS", columns)
+    width = int(columns or plugin.NATURAL_WIDTH)
+    caps = ",".join(sorted(plugin.CAPABILITIES))[:148]  # as long as MODEL-HOOKS' capabilities
+    listing = [("MODEL-HOOKS", "contract", "MODEL", caps, rules()["MODEL-HOOKS"]),
+               ("SNAP-GPU-ID", "contract", "SNAP", "snapshot.single", rules()["SNAP-GPU-ID"])]
+    reporter = _Reporter()
+    plugin._print_listing(reporter, listing)
+    lines = reporter.buf.getvalue().splitlines()
+    assert max(map(len, lines)) <= width, f"COLUMNS={columns!r}: widest line {max(map(len, lines))}:\n" + "\n".join(lines)
+    for rule_id, level, area_name, *_ in listing:
+        assert any(re.match(rf"{rule_id}\s+{level}\s+{area_name}\s", line) for line in lines), "\n".join(lines)
+    squeezed = re.sub(r"\s", "", reporter.buf.getvalue())
+    assert "SNAP-GPU-IDcontractSNAPsnapshot.single" in squeezed, "a short row stays on one line"
+
+    class Adapter:
+        name, version = "fake", "1"
+
+    results = {f"t{i}": {"rule": r, "level": "contract", "status": "passed"} for i, r in enumerate(list(rules())[:20])}
+    reporter = _Reporter()
+    plugin._print_table(reporter, Adapter, results, {r["rule"]: "passed" for r in results.values()})
+    lines = reporter.buf.getvalue().splitlines()
+    assert max(map(len, lines)) <= width and any("all" in line for line in lines), reporter.buf.getvalue()
+
+
+def test_header_explains_the_env_line(monkeypatch):
+    from types import SimpleNamespace
+
+    from conformance import plugin
+
+    adapter = SimpleNamespace(name="fake", version="1", capabilities=frozenset(), _conformance_where="here")
+    config = SimpleNamespace(stash={plugin.ADAPTER_KEY: adapter}, getoption=lambda name: None)
+    for key in [k for k in os.environ if k.startswith("CONFORMANCE_")]:
+        monkeypatch.delenv(key)
+    line = next(line for line in plugin.pytest_report_header(config) if "env" in line)
+    assert line.startswith("conformance: env: none set (CONFORMANCE_LOOP_SEED replays one seed") and "{}" not in line, line
+    monkeypatch.setenv("CONFORMANCE_LOOP_SEED", "7")
+    line = next(line for line in plugin.pytest_report_header(config) if "env" in line)
+    assert line.endswith("set in this run: {'CONFORMANCE_LOOP_SEED': '7'}"), line

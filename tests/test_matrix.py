@@ -810,7 +810,7 @@ def test_breakable_allows_a_break_after_underscore_slash_and_dot_before_a_word_c
     assert flat(matrix.title_html("a `b<c>` d `e`")) == "a <code>b<c></code> d <code>e</code>", "backtick spans as code"
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is absent: the browser check is manual only")
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is absent: .ci/chromium installs it where apt is reachable")
 def test_a_real_browser_parses_the_page(tmp_path):
     out = tmp_path / "m.html"
     matrix.main([write(tmp_path, "new.json", NEW), write(tmp_path, "old.json", OLD), "-o", str(out)])

@@ -2,6 +2,7 @@
 
 After every test no shared-memory segment of ours is left in /dev/shm and no child process runs.
 """
+import hashlib
 import io
 import os
 import pickle
@@ -48,7 +49,7 @@ def nothing_left_behind():
 def _readme_command() -> list[str]:
     text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
     section = text.split("## Simulator", 1)[1]
-    line = next(ln.strip() for ln in section.splitlines() if ln.strip().startswith("python -m sim roundtrip"))
+    line = next(ln.strip() for ln in section.splitlines() if ln.strip().startswith(".venv/bin/python -m sim roundtrip"))
     return line.split()
 
 
@@ -66,7 +67,7 @@ def _summary(output: str):
 
 
 def test_readme_roundtrip_command():
-    """``python -m sim roundtrip --ranks 2 --model-mib 64 --bucket-mib 16 --versions 3``, verbatim from README."""
+    """``.venv/bin/python -m sim roundtrip --ranks 2 --model-mib 64 --bucket-mib 16 --versions 3``, verbatim from README."""
     cmd = _readme_command()
     code, out, _ = _run(cmd)
     assert code == 0, f"{' '.join(cmd)} exited {code}:\n{out[-4000:]}"
@@ -137,6 +138,26 @@ def test_render_reports_mismatch_and_exit_status():
         status = render([VersionResult(1, 8, 0.1, checks, models)], Console(file=buf, width=200), model, 1)
         assert status == want, (checks, models, buf.getvalue())
         assert ("MISMATCH" in buf.getvalue()) == bool(want), buf.getvalue()
+
+
+def test_a_failed_run_reports_no_throughput():
+    """A run whose update failed (or whose digests differ) prints no throughput: a rate would read as a result."""
+    from rich.console import Console
+
+    from sim.cli import ModelCheck, TensorCheck, VersionResult, model_spec, render
+
+    model = model_spec(1)
+    good = TensorCheck(0, 1, "w", "float32", (2,), "a" * 32, "a" * 32, "c" * 32, "c" * 32)
+    same = ModelCheck(0, 1, {"xxh3": "e" * 32}, {"xxh3": "e" * 32})
+    failed = VersionResult(1, 8 << 20, 0.1, [], [], {1: TimeoutError("no bucket 1 of version 1 within 1s")})
+    for results, want, line in (([VersionResult(1, 8 << 20, 0.1, [good], [same])], 0, "throughput: 0.08 GB/s"),
+                                ([failed], 2, "no throughput reported: the run failed (an update failed)")):
+        buf = io.StringIO()
+        assert render(results, Console(file=buf, width=200), model, 2) == want, buf.getvalue()
+        out = buf.getvalue()
+        assert line in out and (want == 0) == ("throughput:" in out), out
+        if want:
+            assert not re.search(r"\d GB/s|│\s+\d+\.\d\d\s+│\s*$", out, re.M), f"a rate for a failed version:\n{out}"
 
 
 CORRUPTING_RECEIVER = """
@@ -229,3 +250,71 @@ def test_manifest_roundtrip_and_digest():
     assert P.name_digest(["ab", "c"]) != P.name_digest(["a", "bc"]), "digest must keep name boundaries"
     with pytest.raises(P.ManifestError, match="digest"):
         C.validate_end(P.end(7, 1, ["b", "a"]), state)
+
+
+def test_the_trainer_side_refuses_a_name_holding_a_nul():
+    """BKT-FIELDS on the trainer's side: NUL ends each name in the end digest, so ["a\\0b"] and ["a", "b"] would
+    digest alike; planning a layout or building the digest of such a name is refused naming it, and the
+    receiver's check refuses it in a manifest (the conformance case entry-name-nul drives a real worker)."""
+    assert P.name_digest(["a", "b"]) == hashlib.sha256(b"a\0b\0").hexdigest()
+    for call in (lambda: P.name_digest(["a\0b"]), lambda: P.plan_layout([("w", 4), ("a\0b", 4)], 1024),
+                 lambda: P.end(1, 1, ["a\0b"])):
+        with pytest.raises(ValueError, match=r"tensor 'a\\x00b': a name may not hold a NUL character \(index 1\)"):
+            call()
+    assert P.plan_layout([("a\N{NO-BREAK SPACE}b", 4)], 1024)[0][0].name == "a\xa0b", "any other character is carried"
+    entry = C.Entry("a\0b", "uint8", (4,), 0, 4, 0, 4)
+    with pytest.raises(P.ManifestError, match=r"bucket 0 of version 1, tensor 'a\\x00b': field name holds a NUL"):
+        C.check_name_text(entry, "bucket 0 of version 1")
+    C.check_name_text(C.Entry("a.b", "uint8", (4,), 0, 4, 0, 4), "bucket 0 of version 1")
+
+
+def test_a_frame_over_the_limit_is_reported_as_such_not_as_a_dead_trainer():
+    """ZMQ drops a frame over MAXMSGSIZE together with the connection; the receiver says the frame was too
+    large (at once, not after its timeout as "trainer dead or stalled"). A trainer that really went away is
+    still a timeout naming a dead or stalled trainer, and a frame at the limit is taken in."""
+    import shutil
+    import tempfile
+    import zmq
+
+    from reference.buckets import Link
+
+    class SmallFrames(Link):
+        max_frame = 4096
+
+    base = tempfile.mkdtemp(prefix="wsfl")
+    ctx = zmq.Context.instance()
+    try:
+        for case, reply, timeout_s in (("over", 4097, 5.0), ("at", 4096, 5.0), ("gone", None, 0.3)):
+            endpoint = f"ipc://{base}/{case}.sock"
+            trainer = ctx.socket(zmq.ROUTER)
+            trainer.setsockopt(zmq.LINGER, 0)
+            trainer.bind(endpoint)
+            link = SmallFrames(endpoint, timeout_s)
+            try:
+                link.sock.send(P.encode(P.hello(3)))
+                ident, _, _ = trainer.recv_multipart()
+                if reply is None:
+                    trainer.close()  # the trainer goes away while a reply is due
+                else:
+                    pad = reply
+                    while len(frame := P.encode(P.abort(3, "x" * pad))) != reply:
+                        pad -= len(frame) - reply  # msgpack's str header grows with the str
+                    assert len(frame) == reply, (case, len(frame))
+                    trainer.send_multipart([ident, b"", frame])
+                start = time.monotonic()
+                if case == "at":
+                    assert link.receive("bucket 0 of version 3")["type"] == P.ABORT
+                    continue
+                expected = (P.ManifestError, r"trainer at ipc://\S+ sent a frame the transport refused while bucket 0 of "
+                            r"version 3 was awaited: a frame over the 4096-byte \(0.00390625 MiB\) frame limit") \
+                    if case == "over" else (P.TransferTimeout, r"within 0.3s while waiting for bucket 0 of version 3 "
+                                                               r"\(trainer dead or stalled\)")
+                with pytest.raises(expected[0], match=expected[1]):
+                    link.receive("bucket 0 of version 3")
+                elapsed = time.monotonic() - start
+                assert elapsed < (2.0 if case == "over" else 2.3), f"{case}: raised after {elapsed:.2f}s"
+            finally:
+                link.close()
+                trainer.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -171,6 +171,56 @@ def test_trainers_die_with_a_killed_cli(held):
     assert not run.segments(), f"segments left by the trainers: {run.segments()}"
 
 
+def test_the_next_run_sweeps_what_a_killed_cli_left(held):
+    """SIGKILL of the CLI leaves its run directory (named with its pid) in TMPDIR, and whatever its processes
+    had in /dev/shm when nobody could unlink it; the next run removes both, since their owner is dead."""
+    run = held(PHASES["mid-transfer"])
+    cli = run.proc.pid
+    run.proc.kill()
+    run.proc.communicate()
+    psutil.wait_procs(run.children, timeout=10)
+    left = [p.name for p in run.tmp.iterdir()]
+    assert left and all(n.startswith(f"wscf-sim-{cli}-") for n in left), f"the killed run's directory: {left}"
+    orphan = pathlib.Path("/dev/shm") / f"wscf_{cli}_0123456789ab"  # a segment its process could not unlink
+    orphan.write_bytes(b"\0" * 4096)
+    try:
+        env = dict(os.environ, TMPDIR=str(run.tmp))
+        proc = subprocess.run([sys.executable, "-m", "sim", "roundtrip", "--ranks", "1", "--model-mib", "1", "--versions", "1",
+                               "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert not list(run.tmp.iterdir()), f"left in TMPDIR after the next run: {list(run.tmp.iterdir())}"
+        assert not orphan.exists(), f"{orphan} of the dead run {cli} was not swept"
+        assert "leftover(s) of dead runs" in proc.stderr and str(orphan) in proc.stderr, proc.stderr[-2000:]
+    finally:
+        orphan.unlink(missing_ok=True)
+
+
+def test_sweep_removes_only_our_leftovers_whose_process_is_dead(tmp_path):
+    from sim.leftovers import sweep_dead_runs
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is now no process's
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    live, me = os.getpid(), os.getpid()
+    swept = [shm / f"wscf_{dead.pid}_00aa11bb22cc", shm / f"model_weights_status.wscf{dead.pid}x3",
+             tmp / f"wscf-sim-{dead.pid}-abcd", tmp / f"wscf-ranks-{dead.pid}-efgh"]
+    kept = [shm / f"wscf_{live}_00aa11bb22cc", shm / f"model_weights_status.wscf{me}x1", shm / f"other_{dead.pid}_00",
+            shm / f"wscf_{dead.pid}_not-hex", tmp / f"wscf-sim-{live}-abcd", tmp / f"wscf-sim-{dead.pid}",
+            tmp / f"pytest-{dead.pid}-x", shm / "wscf_1_00aa"]  # pid 1 is alive
+    for path in swept + kept:
+        if path.parent == tmp and path.name.startswith("wscf-"):
+            path.mkdir()
+            (path / "status.sock").write_bytes(b"")
+        else:
+            path.write_bytes(b"x")
+    removed = sweep_dead_runs(shm_dir=str(shm), tmp_dir=str(tmp))
+    assert sorted(removed) == sorted(map(str, swept)), removed
+    assert not [p for p in swept if p.exists()] and all(p.exists() for p in kept), [p for p in kept if not p.exists()]
+    assert sweep_dead_runs(shm_dir=str(shm), tmp_dir=str(tmp)) == [], "a second sweep finds nothing"
+
+
 # -- usage errors ------------------------------------------------------------------------------------
 USAGE = {
     "bucket below the alignment": (["--bucket-mib", "0.0001"], "104 bytes, less than the 256-byte alignment"),
@@ -229,3 +279,90 @@ def test_usage_error_from_the_command_line():
                           text=True, timeout=60)
     assert proc.returncode == 2 and "usage:" in proc.stderr and "--kill-trainer-at 99" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+# -- python -m sim.ranks -------------------------------------------------------------------------------
+RANKS_RUN = ["-m", "sim.ranks", "--path", "bucket", "--ranks", "2", "--cycles", "20"]
+
+
+def _drain(pipe, within_s: float) -> str:
+    """The rest of ``pipe`` up to EOF, which comes once every process holding its write end is gone; a process
+    still holding it after ``within_s`` fails the test, named."""
+    text, deadline = "", time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([pipe], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            break
+        chunk = os.read(pipe.fileno(), 65536)
+        if not chunk:
+            return text
+        text += chunk.decode(errors="replace")
+    target = os.readlink(f"/proc/self/fd/{pipe.fileno()}")
+    holders = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid != os.getpid() and any(os.readlink(f"/proc/{p.pid}/fd/{fd}") == target for fd in os.listdir(f"/proc/{p.pid}/fd")):
+                holders.append((p.pid, p.info["cmdline"]))
+        except OSError:
+            continue
+    pytest.fail(f"still running {within_s:g}s after the job ended, holding its output: {holders}\n{text[-2000:]}")
+
+
+@pytest.mark.timeout(420)  # two ranks start under paddle.distributed.launch: up to a minute on a loaded machine
+@pytest.mark.parametrize("how", ["ctrl-c", "sigkill"])
+def test_sim_ranks_interrupted_leaves_no_process(how):
+    """``python -m sim.ranks --path bucket --ranks 2 --cycles 20`` stopped in its first cycle. A terminal's Ctrl-C
+    (SIGINT to its process group): exit 130 naming the step, no traceback, the launcher, both ranks (each in a
+    session of its own) and the trainers gone, its directory removed. SIGKILL of the orchestrator: nothing can
+    clean up for it, yet every process it started leaves within seconds (the ranks see it gone, the trainers get
+    SIGTERM from the kernel) instead of polling on, re-parented to init."""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="wrk"))
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, *RANKS_RUN], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    children = []
+    try:
+        text, deadline = "", time.monotonic() + 240
+        while "bucket: cycle 1/20" not in text:
+            ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
+            line = proc.stdout.readline() if ready else ""
+            if not line:
+                pytest.fail(f"sim.ranks never reached its first cycle:\n{text[-3000:]}")
+            text += line
+        children = psutil.Process(proc.pid).children(recursive=True)
+        ranks = [c for c in children if "rank_worker.py" in " ".join(c.cmdline()) and "paddle.distributed.launch" not in c.cmdline()]
+        assert len(ranks) == 2, f"expected 2 rank workers among {[c.cmdline() for c in children]}"
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.kill()
+        proc.wait(60)
+        gone, alive = psutil.wait_procs(children, timeout=15)
+        output = text + _drain(proc.stdout, 15)  # EOF once no process of the job holds the pipe
+        assert not alive, f"{how}: still running: {[(p.pid, p.cmdline()) for p in alive]}\n{output[-3000:]}"
+        pids = {c.pid for c in children}
+        segments = [n for n in leaked_segments() if _pid(n) in pids]
+        assert not segments, f"{how}: segments left in /dev/shm: {segments}"
+        if how == "ctrl-c":
+            assert proc.returncode == 130, f"exit {proc.returncode}, expected 130:\n{output[-3000:]}"
+            for bad in ("Traceback", "KeyboardInterrupt"):
+                assert bad not in output, f"{bad!r} in the output:\n{output[-3000:]}"
+            assert "sim.ranks interrupted by SIGINT during bucket: cycle 1/20" in output, output[-3000:]
+            assert not list(tmp.iterdir()), f"left in TMPDIR: {list(tmp.iterdir())}"
+    finally:
+        for child in children:
+            if child.is_running():
+                child.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_sim_ranks_help_names_the_command_and_says_what_it_does():
+    proc = subprocess.run([sys.executable, "-m", "sim.ranks", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    flat = " ".join(proc.stdout.split())
+    assert proc.returncode == 0 and flat.startswith("usage: python -m sim.ranks "), proc.stdout
+    assert "driven through the shared status cell the way the engine's API drives it." in flat, proc.stdout
+    assert "130 SIGINT, 143 SIGTERM" in flat, proc.stdout

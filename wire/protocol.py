@@ -117,10 +117,20 @@ def abort(version: int, message: str) -> dict:
     return {"type": ABORT, "proto": PROTO, "version": version, "message": message}
 
 
+def check_name(name: str) -> None:
+    """A tensor name the wire can carry: no NUL, which terminates each name in the end digest (a name
+    holding one would make ["a\\0b"] and ["a", "b"] digest alike). ValueError naming the tensor."""
+    if "\0" in name:
+        raise ValueError(f"tensor {name!r}: a name may not hold a NUL character (index {name.index(chr(0))}); NUL ends "
+                         "each name in the end message's digest")
+
+
 def name_digest(names: Iterable[str]) -> str:
-    """sha256 hex of the tensor names in announcement order, each UTF-8 encoded and NUL-terminated."""
+    """sha256 hex of the tensor names in announcement order, each UTF-8 encoded and NUL-terminated
+    (a name holding a NUL is refused: ValueError)."""
     h = hashlib.sha256()
     for name in names:
+        check_name(name)
         h.update(name.encode("utf-8") + b"\0")
     return h.hexdigest()
 
@@ -161,6 +171,7 @@ def plan_layout(sizes: Sequence[tuple[str, int]], bucket_bytes: int, align: int 
     for name, total in sizes:
         if name in seen:
             raise ValueError(f"tensor {name!r} listed twice")
+        check_name(name)
         seen.add(name)
         if total < 0:
             raise ValueError(f"tensor {name!r} has negative size {total}")

@@ -718,6 +718,16 @@ class EntryFieldsTrusted(Mutant):
         return {"reference.bucket_checks.parse_entry": parse_entry}
 
 
+class NulInNameAccepted(Mutant):
+    id = "bkt_nul_in_name_accepted"
+    bug = ("a name holding a NUL character is taken as any other str, while the end message's digest ends each "
+           "name with a NUL: ['a\\0b'] and ['a', 'b'] digest alike, so the end check cannot tell the two apart")
+    kills = frozenset({"BKT-FIELDS"})
+
+    def patches(self):
+        return {"reference.bucket_checks.check_name_text": _skip}
+
+
 class VersionUnsetWithoutExpected(Mutant):
     id = "bkt_version_unset_without_expected"
     bug = ("with no expected version configured, the first manifest's version is never recorded, so nothing is "
