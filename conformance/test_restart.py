@@ -40,6 +40,8 @@ PHASES = {
     ("UPDATING", "before-first-byte"): "after the API's UPDATING reached the loop, before any byte moved",
     ("UPDATING", "mid-transfer"): "mid-transfer: bucket 0 acknowledged, the trainer holding bucket 1",
     ("UPDATING", "after-commit"): "after the commit, in a stale-state hook, before the cell's NORMAL",
+    ("CLEARED", "update-during-restart"): ("idle at CLEARED after its clear; the trainer publishes version 2 and the API "
+                                           "asks for it after B's startup load, before B's loop looked at the cell"),
 }
 
 
@@ -48,12 +50,24 @@ def _digests(version: int) -> dict[str, str]:
             for n, a in M.state(SPEC, version=version).items()}
 
 
+def _model_digest(data: dict) -> str:
+    """sha256 over every parameter's name and bytes (a parameter not loaded counts as absent)."""
+    h = hashlib.sha256()
+    for name in sorted(data):
+        h.update(name.encode() + b"\0" + (b"-" if data[name] is None else b"+" + data[name]))
+    return h.hexdigest()
+
+
+def _version_digest(version: int) -> str:
+    return _model_digest({n: np.ascontiguousarray(a).tobytes() for n, a in M.state(SPEC, version=version).items()})
+
+
 class Child:
     """A worker in a forked child: open, startup load, then its loop (non-blocking) until stopped.
     ``stop_at``: an event (``("sync", value)``, ``("run",)``, ``("hook",)``) at which it reports and then
     waits forever (the test kills it there)."""
 
-    def __init__(self, loader, route, cell, *, stop_at=None, hook_after: int = 1):
+    def __init__(self, loader, route, cell, *, stop_at=None, hook_after: int = 1, hold_loop: bool = False):
         self.events: list[dict] = []
         options = {**route.feed.options(0), "status_cell": cell.name}  # the trainer side exists in this process
         if route.path.id == "rsync":  # every load a bootstrap load (version.yaml), so one fills cleared weights
@@ -68,7 +82,7 @@ class Child:
             try:
                 os.close(ev_r)
                 os.close(ctl_w)
-                self._run(loader, route, options, stop_at, hook_after, ev_w, ctl_r)
+                self._run(loader, route, options, stop_at, hook_after, hold_loop, ev_w, ctl_r)
             except BaseException:  # noqa: BLE001
                 code = 70
             finally:
@@ -79,7 +93,7 @@ class Child:
 
     # -- in the child ---------------------------------------------------------------------------------
     @staticmethod
-    def _run(loader, route, options, stop_at, hook_after, ev_w, ctl_r) -> None:
+    def _run(loader, route, options, stop_at, hook_after, hold_loop, ev_w, ctl_r) -> None:
         def emit(**event):
             os.write(ev_w, (json.dumps(event) + "\n").encode())
 
@@ -104,6 +118,8 @@ class Child:
                 session.register_hook("restart-probe", hook)
             session.update()  # the startup load
             emit(kind="loaded", status=session.status())
+            if hold_loop:
+                os.read(ctl_r, 1)  # the parent's go: the loop starts
 
             def sync(value):
                 if stop_at == ("sync", value):
@@ -118,8 +134,10 @@ class Child:
 
             while not stopped():
                 result = session.worker_iteration(run_model, block=False, sync=sync)
-                loaded = sum(o.data is not None for o in session.observe().values())
-                emit(kind="end", result=result, loaded=loaded)
+                observed = session.observe()
+                loaded = sum(o.data is not None for o in observed.values())
+                emit(kind="end", result=result, loaded=loaded, model=_model_digest(
+                    {n: o.data for n, o in observed.items()}))
                 time.sleep(0.002)
             emit(kind="report", status=session.status(), version=session.version(), adapter_calls=harness.adapter_calls(),
                  digests={n: None if o.data is None else hashlib.sha256(o.data).hexdigest()
@@ -217,6 +235,7 @@ def _kill_a(loader, impl, path_id, cell, left, phase):
     where = f"{path_id}: worker A, {PHASES[(left, phase)]}"
     route.publish(0, M.state(SPEC, version=1), 1)
     stop_at = {"model-run": ("run",), "before-clear": ("sync", C.CLEARING), "after-clear": ("sync", C.CLEARED),
+               "update-during-restart": ("sync", C.CLEARED),
                "before-first-byte": ("sync", C.UPDATING), "after-commit": ("hook",)}.get(phase)
     a = Child(loader, route, cell, stop_at=stop_at)
     pending, version = None, 1
@@ -259,14 +278,22 @@ def _restart_case(loader, impl, path_id, left, phase):
         route, pending, version = _kill_a(loader, impl, path_id, cell, left, phase)
         routes = [route]
         try:
-            if PATHS[path_id].feed is not PATHS["parts"].feed and path_id in ("bucket", "rsync", "gdr"):
+            if path_id in ("bucket", "rsync", "gdr"):
                 route = Route(loader, path_id)  # a trainer for the new worker (A's may still be mid-stream)
                 routes.append(route)
                 route.publish(0, M.state(SPEC, version=version), version)
-            b = Child(loader, route, cell)
+            late = phase == "update-during-restart"
+            b = Child(loader, route, cell, hold_loop=late)
             try:
                 b.wait_for("loaded", f"{where}: startup load")
                 route.feed.settle(0)
+                if late:  # a new version and the API's request for it, after B loaded, before its loop looks
+                    route.publish(0, M.state(SPEC, version=2), 2)
+                    pending, left = Api(impl.control(cell.name), "update_model_weight"), "UPDATING"
+                    check.that(_until(lambda: cell.read() == C.UPDATING, EVENT_S), f"{where}: the API never wrote UPDATING")
+                    os.write(b._ctl, b"g")
+                    b.wait_for("end", f"{where}: B holding version 2, the one asked for after its startup load",
+                               RECOVER_S, model=_version_digest(2))
                 want = {"UPDATING": "NORMAL", "CLEARING": "CLEARED", "CLEARED": "CLEARED", "NORMAL": "NORMAL"}[left]
                 ok = _until(lambda: C.name_of(cell.read()) == want, RECOVER_S)
                 check.that(ok, f"{where}: the cell reads {C.name_of(cell.read())} {RECOVER_S}s after B's startup load, "
@@ -314,7 +341,7 @@ def _cases():
 
 # In the quick run: the issue's case on the snapshot and bucket paths; the rest in the restart tier.
 QUICK = {("single", "UPDATING", "before-first-byte"), ("bucket", "UPDATING", "mid-transfer"),
-         ("parts", "CLEARED", "after-clear")}
+         ("parts", "CLEARED", "after-clear"), ("parts", "CLEARED", "update-during-restart")}
 
 
 @pytest.mark.rule("STATUS-RESTART-RECOVERS")
