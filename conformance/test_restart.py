@@ -253,10 +253,11 @@ def _kill_a(loader, impl, path_id, cell, left, phase):
                 a.wait_for("sync", where, value=C.CLEARED)
             else:
                 version = 2
-                if phase == "mid-transfer":
+                if phase == "mid-transfer":  # the trainer sends bucket 0, then holds before bucket 1
+                    from fixtures import buckets as B
+
                     publisher = route.feed._publisher(0)
-                    route.publish(0, M.state(SPEC, version=2), 2)
-                    publisher.hold_before = 1  # the trainer sends bucket 0, then holds
+                    publisher.serve(B.pack(M.state(SPEC, version=2), 2, route.feed.BUCKET_BYTES), hold_before=1)
                 else:
                     route.publish(0, M.state(SPEC, version=2), 2)
                 pending = Api(control, "update_model_weight")
