@@ -238,37 +238,36 @@ def _at(loader, where: str) -> None:
 
 
 def _entries_on_snapshot_or_ipc(loader, kind):
-    """In the child: version 2 loaded and cleared, version 3 published, its version.yaml replaced by
-    each entry in turn; the update refused (or, at the limit, loading version 3), then recovered."""
+    """In the child: version 2 loaded, version 3 published, its version.yaml replaced by each entry in
+    turn (cleared before each update); each refused (at the limit: version 3 loaded), then a fixed file
+    loads version 3."""
     import os
 
     src = Sources(loader, kind, timeout_s=2.0)
     try:
         session = _load(src, SPEC, 2)
         path = os.path.join(loader.model_dir if kind == "snapshot" else loader.shared_dir, "version.yaml")
+        src.publish(SPEC, 3)
         for entry, accepted in VERSION_ENTRIES.items():
             session.clear()
-            src.publish(SPEC, 3)
             _make_entry(path, entry, 3)
             where = f"{kind}: update with {path} a {entry}"
             _at(loader, where)
             if accepted:
                 session.update()
-                src.settle()
                 check.params_equal(session.observe(), M.state(SPEC, version=3), where)
                 check.equal(session.version(), 3, f"{where}: version()")
                 continue
             with check.raises(ValueError, match=r"\S", names=[path], where=where):
                 session.update()
-            src.settle()
             check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{where}: after the refusal")
-            check.that(session.status() != "NORMAL" and session.version() in (2, 3),
+            check.that(session.status() != "NORMAL" and session.version() == 3,
                        f"{where}: (status, version) ({session.status()}, {session.version()}) after the refusal")
-            _make_entry(path, "at-limit", 3)  # the trainer fixes it: the next cycle loads
-            session.clear()
-            session.update()
-            src.settle()
-            check.params_equal(session.observe(), M.state(SPEC, version=3), f"{where}, then fixed")
+        _make_entry(path, "at-limit", 4)  # the trainer fixes it: the next cycle loads
+        session.clear()
+        session.update()
+        check.params_equal(session.observe(), M.state(SPEC, version=3), f"{kind}: after the refusals, a fixed {path}")
+        check.equal(session.version(), 4, f"{kind}: version() after a fixed {path} (step 4)")
     finally:
         src.close()
     return True
