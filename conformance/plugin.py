@@ -263,7 +263,7 @@ def pytest_runtest_setup(item):
 # Tiers: tests too slow for the quick run (multi-rank jobs under paddle.distributed.launch, many cycles).
 # They run when the -m expression names their marker (-m multirank, -m "multirank or cycles"); otherwise
 # they are reported skipped with the command that runs them, never passed.
-TIERS = ("multirank", "cycles")
+TIERS = ("multirank", "cycles", "restart")
 
 
 def _skip_unselected_tier(item) -> None:

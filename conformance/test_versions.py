@@ -190,3 +190,148 @@ def test_unreadable_version_file_is_refused(loader, sources, kind, text):
         session.update()
     check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{kind}: after {path} was refused")
     check.equal(session.version(), 2, f"{kind}: version() after {path} reading {text!r} was refused")
+
+
+# -- VER-FILE-SAFE: what a version.yaml may be ----------------------------------------------------------
+VERSION_FILE_LIMIT = 64 * 1024  # bytes (SPEC VER-FILE-SAFE)
+FILE_BOUND_S = 20.0  # each path's child: a blocked read (a FIFO) or an unbounded one (/dev/zero) ends here
+
+
+def _padded(step: int, size: int) -> bytes:
+    """A valid version file of exactly ``size`` bytes: ``step: N`` and a comment filling the rest."""
+    head = f"step: {step}\n#".encode()
+    return head + b"x" * (size - len(head) - 1) + b"\n"
+
+
+def _make_entry(path: str, kind: str, step: int) -> None:
+    """Replace the version file at ``path`` by an entry of ``kind``."""
+    import os
+
+    if os.path.isdir(path) and not os.path.islink(path):
+        os.rmdir(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+    if kind == "fifo":
+        os.mkfifo(path)  # opened for reading without a writer: blocks forever
+    elif kind == "directory":
+        os.mkdir(path)
+    elif kind == "dangling-link":
+        os.symlink(path + ".gone", path)
+    elif kind in ("link-to-dev-zero", "link-to-dev-null"):
+        os.symlink("/dev/zero" if kind == "link-to-dev-zero" else "/dev/null", path)  # character devices
+    elif kind == "sparse-1GiB":
+        with open(path, "wb") as f:  # "step: N" then a hole: read in full, 1 GiB of zeros
+            f.write(f"step: {step}\n".encode())
+            f.truncate(1 << 30)
+    else:  # "at-limit", "one-past"
+        with open(path, "wb") as f:
+            f.write(_padded(step, VERSION_FILE_LIMIT + (kind == "one-past")))
+
+
+# kind -> accepted (a regular file of at most the limit); refused ones name the file and load nothing
+# (in this order: an implementation that reads without a bound fails at "one-past", before /dev/zero)
+VERSION_ENTRIES = {"at-limit": True, "one-past": False, "sparse-1GiB": False, "directory": False,
+                   "dangling-link": False, "link-to-dev-null": False, "link-to-dev-zero": False, "fifo": False}
+FILE_PATHS = [pytest.param(k, marks=_needs(k, "status"), id=k) for k in ("snapshot", "ipc")] + [
+    pytest.param(s, marks=pytest.mark.requires(c), id=s) for s, c in (("rsync", "stream.rsync"), ("gdr", "stream.gdr"))]
+
+
+def _progress(loader) -> str:
+    import os
+
+    return os.path.join(os.path.dirname(loader.model_dir.rstrip("/")), "version-file-case")
+
+
+def _at(loader, where: str) -> None:
+    """Leave the case the child is in where the parent finds it if the child has to be killed."""
+    with open(_progress(loader), "w", encoding="utf-8") as f:
+        f.write(where)
+
+
+def _entries_on_snapshot_or_ipc(loader, kind):
+    """In the child: version 2 loaded, version 3 published, its version.yaml replaced by each entry in
+    turn (cleared before each update); each refused (at the limit: version 3 loaded), then a fixed file
+    loads version 3."""
+    import os
+
+    src = Sources(loader, kind, timeout_s=2.0)
+    try:
+        session = _load(src, SPEC, 2)
+        path = os.path.join(loader.model_dir if kind == "snapshot" else loader.shared_dir, "version.yaml")
+        src.publish(SPEC, 3)
+        for entry, accepted in VERSION_ENTRIES.items():
+            session.clear()
+            _make_entry(path, entry, 3)
+            where = f"{kind}: update with {path} a {entry}"
+            _at(loader, where)
+            if accepted:
+                session.update()
+                check.params_equal(session.observe(), M.state(SPEC, version=3), where)
+                check.equal(session.version(), 3, f"{where}: version()")
+                continue
+            with check.raises(ValueError, match=r"\S", names=[path], where=where):
+                session.update()
+            check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{where}: after the refusal")
+            check.that(session.status() != "NORMAL" and session.version() == 3,
+                       f"{where}: (status, version) ({session.status()}, {session.version()}) after the refusal")
+        _make_entry(path, "at-limit", 4)  # the trainer fixes it: the next cycle loads
+        session.clear()
+        session.update()
+        check.params_equal(session.observe(), M.state(SPEC, version=3), f"{kind}: after the refusals, a fixed {path}")
+        check.equal(session.version(), 4, f"{kind}: version() after a fixed {path} (step 4)")
+    finally:
+        src.close()
+    return True
+
+
+def _entries_on_stream(loader, strategy):
+    """In the child: a bootstrap load (no version argument) reads version.yaml; each refused entry is
+    an error naming the file, raised before the trainer is asked for anything, nothing loaded."""
+    import os
+
+    from conformance.stream_support import open_stream
+    from fixtures import streams as ST
+
+    state = M.state(SPEC, version=3)
+    path = os.path.join(loader.model_dir, "version.yaml")
+    with ST.trainer() as trainer:
+        for entry, accepted in VERSION_ENTRIES.items():
+            session, _ = open_stream(loader, trainer, SPEC, strategy, version=None)
+            _make_entry(path, entry, 3)
+            where = f"{strategy}: bootstrap load with {path} a {entry}"
+            _at(loader, where)
+            hellos = len(trainer.of("hello"))
+            if accepted:
+                trainer.serve(ST.stream_of(state, step="3"))
+                session.update()
+                check.params_equal(session.observe(), state, where)
+                check.equal([h["step_id"] for h in trainer.of("hello")[hellos:]], ["3"], f"{where}: steps asked")
+            else:
+                with check.raises(ValueError, match=r"\S", names=[path], where=where):
+                    session.update()
+                check.equal(len(trainer.of("hello")), hellos, f"{where}: streams asked of the trainer")
+                check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{where}: after the refusal")
+            session.close()
+    return True
+
+
+@pytest.mark.rule("VER-FILE-SAFE")
+@pytest.mark.parametrize("path_id", FILE_PATHS)
+def test_version_file_is_a_small_regular_file(loader, path_id):
+    """Every entry at once, in a forked child with a deadline: an implementation that blocks on the FIFO
+    or reads /dev/zero without end fails here, naming the path, instead of hanging the run."""
+    from conformance.harness import in_child
+
+    from conformance.harness import ChildFailed
+
+    fn = _entries_on_stream if path_id in ("rsync", "gdr") else _entries_on_snapshot_or_ipc
+    try:
+        done = in_child(fn, loader, path_id, timeout_s=FILE_BOUND_S)
+    except ChildFailed as e:
+        try:
+            with open(_progress(loader), encoding="utf-8") as f:
+                case = f.read()
+        except OSError:
+            case = "before the first case"
+        raise AssertionError(f"{path_id}: at {case}: {e}") from None
+    check.that(done, f"{path_id}: the version file cases did not complete")

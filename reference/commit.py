@@ -21,12 +21,9 @@ from dataclasses import dataclass
 import paddle
 
 from . import apply
+from .version_file import VersionError, read_version_bytes
 
 VERSION_FILE = "version.yaml"
-
-
-class VersionError(ValueError):
-    """An update's version is unreadable, older than the one reported, or announced twice differently."""
 
 
 class Stage:
@@ -58,10 +55,8 @@ def read_version_file(directory: str | None) -> int | None:
     if not directory:
         return None
     path = os.path.join(directory, VERSION_FILE)
-    try:
-        with open(path, "rb") as f:  # YAML detects its own encoding
-            text = f.read()
-    except FileNotFoundError:
+    text = read_version_bytes(path)  # YAML detects its own encoding
+    if text is None:
         return None
     import yaml
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import apply, commit, hooks, identity, transforms
+from . import apply, commit, hooks, identity, restart, transforms
 from . import digest as _digest
 from .agreement import Agreement
 from .phases import Phases, pulled
@@ -88,6 +88,8 @@ class WeightManager:
                                self.commit_options.tp_rank(self.rank, self.agreement.declared_world_size()))
         self.version: int | None = None  # of the last committed update
         self.first_load = True
+        self.cell_at_startup: int | None = None  # the cell when the first load began (reference.restart)
+        self.loop_started = False  # the worker loop's first pass recovers a cell a dead worker left
         self._stage: commit.Stage | None = None
         self._pending_version: int | None = None
         self._voted = self._committed = False
@@ -110,7 +112,11 @@ class WeightManager:
         return params
 
     # -- clear -------------------------------------------------------------------------------
-    def clear(self) -> None:
+    IN_PLACE = IN_PLACE_STRATEGIES
+
+    def clear(self, publish: bool = True) -> None:
+        """``publish=False``: write nothing to the cell (a restarted worker releasing what the cell
+        already says is released, ``reference.restart``)."""
         self.status = Status.CLEARING
         self.phases = Phases()
         try:
@@ -128,13 +134,16 @@ class WeightManager:
         self.agreement.require_all("clear")
         span.end()
         self.status = Status.CLEARED
-        self.cell.publish(Status.CLEARED, self.first_load)
+        if publish:
+            self.cell.publish(Status.CLEARED, self.first_load)
         log.info("cleared %d parameters", len(self.params))
 
     # -- update ------------------------------------------------------------------------------
     def update(self):
         """Load every parameter from the configured source, then verify; raises on any failure. Returns
         what the strategy returns (the streamed paths' cost dictionary; None for the others)."""
+        if self.first_load:
+            restart.note_startup(self)
         self._voted = self._committed = False
         self._pending_version = None
         self._stage = commit.Stage() if self.commit_options.staged else None

@@ -26,12 +26,11 @@ def update_from_snapshot(manager) -> None:
         )
     # Validate every safetensors header before any parameter changes: a bad part 7 must not leave
     # parts 0-6 applied. (The pickle fallback has no header; it is validated as it is applied.)
-    identity = {}
+    headers = {}
     for src in plan.sources:
         if src.fmt != "safetensors":
             continue
-        infos = read_header(src.path)
-        identity[src.path] = getattr(infos, "identity", None)
+        infos = headers[src.path] = read_header(src.path)
         if not infos:
             raise ValueError(f"No parameter found in state dict from {src.path} ({src.label}): file holds no tensors")
         for info in infos:
@@ -42,8 +41,8 @@ def update_from_snapshot(manager) -> None:
     count = len(plan.sources)
     for position, src in enumerate(plan.sources, 1):
         log.info("Loading snapshot %s (%d/%d) from %s", src.label, position, count, src.path)
-        if src.fmt == "safetensors":  # read only if it is still the file whose header was checked
-            tensors = iter_safetensors(src.path, expect=identity[src.path])
+        if src.fmt == "safetensors":  # read only if it is still the file whose header was checked (parsed once)
+            tensors = iter_safetensors(src.path, expect=headers[src.path])
         else:
             tensors = load_pickle_state_dict(src.path).items()
         manager.apply(tensors, src.label, src.path)

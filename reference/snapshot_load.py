@@ -110,11 +110,13 @@ def _parse_header(fd: int, path: str) -> _Header:
     raw = _read_exact(fd, _LENGTH_BYTES, n, path)
 
     def no_duplicates(pairs):
-        keys = [k for k, _ in pairs]
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        if dup:
+        # Linear: a header of 200 000 tensors is one call here (list.count per key was quadratic).
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            seen: set = set()
+            dup = sorted({k for k, _ in pairs if k in seen or seen.add(k)})
             raise SnapshotFormatError(f"{path}: not a valid safetensors file: header names {dup} more than once")
-        return dict(pairs)
+        return obj
 
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
@@ -185,9 +187,11 @@ def _check_layout(path: str, entries: list[_Entry], data_start: int, size: int) 
 class Header(list):
     """``read_header``'s result: the file's tensors (a list of TensorInfo) and, as ``identity``, the
     file's identity when they were read, so that the load can tell the file was rewritten in between
-    (FILE-CHANGED-DURING-LOAD)."""
+    (FILE-CHANGED-DURING-LOAD). ``parsed`` keeps the validated layout, so that the load, handed this
+    header as ``expect``, reads the file without parsing its header a second time."""
 
     identity: tuple = ()
+    parsed: _Header | None = None
 
 
 def read_header(path: str) -> Header:
@@ -199,6 +203,7 @@ def read_header(path: str) -> Header:
         os.close(fd)
     infos = Header(TensorInfo(e.name, e.dtype, e.shape) for e in header.entries)
     infos.identity = header.identity
+    infos.parsed = header
     return infos
 
 
@@ -213,13 +218,25 @@ def _read_exactly_into(fd: int, view: np.ndarray, offset: int, path: str, name: 
         done += got
 
 
-def iter_safetensors(path: str, expect: tuple | None = None) -> Iterator[tuple[str, paddle.Tensor]]:
-    """Yield (name, tensor) from a safetensors file, each tensor owning its memory. ``expect`` is the
-    file's identity when its header was validated (``read_header(path).identity``). Each tensor is
-    read with ``os.preadv`` straight into its own allocation, 2 MiB pages asked for first."""
+def _validated(fd: int, path: str, expect) -> tuple[_Header, tuple | None]:
+    """The layout to read ``fd`` by, and the identity it must have. Handed ``read_header``'s result,
+    the header is not parsed again (a 200 000-tensor header costs as much to parse as to read the
+    data): the file only has to still be the one whose header was checked."""
+    parsed = getattr(expect, "parsed", None)
+    if parsed is not None:
+        now = _identity(os.fstat(fd))
+        return (parsed if now == parsed.identity else _parse_header(fd, path)), parsed.identity
+    return _parse_header(fd, path), expect
+
+
+def iter_safetensors(path: str, expect=None) -> Iterator[tuple[str, paddle.Tensor]]:
+    """Yield (name, tensor) from a safetensors file, each tensor owning its memory. ``expect`` is
+    ``read_header(path)`` (or its ``identity``) from when the header was validated; the file must be
+    that file still. Each tensor is read with ``os.preadv`` straight into its own allocation, 2 MiB
+    pages asked for first."""
     fd = _open_fd(path)
     try:
-        header = _parse_header(fd, path)
+        header, expect = _validated(fd, path, expect)
         if expect is not None and expect != header.identity:
             raise SnapshotFormatError(
                 f"{path}: file changed during load: it is not the file whose header was checked before "

@@ -9,6 +9,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .version_file import VersionError, read_version_bytes
+
 log = logging.getLogger("reference.stream_config")
 
 VERSION_FILE = "version.yaml"
@@ -27,9 +29,11 @@ def read_version_file(model_dir: str | None) -> tuple[str | None, str]:
 
     path = os.path.join(model_dir or "", VERSION_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            content = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        data = read_version_bytes(path)
+        if data is None:
+            raise FileNotFoundError(f"[Errno 2] No such file or directory: '{path}'")
+        content = yaml.safe_load(data.decode("utf-8")) or {}
+    except (OSError, VersionError, yaml.YAMLError, UnicodeDecodeError) as e:
         why = f"Failed to read model step from '{path}': {e}"
     else:
         if not isinstance(content, dict):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from . import restart
 from .status import Status
 from .status_cell import StatusCell
 
@@ -73,6 +74,9 @@ def iteration(manager, run_model: Callable[[], None], *, block: bool, sync: Call
     with StatusCell(name) as cell:
         value = cell.read()
         value = sync(value) if sync is not None else manager.agreement.broadcast(value)
+        recovered = restart.recover(manager, cell, value, poll_s)  # a cell a dead worker left (STATUS-RESTART-RECOVERS)
+        if recovered is not None:
+            return recovered
         if value == Status.NORMAL:
             run_model()
             return "ran"

@@ -55,6 +55,20 @@ def test_snapshot_parts_benchmark_smoke(tmp_path):
     assert list(tmp_path.glob("snapshot-parts-*")) == [], "the benchmark left its part files behind"
 
 
+def test_snapshot_parts_one_file_benchmark_smoke(tmp_path):
+    out = tmp_path / "one-file.json"
+    cmd = [sys.executable, "-m", "benchmarks.snapshot_parts", "--parts", "4", "--tensors", "40", "--rows", "1",
+           "--cols", "16", "--one-file", "--repeat", "2", "--work-dir", str(tmp_path), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    report = json.loads(out.read_text())
+    assert report["tensors"] == 40 and len(report["runs"]) == 2, report
+    assert [r["first"] for r in report["runs"]] == ["parts", "one-file"], "the layouts do not alternate going first"
+    for run in report["runs"]:
+        assert run["one_file_s"] > 0 and run["one_file_over_parts"] == run["one_file_s"] / run["update_s"], run
+    assert "in one file" in proc.stdout and "one file / parts" in proc.stdout, proc.stdout
+    assert list(tmp_path.glob("snapshot-parts-*")) == [], "the benchmark left its files behind"
+
+
 def test_bucket_benchmark_smoke(tmp_path):
     out = tmp_path / "buckets.json"
     cmd = [sys.executable, "-m", "benchmarks.bucket_throughput", "--model-mib", "16", "--buckets", "4",

@@ -1,0 +1,81 @@
+"""Mutants of a worker restarted against a status cell a dead worker left (SPEC.md STATUS-RESTART-RECOVERS):
+the reference's first pass of the loop with its recovery taken out or done the plausible wrong way.
+
+Each patches ``reference.restart.recover``, which the loop looks up at call time.
+"""
+from __future__ import annotations
+
+from reference import restart as _restart
+from reference.status import Status
+
+from .base import Mutant
+
+_real_recover = _restart.recover
+
+
+class RestartNoRecovery(Mutant):
+    id = "restart_no_recovery"
+    bug = ("the loop acts on what the cell says as if it had asked for it (the reference before issue 19): a cell left "
+           "UPDATING gets update() on loaded weights, which raises 'update() needs cleared weights, status is NORMAL', "
+           "and the API refuses clear (403) and update (400) until the cell is rewritten by hand")
+    kills = frozenset({"STATUS-RESTART-RECOVERS"})
+
+    def patches(self):
+        def recover(manager, cell, value, poll_s):
+            manager.loop_started = True
+            return None
+
+        return {"reference.restart.recover": recover}
+
+
+class RestartClearedMadeNormal(Mutant):
+    id = "restart_cleared_made_normal"
+    bug = ("a cell left CLEARED while the startup load holds weights is 'corrected' to NORMAL: the API's next update "
+           "answers 'model weight is updated' and reloads nothing, serving the weights loaded before the trainer "
+           "published the version it asked for")
+    kills = frozenset({"STATUS-RESTART-RECOVERS"})
+
+    def patches(self):
+        def recover(manager, cell, value, poll_s):
+            if not manager.loop_started and value == Status.CLEARED and manager.status == Status.NORMAL:
+                manager.loop_started = True
+                manager.cell.publish(Status.NORMAL, first_load=False)
+                return "updated"
+            return _real_recover(manager, cell, value, poll_s)
+
+        return {"reference.restart.recover": recover}
+
+
+class RestartClearedKeepsWeights(Mutant):
+    id = "restart_cleared_keeps_weights"
+    bug = ("a cell left CLEARED is left as it is and the startup load's weights are kept until the next update asks for "
+           "a reload: the cell says the weights are released while they hold the memory a colocated trainer was told "
+           "is free")
+    kills = frozenset({"STATUS-RESTART-RECOVERS"})
+
+    def patches(self):
+        def recover(manager, cell, value, poll_s):
+            if value == Status.CLEARED and manager.status == Status.NORMAL:
+                manager.loop_started = True
+                return "idle"
+            if value == Status.UPDATING and manager.status == Status.NORMAL and manager.loop_started:
+                manager.clear(publish=False)  # the reload the later update needs
+                return None
+            return _real_recover(manager, cell, value, poll_s)
+
+        return {"reference.restart.recover": recover}
+
+
+class RestartAnswersAnyUpdating(Mutant):
+    id = "restart_answers_late_updating"
+    bug = ("an UPDATING the first pass finds is always answered from the startup load, even one the API wrote while that "
+           "load ran (the cell read CLEARED when it began): fine in the usual restart, stale when the trainer published "
+           "in between")
+    kills = frozenset({"STATUS-RESTART-RECOVERS"})
+
+    def patches(self):
+        def recover(manager, cell, value, poll_s):
+            manager.cell_at_startup = Status.UPDATING
+            return _real_recover(manager, cell, value, poll_s)
+
+        return {"reference.restart.recover": recover}
