@@ -106,7 +106,7 @@ class RsyncGlobalRankInResult(Mutant):
 
 class RsyncHandlePerUpdate(Mutant):
     id = "rsync_handle_per_update"
-    bug = "a new CheckpointTransfer handle is created, initialized and cleaned up for every update (before #8078)"
+    bug = "a new CheckpointTransfer handle is created, initialized and cleaned up for every rsync update (before #7042)"
     kills = frozenset({"RSYNC-HANDLE-ONCE"})
 
     def patches(self):
@@ -120,11 +120,20 @@ class RsyncHandlePerUpdate(Mutant):
 class RsyncChecksumDropped(Mutant):
     id = "rsync_checksum_dropped"
     bug = "verify_checksum is never passed to receive_stream (#7042's plumbing missing)"
-    kills = frozenset({"RSYNC-HANDLE-ONCE"})
+    kills = frozenset({"RSYNC-CHECKSUM"})
 
     def patches(self):
         return {"reference.rsync.receive": lambda manager, handle, version, verify, wait_s:
                 _receive(manager, handle, version, False, wait_s)}
+
+
+class RsyncHandleNoGroupSize(Mutant):
+    id = "rsync_handle_no_group_size"
+    bug = "the handle is created without group_size: the library's default world of 1, whatever the world size"
+    kills = frozenset({"RSYNC-HANDLE-CONFIG"})
+
+    def patches(self):
+        return {"reference.stream_config.rsync_kwargs": lambda cfg, who: {**cfg, "local_rank": who.local_rank}}
 
 
 class RsyncApplyAsReceived(Mutant):
@@ -404,11 +413,54 @@ def _manager_with_close(close):
 class GdrHandleKeptOnFailure(Mutant):
     id = "gdr_handle_kept_on_failure"
     bug = "a failed update keeps its half-used handle cached (before #8078's destroy-on-failure)"
-    kills = frozenset({"GDR-HANDLE-REUSE"})
+    kills = frozenset({"GDR-HANDLE-CLEANUP"})
 
     def patches(self):
         return {"reference.transfer_lib.destroy": lambda owner: None,
                 "reference.adapter.WeightManager": _manager_with_close(lambda self: _destroy(self))}
+
+
+class GdrHandlePerUpdate(Mutant):
+    id = "gdr_handle_per_update"
+    bug = ("every GDR update builds, initializes and cleans up its own CheckpointTransfer (FastDeploy before #8078: "
+           "version 45 / DWM-B)")
+    kills = frozenset({"GDR-HANDLE-REUSE"})
+
+    def patches(self):
+        def ensure(owner, make):
+            _destroy(owner)
+            return _ensure(owner, make)
+
+        return {"reference.transfer_lib.ensure": ensure}
+
+
+class GdrCleanupMissesCancellation(Mutant):
+    id = "gdr_cleanup_misses_cancellation"
+    bug = ("a cancelled stream reaches the update as asyncio.CancelledError (a BaseException) and the handle is "
+           "destroyed under `except Exception` only: the cancelled handle stays cached (FastDeploy after #8078)")
+    kills = frozenset({"GDR-HANDLE-CLEANUP"})
+
+    def patches(self):
+        import asyncio
+        import contextlib
+
+        class Cancelled(asyncio.CancelledError):
+            pass
+
+        @contextlib.contextmanager
+        def receiving(owner, receiver):
+            receiver.start()
+            try:
+                yield receiver
+            except Exception:
+                receiver.stop()
+                _destroy(owner)
+                receiver.join()
+                raise
+            else:
+                receiver.join()
+
+        return {"reference.prefetch.StreamCancelled": Cancelled, "reference.transfer_lib.receiving": receiving}
 
 
 # -- both paths --------------------------------------------------------------------------------------
