@@ -50,6 +50,17 @@ class RsyncVersionFileOnly(Mutant):
         return {"reference.stream_config.resolve_version": lambda version, model_dir: _resolve(None, model_dir)}
 
 
+class RsyncEmptyStepAccepted(Mutant):
+    id = "rsync_empty_step_accepted"
+    bug = ("a step that carries no tensor passes validation and applies nothing, reported as a success (FastDeploy's "
+           "rsync: new may be any subset of old, the empty one included)")
+    kills = frozenset({"APPLY-EMPTY-REFUSED"})
+
+    def patches(self):
+        return {"reference.rsync.problems": lambda received, params, models:
+                [] if not received else _problems(received, params, models)}
+
+
 class RsyncApplyThenValidate(Mutant):
     id = "rsync_apply_then_validate"
     bug = ("the keys that match are applied before the step is refused (validation per key while applying, "
