@@ -61,6 +61,23 @@ class RsyncEmptyStepAccepted(Mutant):
                 [] if not received else _problems(received, params, models)}
 
 
+class RsyncAllocatesBeforeBootstrap(Mutant):
+    id = "rsync_allocates_before_bootstrap"
+    bug = ("every unallocated parameter is allocated before a bootstrap load, which then copies the received step "
+           "into it (FastDeploy before #7171: param.initialize() in _capture_model_state, the OOM): two models in memory")
+    kills = frozenset({"MEM-STREAM-BOOTSTRAP"})
+
+    def patches(self):
+        def store(received, params, bootstrap):
+            with paddle.no_grad():
+                for param in params.values():
+                    if not param._is_initialized():
+                        paddle.ones(param.shape, param.dtype)._share_buffer_to(param)
+            _store(received, params, False)
+
+        return {"reference.rsync.store": store}
+
+
 class RsyncApplyThenValidate(Mutant):
     id = "rsync_apply_then_validate"
     bug = ("the keys that match are applied before the step is refused (validation per key while applying, "
