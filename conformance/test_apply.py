@@ -392,3 +392,49 @@ def test_main_and_mtp_models_both_loaded(loader, source, layout):
             session.clear()
         session.update()
         check.params_equal(session.observe(), want, f"{source} {paths} (version {version}) with main + MTP tensors {mtp}")
+
+
+# -- APPLY-EMPTY-REFUSED -----------------------------------------------------------------------------
+# Every path (conformance.paths): a source that carries no tensor, after a clear (the clear-first paths) and
+# while the weights are loaded (an update without clear() on the file paths, in place on the streamed ones;
+# a bucket update without clear() is refused before the trainer is heard, its update left unconsumed).
+from conformance.paths import PATHS, route  # noqa: E402,F401 - route is a fixture
+
+EMPTY_SPEC = M.spec(("embed.weight", "float32", (4, 4)), ("norm.bias", "float16", (4,)))
+EMPTY_CASES = [pytest.param(path, mode, marks=pytest.mark.requires(*PATHS[path].capabilities, "status"), id=f"{path}-{mode}")
+               for path in PATHS for mode in ("after-clear", "loaded")
+               if (mode == "after-clear") != PATHS[path].in_place or (mode == "loaded" and path != "bucket")]
+
+
+@pytest.mark.rule("APPLY-EMPTY-REFUSED")
+@pytest.mark.parametrize("path, mode", EMPTY_CASES)
+def test_update_from_a_source_without_tensors_is_refused(route, path, mode):
+    """Version 1 loads; a source of version 2 holding no tensor is refused (the update raises; after a clear
+    the status is not NORMAL, while loaded no parameter changes); then a whole version 3 loads."""
+    rt = route(path)
+    session = rt.open(EMPTY_SPEC)
+    v1 = M.state(EMPTY_SPEC, version=1)
+    rt.publish(0, v1, 1)
+    rt.update(0)
+    check.params_equal(session.observe(), v1, f"{path}: version 1")
+    where = rt.publish(0, {}, 2, [[]] if path == "parts" else None) + f", {mode}"  # parts: one part, empty
+    if mode == "after-clear":
+        session.clear()
+    before = session.observe()
+    refused = None
+    try:
+        rt.update(0)
+    except Exception as e:  # noqa: BLE001 - any refusal; what it says is FILE-NO-TENSORS's business
+        refused = e
+    check.that(refused is not None, f"{where}: an update of nothing was accepted (status {session.status()})")
+    if mode == "after-clear":
+        check.status_not(session, "NORMAL", f"{where}: refused")
+    else:  # still serving version 1: NORMAL may say so (STATUS-UPDATE-WHILE-NORMAL), nothing may have changed
+        check.unchanged(before, session.observe(), f"{where}: refused")
+    v3 = M.state(EMPTY_SPEC, version=3)
+    rt.publish(0, v3, 3)
+    if not PATHS[path].in_place:
+        session.clear()
+    rt.update(0)
+    check.params_equal(session.observe(), v3, f"{path}: version 3 after the refused empty source")
+    check.status_is(session, "NORMAL", f"{path}: version 3 after the refused empty source")

@@ -232,3 +232,43 @@ def test_snapshot_peak_memory_with_unknown_tensors(loader, snapshots_with_unknow
         f"{SLACK_MIB} MiB = {bound / 1024:.0f} MiB (one file beyond the model; every file's tensors held: "
         f"{(spec.nbytes + unknown * TENSOR_MIB * MIB) // MIB} MiB)",
     )
+
+# -- MEM-STREAM-BOOTSTRAP ----------------------------------------------------------------------------
+# rsync's bootstrap load (its step from version.yaml): the received tensors become the parameters, so the
+# peak is about one model. A loader that allocates every parameter first (FastDeploy before #7171:
+# param.initialize() in _capture_model_state) and then copies the received step into them holds two.
+# (GDR: the models' own loaders fill the parameters, item by item; what the worker holds beyond them is
+# its prefetch window, GDR-PREFETCH-BOUND's.)
+STREAM_TENSORS = 10  # M = 160 MiB
+
+
+@pytest.mark.rule("MEM-STREAM-BOOTSTRAP")
+@pytest.mark.parametrize("strategy", [pytest.param("rsync", marks=pytest.mark.requires("stream.rsync"), id="rsync")])
+def test_stream_first_load_holds_one_model(loader, strategy):
+    from conformance.stream_support import open_stream
+    from fixtures import streams as ST
+
+    spec = _spec(STREAM_TENSORS)
+    trainer = ST.trainer()
+    try:
+        trainer.serve(ST.stream_of(_state(spec)))
+        ST.write_version_file(loader.model_dir, "step: 1\n")
+        # The step also as FastDeploy read it before #7171 (version.txt): this rule judges memory, whose
+        # file names the step is RSYNC-VERSION's.
+        with open(os.path.join(loader.model_dir, "version.txt"), "w", encoding="utf-8") as f:
+            f.write("1\n")
+        session, _ = open_stream(loader, trainer, spec, strategy, version=None)
+        result = _in_child(lambda: _measure(session, spec))
+    finally:
+        trainer.close()
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    where = f"{strategy}: first load (version.yaml step 1) of a model of M = {spec.nbytes // MIB} MiB"
+    check.that("error" not in result, f"{where}: the update failed in the measuring child: {result.get('error')}")
+    bound = spec.nbytes * STREAM_BOUND_M / 1024 + SLACK_MIB * 1024
+    peak = result["peak_kib"]
+    check.that(peak < bound, f"{where}: peak resident growth {peak / 1024:.0f} MiB ({peak * 1024 / spec.nbytes:.2f} M) "
+               f"during update(), expected under {STREAM_BOUND_M} M + {SLACK_MIB} MiB = {bound / 1024:.0f} MiB")
+
+
+STREAM_BOUND_M = 1.5

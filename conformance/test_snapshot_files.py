@@ -489,15 +489,18 @@ def test_permission_denied_is_reported_as_such(loader, where):
 # 1 MiB per tensor, two per part: the read of a part is still in progress when it is changed.
 BIG = M.spec(*((f"layers.{i}.w", "float32", (512, 512)) if i % 2 else (f"layers.{i}.w", "bfloat16", (512, 1024)) for i in range(6)))
 READING = 64 << 10  # bytes read (rchar) since the opening that count as "the read is in progress"
-CHANGES = [
-    # (where, change, when): "reading" = during the loader's last opening of the file, once it is
-    # mapped or being read; "between" = part 0 is changed when the loader first opens part 1, with
-    # the loader stopped there: a loader that validates every header first and then reads loads a
-    # part 0 that changed since its header was checked; a one-pass loader has read part 0 already.
+# (where, change, when): "reading" = during the loader's last opening of the file, once it is mapped or
+# being read (FILE-CHANGED-DURING-LOAD); "between" = part 0 is changed when the loader first opens part 1,
+# with the loader stopped there (FILE-CHANGED-BETWEEN-PARTS): a loader that validates every header first
+# and then reads loads a part 0 that changed since its header was checked; a one-pass loader has read
+# part 0 already, and keeps it only if its parameters are views of the file (CPU).
+READING_CHANGES = [
     pytest.param(("single", None), "truncate", "reading", marks=SINGLE.marks, id="single-truncate-reading"),
     pytest.param(("single", None), "rewrite", "reading", marks=SINGLE.marks, id="single-rewrite-reading"),
     pytest.param(("part", 1), "rewrite", "reading", marks=PART_MIDDLE.marks, id="part-middle-rewrite-reading"),
     pytest.param(("part", 2), "truncate", "reading", marks=PART_LAST.marks, id="part-last-truncate-reading"),
+]
+BETWEEN_CHANGES = [
     pytest.param(("part", 0), "truncate", "between", marks=PART_FIRST.marks, id="part-first-truncate-between"),
     pytest.param(("part", 0), "rewrite", "between", marks=PART_FIRST.marks, id="part-first-rewrite-between"),
 ]
@@ -584,12 +587,26 @@ def _step_until_reading(child, path, ino, deadline):
 
 
 @pytest.mark.rule("FILE-CHANGED-DURING-LOAD")
-@pytest.mark.parametrize("where,change,when", CHANGES)
+@pytest.mark.parametrize("where,change,when", READING_CHANGES)
 def test_file_changed_while_loading(loader, tmp_path, where, change, when):
     """The trainer truncates a file to half, or rewrites its second half with new values, while the
     loader reads it: found with inotify at the loader's last opening of the file (counted in a dry
     run), then stepped until the file is mapped or being read. Outcome: an error naming the file, or
     the old version complete; never a crash, never a mix."""
+    _changed_during_update(loader, tmp_path, where, change, when)
+
+
+# -- FILE-CHANGED-BETWEEN-PARTS ------------------------------------------------------------------
+@pytest.mark.rule("FILE-CHANGED-BETWEEN-PARTS")
+@pytest.mark.parametrize("where,change,when", BETWEEN_CHANGES)
+def test_part_changed_while_the_next_part_opens(loader, tmp_path, where, change, when):
+    """Part 0 is truncated to half, or its second half rewritten, while the loader is held in its first
+    open() of part 1 (a write lease). Outcome: an error naming part 0, or the old version complete; never
+    a crash, never a mix."""
+    _changed_during_update(loader, tmp_path, where, change, when)
+
+
+def _changed_during_update(loader, tmp_path, where, change, when):
     v1, v2 = _state(BIG, 1), _state(BIG, 2)
     path, group, paths = _write_big(loader, where, v1)
     ino = F.Inotify()

@@ -381,8 +381,49 @@ def test_gdr_ipc_mode_config(loader, ct_trainer, monkeypatch):
 
 
 # -- GDR-HANDLE-REUSE ------------------------------------------------------------------------------
-def _handle_failures(session, trainer):
-    """Each way an update can fail, as (name, serve the trainer, prepare the session, error type)."""
+def _handles_of(trainer, first_hello: int = 0) -> list:
+    """The handle of each stream the trainer served since hello number ``first_hello``."""
+    return [h["handle"] for h in trainer.of("hello")[first_hello:]]
+
+
+@pytest.mark.rule("GDR-HANDLE-REUSE")
+@pytest.mark.parametrize("strategy", [case("gdr", extra=("mtp",), id="gdr"), case("gdr_ipc", extra=("mtp",), id="gdr_ipc")])
+def test_gdr_handle_reused_across_updates(loader, ct_trainer, strategy):
+    """Three successful updates stream from the handle the first one initialized, none cleaned up; after a
+    broken stream (whose handle GDR-HANDLE-CLEANUP judges) the handle of the next update serves the one
+    after it too."""
+    v1 = M.state(SPEC_MTP, version=1)
+    ct_trainer.serve(S.stream_of(v1))
+    session, _ = _gdr(loader, ct_trainer, strategy=strategy)
+    session.update()
+    for version in (2, 3):
+        v = M.state(SPEC_MTP, version=version)
+        ct_trainer.serve(S.stream_of(v))
+        session.update()
+        check.params_equal(session.observe(), v, f"{strategy}: update {version} of three")
+    registers, used = ct_trainer.of("register"), _handles_of(ct_trainer)
+    where = f"{strategy}, three successful updates"
+    check.equal(len(registers), 1, f"{where}: handles initialized")
+    check.equal(used, [registers[0]["handle"]] * 3, f"{where}: the handle of each stream")
+    check.equal(ct_trainer.of("unregister"), [], f"{where}: handles cleaned up between successful updates")
+    # After a failure: the next update's handle is kept for the one after it.
+    ct_trainer.serve(S.stream_of(M.state(SPEC_MTP, version=4), fault=("fail", 2)))
+    with check.raises(ConnectionError, match=".", where=f"{strategy}: stream broken after 2 items"):
+        session.update()
+    before = len(ct_trainer.of("hello"))
+    for version in (5, 6):
+        v = M.state(SPEC_MTP, version=version)
+        ct_trainer.serve(S.stream_of(v))
+        session.update()
+        check.params_equal(session.observe(), v, f"{strategy}: update {version} after a broken stream")
+    after = _handles_of(ct_trainer, before)
+    check.that(len(after) == 2 and after[0] == after[1],
+               f"{strategy}: the two updates after a broken stream streamed from handles {after}, expected one handle")
+
+
+# -- GDR-HANDLE-CLEANUP ----------------------------------------------------------------------------
+def _handle_failures(session):
+    """Each way an update can fail, as (name, stream the trainer serves, prepare the session, error type)."""
     v = M.state(SPEC_MTP, version=2)
     no_mtp = {n: a for n, a in v.items() if "mtp" not in n and "layers.2" not in n}
     main = session.models[0].load_weights
@@ -396,34 +437,31 @@ def _handle_failures(session, trainer):
             ("no MTP item", S.stream_of(no_mtp), None, ValueError)]
 
 
-@pytest.mark.rule("GDR-HANDLE-REUSE")
+FAILURE_NAMES = ("stream breaks", "stream cancelled", "loader fails", "no MTP item")
+
+
+@pytest.mark.rule("GDR-HANDLE-CLEANUP")
 @pytest.mark.requires("stream.gdr", "mtp")
-def test_gdr_handle_reused_and_destroyed_on_failure(loader, ct_trainer):
-    """Two updates share one handle; each failure cleans that handle up, and the next update initializes a
-    new one and loads."""
+@pytest.mark.parametrize("failure", FAILURE_NAMES)
+def test_gdr_failed_update_cleans_its_handle_up(loader, ct_trainer, failure):
+    """After a successful update, an update failing this way cleans up the handle it streamed from (within
+    2 s); the next update initializes a new handle and loads."""
     session, _, _ = _loaded(loader, ct_trainer)
+    [(name, stream, prepare, error)] = [f for f in _handle_failures(session) if f[0] == failure]
+    handle = ct_trainer.of("hello")[-1]["handle"]
+    ct_trainer.serve(stream)
+    if prepare:
+        prepare()
+    where = f"GDR update failing: {name}"
+    with check.raises(error, match=".", where=where):
+        session.update()
+    session.models[0].load_weights.fail_at = None
+    check.that(ct_trainer.wait_for(lambda: any(u["handle"] == handle for u in ct_trainer.of("unregister")), 2.0),
+               f"{where}: the handle {handle} it streamed from was not cleaned up")
     v = M.state(SPEC_MTP, version=3)
     ct_trainer.serve(S.stream_of(v))
     session.update()
-    check.params_equal(session.observe(), v, "GDR second update")
-    registers = ct_trainer.of("register")
-    check.equal(len(registers), 1, "handles initialized for two updates")
-    check.equal({h["handle"] for h in ct_trainer.of("hello")}, {registers[0]["handle"]}, "handle of both streams")
-    check.equal(ct_trainer.of("unregister"), [], "handles cleaned up after successful updates")
-    for name, stream, prepare, error in _handle_failures(session, ct_trainer):
-        handle = ct_trainer.of("hello")[-1]["handle"]
-        ct_trainer.serve(stream)
-        if prepare:
-            prepare()
-        where = f"GDR update failing: {name}"
-        with check.raises(error, match=".", where=where):
-            session.update()
-        session.models[0].load_weights.fail_at = None
-        check.that(ct_trainer.wait_for(lambda: any(u["handle"] == handle for u in ct_trainer.of("unregister")), 2.0),
-                   f"{where}: the handle {handle} was not cleaned up")
-        ct_trainer.serve(S.stream_of(v))
-        session.update()
-        check.params_equal(session.observe(), v, f"{where}: the next update")
-        fresh = ct_trainer.of("hello")[-1]["handle"]
-        check.that(fresh != handle and ct_trainer.of("register")[-1]["handle"] == fresh,
-                   f"{where}: the next update streamed from handle {fresh}, expected a new one (not {handle})")
+    check.params_equal(session.observe(), v, f"{where}: the next update")
+    fresh = ct_trainer.of("hello")[-1]["handle"]
+    check.that(fresh != handle and ct_trainer.of("register")[-1]["handle"] == fresh,
+               f"{where}: the next update streamed from handle {fresh}, expected a new one (not {handle})")

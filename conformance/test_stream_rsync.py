@@ -256,31 +256,60 @@ def test_rsync_returns_its_costs(loader, ct_trainer):
 
 
 # -- RSYNC-HANDLE-ONCE -----------------------------------------------------------------------------
+RANK3_ORDINAL2 = Worker(rank=3, visible="0,1,2,3", selected="2")  # world size 4 (PADDLE_TRAINERS_NUM)
+
+
 @pytest.mark.rule("RSYNC-HANDLE-ONCE")
 @pytest.mark.requires("stream.rsync")
 def test_rsync_one_handle_for_every_update(loader, ct_trainer):
-    """Three sessions (verify_checksum absent, true, false) on one trainer, three updates each."""
+    """Three updates (the first load and two in place) stream from one handle, never cleaned up between them."""
     states = [M.state(SPEC, version=v) for v in (1, 2, 3)]
-    for verify in (None, True, False):
-        ct_trainer.serve(*(S.stream_of(st) for st in states))
-        first = len(ct_trainer.of("register"))
-        session = _rsync(loader, ct_trainer, SPEC, verify=verify, worker=Worker(rank=3, visible="0,1,2,3", selected="2"))
-        for st in states:
-            session.update()
-        where = f"rsync, verify_checksum {verify!r}, three updates"
-        check.params_equal(session.observe(), states[-1], where)
-        registers, hellos = ct_trainer.of("register")[first:], ct_trainer.of("hello")[-3:]
-        check.equal(len(registers), 1, f"{where}: CheckpointTransfer handles initialized")
-        handle = registers[0]["handle"]
-        check.equal({h["handle"] for h in hellos}, {handle}, f"{where}: handle of each stream")
-        check.equal([u for u in ct_trainer.of("unregister") if u["handle"] == handle], [],
-                    f"{where}: handle cleaned up between updates")
-        config = registers[0]["config"]
-        check.equal((config["global_rank"], config["group_size"]), (2, 4), f"{where}: local_rank 2 and group_size 4 passed")
-        check.equal([h["verify_checksum"] for h in hellos], [bool(verify)] * 3, f"{where}: verify_checksum of receive_stream")
+    ct_trainer.serve(*(S.stream_of(st) for st in states))
+    session = _rsync(loader, ct_trainer, SPEC, worker=RANK3_ORDINAL2)
+    for n, st in enumerate(states, 1):
+        session.update()
+        check.params_equal(session.observe(), st, f"rsync update {n} of three")
+    where = "rsync, three updates"
+    registers, hellos = ct_trainer.of("register"), ct_trainer.of("hello")
+    check.equal(len(registers), 1, f"{where}: CheckpointTransfer handles initialized")
+    check.equal([h["handle"] for h in hellos], [registers[0]["handle"]] * 3, f"{where}: handle of each stream")
+    check.equal(ct_trainer.of("unregister"), [], f"{where}: handles cleaned up between updates")
 
 
-@pytest.mark.rule("RSYNC-HANDLE-ONCE")
+# -- RSYNC-HANDLE-CONFIG ---------------------------------------------------------------------------
+@pytest.mark.rule("RSYNC-HANDLE-CONFIG")
+@pytest.mark.requires("stream.rsync")
+@pytest.mark.parametrize("world", [4, 1])
+def test_rsync_handle_created_with_rank_and_world_size(loader, ct_trainer, monkeypatch, world):
+    """The handle is created with local_rank = the worker's ordinal (2 or 0; global rank 3 or 0) and
+    group_size = the world size."""
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", str(world))
+    worker = RANK3_ORDINAL2 if world > 1 else Worker(rank=0, visible="5", selected="0")
+    _loaded(loader, ct_trainer, SPEC, worker=worker)
+    [register] = ct_trainer.of("register")
+    want = (2, 4) if world > 1 else (0, 1)
+    check.equal((register["config"]["global_rank"], register["config"]["group_size"]), want,
+                f"rsync worker {worker}, world size {world}: (local_rank, group_size) the handle was created with")
+
+
+# -- RSYNC-CHECKSUM --------------------------------------------------------------------------------
+@pytest.mark.rule("RSYNC-CHECKSUM")
+@pytest.mark.requires("stream.rsync")
+@pytest.mark.parametrize("verify", [None, True, False], ids=["absent", "true", "false"])
+def test_rsync_checksum_flag_reaches_every_stream(loader, ct_trainer, verify):
+    """Three updates: each receive_stream gets verify_checksum (False when absent)."""
+    states = [M.state(SPEC, version=v) for v in (1, 2, 3)]
+    ct_trainer.serve(*(S.stream_of(st) for st in states))
+    session = _rsync(loader, ct_trainer, SPEC, verify=verify)
+    for st in states:
+        session.update()
+    where = f"rsync, verify_checksum {verify!r}, three updates"
+    check.params_equal(session.observe(), states[-1], where)
+    check.equal([h["verify_checksum"] for h in ct_trainer.of("hello")], [bool(verify)] * 3,
+                f"{where}: verify_checksum of each receive_stream")
+
+
+@pytest.mark.rule("RSYNC-CHECKSUM")
 @pytest.mark.requires("stream.rsync")
 def test_rsync_checksum_verified_when_asked(loader, ct_trainer):
     session, _ = _loaded(loader, ct_trainer, SPEC, verify=True)

@@ -65,7 +65,7 @@ class AdoptsMmapViews(Mutant):
     id = "adopts_mmap_views"
     bug = ("parameters adopt safetensors' zero-copy views of the file (no clone): the mapping outlives the update, "
            "a rewrite changes served weights, a truncation is a SIGBUS")
-    kills = frozenset({"FILE-DETACHED", "FILE-RELEASED", "FILE-CHANGED-DURING-LOAD"})
+    kills = frozenset({"FILE-DETACHED", "FILE-RELEASED", "FILE-CHANGED-DURING-LOAD", "FILE-CHANGED-BETWEEN-PARTS"})
 
     def patches(self):
         return {"reference.snapshot.iter_safetensors": _mmap_iter(keep_mapping=True)}
@@ -292,7 +292,7 @@ class ValidatedHeaderTrusted(Mutant):
     bug = ("every header is validated in a first pass, then each file is read without checking that it is still "
            "the file that was validated: a trainer rewriting it in between gets a half-old, half-new file loaded "
            "as NORMAL")
-    kills = frozenset({"FILE-CHANGED-DURING-LOAD"})
+    kills = frozenset({"FILE-CHANGED-BETWEEN-PARTS"})
 
     def patches(self):
         def iter_safetensors(path, expect=None):

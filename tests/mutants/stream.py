@@ -50,6 +50,34 @@ class RsyncVersionFileOnly(Mutant):
         return {"reference.stream_config.resolve_version": lambda version, model_dir: _resolve(None, model_dir)}
 
 
+class RsyncEmptyStepAccepted(Mutant):
+    id = "rsync_empty_step_accepted"
+    bug = ("a step that carries no tensor passes validation and applies nothing, reported as a success (FastDeploy's "
+           "rsync: new may be any subset of old, the empty one included)")
+    kills = frozenset({"APPLY-EMPTY-REFUSED"})
+
+    def patches(self):
+        return {"reference.rsync.problems": lambda received, params, models:
+                [] if not received else _problems(received, params, models)}
+
+
+class RsyncAllocatesBeforeBootstrap(Mutant):
+    id = "rsync_allocates_before_bootstrap"
+    bug = ("every unallocated parameter is allocated before a bootstrap load, which then copies the received step "
+           "into it (FastDeploy before #7171: param.initialize() in _capture_model_state, the OOM): two models in memory")
+    kills = frozenset({"MEM-STREAM-BOOTSTRAP"})
+
+    def patches(self):
+        def store(received, params, bootstrap):
+            with paddle.no_grad():
+                for param in params.values():
+                    if not param._is_initialized():
+                        paddle.ones(param.shape, param.dtype)._share_buffer_to(param)
+            _store(received, params, False)
+
+        return {"reference.rsync.store": store}
+
+
 class RsyncApplyThenValidate(Mutant):
     id = "rsync_apply_then_validate"
     bug = ("the keys that match are applied before the step is refused (validation per key while applying, "
@@ -106,7 +134,7 @@ class RsyncGlobalRankInResult(Mutant):
 
 class RsyncHandlePerUpdate(Mutant):
     id = "rsync_handle_per_update"
-    bug = "a new CheckpointTransfer handle is created, initialized and cleaned up for every update (before #8078)"
+    bug = "a new CheckpointTransfer handle is created, initialized and cleaned up for every rsync update (before #7042)"
     kills = frozenset({"RSYNC-HANDLE-ONCE"})
 
     def patches(self):
@@ -120,11 +148,20 @@ class RsyncHandlePerUpdate(Mutant):
 class RsyncChecksumDropped(Mutant):
     id = "rsync_checksum_dropped"
     bug = "verify_checksum is never passed to receive_stream (#7042's plumbing missing)"
-    kills = frozenset({"RSYNC-HANDLE-ONCE"})
+    kills = frozenset({"RSYNC-CHECKSUM"})
 
     def patches(self):
         return {"reference.rsync.receive": lambda manager, handle, version, verify, wait_s:
                 _receive(manager, handle, version, False, wait_s)}
+
+
+class RsyncHandleNoGroupSize(Mutant):
+    id = "rsync_handle_no_group_size"
+    bug = "the handle is created without group_size: the library's default world of 1, whatever the world size"
+    kills = frozenset({"RSYNC-HANDLE-CONFIG"})
+
+    def patches(self):
+        return {"reference.stream_config.rsync_kwargs": lambda cfg, who: {**cfg, "local_rank": who.local_rank}}
 
 
 class RsyncApplyAsReceived(Mutant):
@@ -404,11 +441,54 @@ def _manager_with_close(close):
 class GdrHandleKeptOnFailure(Mutant):
     id = "gdr_handle_kept_on_failure"
     bug = "a failed update keeps its half-used handle cached (before #8078's destroy-on-failure)"
-    kills = frozenset({"GDR-HANDLE-REUSE"})
+    kills = frozenset({"GDR-HANDLE-CLEANUP"})
 
     def patches(self):
         return {"reference.transfer_lib.destroy": lambda owner: None,
                 "reference.adapter.WeightManager": _manager_with_close(lambda self: _destroy(self))}
+
+
+class GdrHandlePerUpdate(Mutant):
+    id = "gdr_handle_per_update"
+    bug = ("every GDR update builds, initializes and cleans up its own CheckpointTransfer (FastDeploy before #8078: "
+           "version 45 / DWM-B)")
+    kills = frozenset({"GDR-HANDLE-REUSE"})
+
+    def patches(self):
+        def ensure(owner, make):
+            _destroy(owner)
+            return _ensure(owner, make)
+
+        return {"reference.transfer_lib.ensure": ensure}
+
+
+class GdrCleanupMissesCancellation(Mutant):
+    id = "gdr_cleanup_misses_cancellation"
+    bug = ("a cancelled stream reaches the update as asyncio.CancelledError (a BaseException) and the handle is "
+           "destroyed under `except Exception` only: the cancelled handle stays cached (FastDeploy after #8078)")
+    kills = frozenset({"GDR-HANDLE-CLEANUP"})
+
+    def patches(self):
+        import asyncio
+        import contextlib
+
+        class Cancelled(asyncio.CancelledError):
+            pass
+
+        @contextlib.contextmanager
+        def receiving(owner, receiver):
+            receiver.start()
+            try:
+                yield receiver
+            except Exception:
+                receiver.stop()
+                _destroy(owner)
+                receiver.join()
+                raise
+            else:
+                receiver.join()
+
+        return {"reference.prefetch.StreamCancelled": Cancelled, "reference.transfer_lib.receiving": receiving}
 
 
 # -- both paths --------------------------------------------------------------------------------------

@@ -15,15 +15,22 @@ engine's cell already reads NORMAL while the worker starts), so the session writ
 the constructor has returned. A cell not yet used reads CLEARED: nothing is loaded. A failed update
 thus leaves UPDATING.
 
-Trace: the instance's ``_update_model_from_state`` is wrapped to record ``(src_type, source)`` for each
-state dict it applies without raising. FastDeploy does not pass the file to it, so the session notes the
-file each ``paddle.load`` result came from (``worker_world``'s load hook, result unchanged) and pairs
-them; a state dict from no file (ipc) gets ``None``.
+Trace: observed, never wrapped. Every generation ends a successful ``_update_model_from_state`` with its
+own log line ``Updated {n}/{m} parameters from {src_type} source`` (on its module's ``logger``); a handler
+on that logger, for the duration of the call and for the calling thread only, reads ``src_type`` from it.
+FastDeploy does not log the file, so the session notes the path of each ``paddle.load`` (``worker_world``'s
+load hook, result unchanged) and pairs the line with the last file loaded since the previous line (None
+when none was). The manager's methods are its own: the constructor is called as the runner calls it.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
+import re
+import sys
+import threading
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
@@ -36,6 +43,61 @@ from .world import WORKER_ENV, fd_config, worker_world
 
 STATUS_NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", CLEARING: "CLEARING", CLEARED: "CLEARED"}
 _pids = itertools.count(1)
+# FastDeploy's line after each state dict it applied (every generation, fd-spec §3.2), emoji or not.
+APPLIED_LINE = re.compile(r"Updated (\d+)/(\d+) parameters from (.+) source\s*$")
+
+
+class _AppliedLines(logging.Handler):
+    """Reads FastDeploy's applied line on the thread that called into it; changes nothing."""
+
+    def __init__(self, on_applied):
+        super().__init__(logging.INFO)
+        self.thread, self.on_applied = threading.get_ident(), on_applied
+
+    def emit(self, record):
+        if record.thread == self.thread:
+            match = APPLIED_LINE.search(record.getMessage())
+            if match:
+                self.on_applied(match.group(3))
+
+
+_level_lock = threading.Lock()
+_level_users: dict[int, list] = {}  # id(logger) -> [users, level before the first]
+
+
+def _std_logger(logger):
+    """The ``logging.Logger`` behind the module's ``logger`` (paddleformers' wraps one as ``.logger``)."""
+    if isinstance(logger, logging.Logger):
+        return logger
+    inner = getattr(logger, "logger", None)
+    return inner if isinstance(inner, logging.Logger) else None
+
+
+@contextlib.contextmanager
+def observe_applied(module_logger, on_applied):
+    """For the block, ``on_applied(src_type)`` for each of FastDeploy's applied lines on this thread. INFO
+    records are enabled on that logger while any session observes it (they are created only then); its
+    level is restored after the last."""
+    log = _std_logger(module_logger)
+    if log is None:
+        yield
+        return
+    handler = _AppliedLines(on_applied)
+    with _level_lock:
+        users = _level_users.setdefault(id(log), [0, log.level])
+        users[0] += 1
+        if not log.isEnabledFor(logging.INFO):
+            log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        with _level_lock:
+            users[0] -= 1
+            if not users[0]:
+                log.setLevel(users[1])
+                del _level_users[id(log)]
 
 
 def _status_cell() -> tuple[int, SharedMemory]:
@@ -57,7 +119,7 @@ class FastDeploySession:
         self.env = {k: os.environ.get(k) for k in WORKER_ENV}  # this worker's identity, as at open
         self.manager = None
         self._events: list[LoadEvent] = []
-        self._loaded_from: dict[int, str] = {}  # id(state dict) -> file, while an update runs
+        self._loaded_from: list[str] = []  # files loaded since FastDeploy's last applied line, while an update runs
         self.pid, self._cell = _status_cell()
         self._write(CLEARED)  # nothing loaded yet
 
@@ -71,29 +133,25 @@ class FastDeploySession:
     def _fastdeploy(self):
         def load(path, configs, real_load):
             result = real_load(path, **configs)
-            self._loaded_from[id(result)] = os.fspath(path)
+            self._loaded_from.append(os.fspath(path))
             return result
 
-        return worker_world(self.env, self.config.shared_dir, load_hook=load)
+        def applied(src_type):
+            source = self._loaded_from[-1] if self._loaded_from else None
+            self._loaded_from.clear()
+            self._events.append(LoadEvent(src_type, source))
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(worker_world(self.env, self.config.shared_dir, load_hook=load))
+        stack.enter_context(observe_applied(getattr(sys.modules.get(self._cls.__module__), "logger", None), applied))
+        return stack
 
     def _construct(self):
-        # Instantiated in two steps so that the instance's _update_model_from_state is traced during
-        # the load its constructor performs; this is what DynamicWeightManager(...) does.
-        manager = self._cls.__new__(self._cls)
-        applied = manager._update_model_from_state
-
-        def traced(state_dict, src_type):
-            source = self._loaded_from.pop(id(state_dict), None)
-            result = applied(state_dict, src_type)
-            self._events.append(LoadEvent(src_type, source))
-            return result
-
-        manager._update_model_from_state = traced
+        # The runner's call: the constructor captures the parameters, loads them and finalizes.
         selected = self.env.get("FLAGS_selected_gpus") or "0"
         local_rank = int(selected) if selected.isdigit() else 0
         config = fd_config(self.config.load_strategy, self.config.model_dir, self.config.options, self.pid)
-        self._cls.__init__(manager, **constructor_kwargs(self.generation.init_params, config, self.models, local_rank))
-        return manager
+        return self._cls(**constructor_kwargs(self.generation.init_params, config, self.models, local_rank))
 
     def update(self) -> None:
         try:
