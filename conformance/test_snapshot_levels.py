@@ -12,14 +12,13 @@ which level it read. The all-levels cases additionally compare the trace.
 import os
 import re
 import stat
-import threading
 import time
 
 import numpy as np
 import pytest
 
 from conformance import check
-from conformance.harness import Worker
+from conformance.harness import ChildFailed, ChildTimedOut, Worker, in_child
 from fixtures import models as M
 from fixtures import snapshot as S
 
@@ -236,26 +235,30 @@ def _remove(path):
 
 
 class _FifoWatch:
-    """Unblocks, and records, any reader that opened the FIFO: opening a FIFO for reading blocks
-    until a writer appears, so a loader that opens it would otherwise hang the suite."""
+    """Sees, from the test process, a reader open the FIFO (``watch(pid)`` of ``harness.in_child``):
+    opening a FIFO for reading blocks until a writer comes, inside the implementation (safetensors
+    opens it in Rust holding the GIL), so the update runs in a forked child and this process looks
+    in from outside. A writer's non-blocking open succeeds only while a reader has the FIFO open or
+    is waiting in open(); it is recorded, and closed at once so that the reader sees end of file
+    and the case goes on to its verdict instead of waiting out the deadline."""
 
     def __init__(self, path):
-        self.path, self.opened, self._stop = path, False, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self.path, self.opened = path, False
 
-    def _run(self):
-        while not self._stop.wait(0.01):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads
-            except OSError:
-                continue
-            self.opened = True
-            os.close(fd)  # the reader sees end of file
+    def __call__(self, _pid):
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads
+        except OSError:
+            return
+        try:  # (the child replaces the FIFO with a regular file once it has been refused)
+            self.opened = self.opened or stat.S_ISFIFO(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
 
-    def stop(self):
-        self._stop.set()
-        self._thread.join()
+
+# A case that can block inside the implementation (a FIFO or device opened and read) runs in a forked
+# child killed after this long: a hang fails the case naming it, never hangs the run.
+BLOCK_DEADLINE_S = 5.0
 
 
 _BAD_KINDS = {
@@ -294,16 +297,32 @@ def test_candidate_that_is_not_a_regular_file_is_an_error(loader, tmp_path, posi
         return
     _make(kind, path, str(tmp_path))
     watch = _FifoWatch(path) if kind == "fifo" else None
-    session = loader.open(SPEC, worker=WORKER)
-    try:
-        with check.raises((ValueError, OSError), match=re.escape(os.path.basename(path)), names=[path], where=where):
-            session.update()
-    finally:
-        if watch:
-            watch.stop()
-    if watch:
+    try:  # in a forked child: the update may block inside the implementation (a FIFO, a device)
+        in_child(_rejects_candidate_then_loads_it, loader, path, content, want, where,
+                 timeout_s=BLOCK_DEADLINE_S, watch=watch)
+    except ChildTimedOut as e:
+        check.that(False, f"{where}: the update blocked for {e.seconds:.1f}s (in {e.blocked_in or 'an unknown wait'}) "
+                          f"opening or reading {path}, and was killed; a candidate's kind must be checked without "
+                          "opening it (os.stat)")
+    except ChildFailed:
+        _check_fifo_not_opened(watch, where)  # the cause, when it is the cause
+        raise
+    _check_fifo_not_opened(watch, where)
+
+
+def _check_fifo_not_opened(watch, where):
+    if watch is not None:
         check.that(not watch.opened, f"{where}: the loader opened the FIFO for reading (it blocks until a writer "
-                                     "comes); a candidate's kind must be checked without opening it")
+                                     "comes; the suite unblocked it from outside); a candidate's kind must be checked "
+                                     "without opening it (os.stat)")
+
+
+def _rejects_candidate_then_loads_it(loader, path, content, want, where):
+    """In the child: the update raises naming the candidate, loads nothing, is not NORMAL; after the
+    candidate is replaced with a regular file, clear() and update() load it."""
+    session = loader.open(SPEC, worker=WORKER)
+    with check.raises((ValueError, OSError), match=re.escape(os.path.basename(path)), names=[path], where=where):
+        session.update()
     check.not_loaded(session.observe(), NAMES, f"{where}: after the error")
     if "status" in loader.adapter.capabilities:
         check.status_not(session, "NORMAL", where)
