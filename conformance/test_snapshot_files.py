@@ -584,6 +584,7 @@ def _step_until_reading(child, path, ino, deadline):
 
 
 @pytest.mark.rule("FILE-CHANGED-DURING-LOAD")
+@pytest.mark.race("the change lands while the loader reads only if this process stops it in time")
 @pytest.mark.parametrize("where,change,when", CHANGES)
 def test_file_changed_while_loading(loader, tmp_path, where, change, when):
     """The trainer truncates a file to half, or rewrites its second half with new values, while the
