@@ -370,10 +370,16 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
-def concurrently(calls: dict) -> dict:
+class StillRunning(AssertionError):
+    """A call run by ``concurrently`` had not returned by the deadline."""
+
+
+def concurrently(calls: dict, bound_s: float = 30.0) -> dict:
     """Run each ``name -> fn()`` on its own thread at once (sessions waiting out timeouts together, so
     that the phases of a stall cost one timeout, not one each); returns ``name -> (exception or None,
-    seconds)``. Every thread is joined (bounded) before returning."""
+    seconds)``. The threads are joined against one deadline of ``bound_s``: calls that never return cost
+    that once, not once each; one still running then has ``StillRunning`` as its exception (its thread, a
+    daemon, is left behind). The waits bounded this way (sockets, ZMQ) release the GIL."""
     import threading
     import time
 
@@ -388,9 +394,14 @@ def concurrently(calls: dict) -> dict:
         else:
             results[name] = (None, time.monotonic() - started)
 
-    threads = [threading.Thread(target=run, args=item, name=f"conformance-{item[0]}") for item in calls.items()]
+    threads = [threading.Thread(target=run, args=item, name=f"conformance-{item[0]}", daemon=True) for item in calls.items()]
     for t in threads:
         t.start()
+    started = time.monotonic()
     for t in threads:
-        t.join(30)
-    return results
+        t.join(max(0.0, started + bound_s - time.monotonic()))
+    out = dict(results)  # (a thread left behind that returns later changes nothing here)
+    for name in calls:
+        if name not in out:
+            out[name] = (StillRunning(f"{name}: still running after {bound_s:g}s (left behind)"), time.monotonic() - started)
+    return out

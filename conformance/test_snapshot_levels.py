@@ -234,18 +234,28 @@ def _remove(path):
     (os.rmdir if os.path.isdir(path) and not os.path.islink(path) else os.unlink)(path)
 
 
-class _FifoWatch:
-    """Sees, from the test process, a reader open the FIFO (``watch(pid)`` of ``harness.in_child``):
-    opening a FIFO for reading blocks until a writer comes, inside the implementation (safetensors
-    opens it in Rust holding the GIL), so the update runs in a forked child and this process looks
-    in from outside. A writer's non-blocking open succeeds only while a reader has the FIFO open or
-    is waiting in open(); it is recorded, and closed at once so that the reader sees end of file
-    and the case goes on to its verdict instead of waiting out the deadline."""
+class _Watch:
+    """Looks at the child refusing a candidate from the test process (``watch(pid)`` of
+    ``harness.in_child``). Opening a FIFO for reading blocks until a writer comes, inside the
+    implementation (safetensors opens it in Rust holding the GIL), so only another process can see it:
+    a writer's non-blocking open succeeds while a reader has the FIFO open or waits in open(); it is
+    recorded and closed at once, so that the reader sees end of file and the case goes on to its
+    verdict instead of waiting out the deadline. A device read without end (``/dev/zero``) grows the
+    child's memory: past RSS_CAP_MIB the child is killed and the case fails naming the device."""
 
-    def __init__(self, path):
-        self.path, self.opened = path, False
+    def __init__(self, path, kind, where):
+        self.path, self.kind, self.where = path, kind, where
+        self.opened, self._rss0 = False, None
 
-    def __call__(self, _pid):
+    def __call__(self, pid):
+        rss = _rss_mib(pid)
+        if self._rss0 is None:
+            self._rss0 = rss
+        if rss is not None and rss - self._rss0 > RSS_CAP_MIB:
+            check.that(False, f"{self.where}: the update read {rss - self._rss0} MiB from {self.path} (a {self.kind}) "
+                              f"and was killed; a candidate's kind must be checked without opening it (os.stat)")
+        if self.kind != "fifo":
+            return
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads
         except OSError:
@@ -256,6 +266,15 @@ class _FifoWatch:
             os.close(fd)
 
 
+def _rss_mib(pid):
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            return next(int(line.split()[1]) >> 10 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
+RSS_CAP_MIB = 512  # the models here hold bytes; a loader that grows by this much reads without end
 # A case that can block inside the implementation (a FIFO or device opened and read) runs in a forked
 # child killed after this long: a hang fails the case naming it, never hangs the run.
 BLOCK_DEADLINE_S = 5.0
@@ -296,7 +315,7 @@ def test_candidate_that_is_not_a_regular_file_is_an_error(loader, tmp_path, posi
         check.params_equal(session.observe(), want, f"{where}: the link's target must be loaded")
         return
     _make(kind, path, str(tmp_path))
-    watch = _FifoWatch(path) if kind == "fifo" else None
+    watch = _Watch(path, kind, where)
     try:  # in a forked child: the update may block inside the implementation (a FIFO, a device)
         in_child(_rejects_candidate_then_loads_it, loader, path, content, want, where,
                  timeout_s=BLOCK_DEADLINE_S, watch=watch)
@@ -311,7 +330,7 @@ def test_candidate_that_is_not_a_regular_file_is_an_error(loader, tmp_path, posi
 
 
 def _check_fifo_not_opened(watch, where):
-    if watch is not None:
+    if watch.kind == "fifo":
         check.that(not watch.opened, f"{where}: the loader opened the FIFO for reading (it blocks until a writer "
                                      "comes; the suite unblocked it from outside); a candidate's kind must be checked "
                                      "without opening it (os.stat)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -156,3 +157,28 @@ def test_in_child_kills_the_child_when_the_wait_is_interrupted(tmp_path):
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)  # reaped already: killed and waited for
     assert not os.path.exists(f"/proc/{pid}"), f"child {pid} still exists"
+
+
+def test_a_device_read_without_end_is_stopped_by_the_memory_cap():
+    """LEVEL-CANDIDATE-NOT-FILE's watch kills a child whose memory grows past the cap (a loader reading
+    ``/dev/zero`` to its end), failing the case naming the device."""
+    from conformance.test_snapshot_levels import RSS_CAP_MIB, _Watch
+
+    def read_to_the_end():
+        with open("/dev/zero", "rb") as f:
+            return len(f.read())
+
+    with pytest.raises(AssertionError, match=r"w: the update read \d+ MiB from /dev/zero \(a char-device\) and was killed") as e:
+        harness.in_child(read_to_the_end, timeout_s=60, watch=_Watch("/dev/zero", "char-device", "w"))
+    assert not isinstance(e.value, harness.ChildFailed), "the cap, not the child's own failure, must end it"
+    assert int(re.search(r"read (\d+) MiB", str(e.value)).group(1)) > RSS_CAP_MIB
+
+
+def test_concurrently_bounds_calls_that_never_return_once_for_all():
+    stuck = {name: (lambda: time.sleep(8)) for name in "abcd"}
+    started = time.monotonic()
+    out = harness.concurrently({**stuck, "quick": lambda: None}, bound_s=1.0)
+    took = time.monotonic() - started
+    assert all(isinstance(out[name][0], harness.StillRunning) for name in stuck) and out["quick"][0] is None, out
+    assert "a: still running after 1s" in str(out["a"][0]), out
+    assert took < 3.0, f"four stuck calls cost {took:.2f}s: one shared bound of 1 s, not 1 s each"
