@@ -168,7 +168,12 @@ class StatusWatcher:
 
 
 class ChildFailed(AssertionError):
-    """The function run by ``in_child`` raised (its message and traceback are in this error's text)."""
+    """The function run by ``in_child`` raised (its message and traceback are in this error's text;
+    ``child_error`` is the child's ``Type: message`` alone, ``child_traceback`` its traceback)."""
+
+    def __init__(self, message: str, child_error: str = "", child_traceback: str = ""):
+        super().__init__(message)
+        self.child_error, self.child_traceback = child_error, child_traceback
 
 
 class ChildTimedOut(ChildFailed):
@@ -323,7 +328,8 @@ def in_child(fn, *args, timeout_s: float = 60.0, watch=None, watch_interval_s: f
     for _ in range(payload.get("checks", 0)):
         check._count()
     if not payload["ok"]:
-        raise ChildFailed(f"in the forked child: {payload['error']}\n{payload['traceback']}")
+        raise ChildFailed(f"in the forked child: {payload['error']}\n{payload['traceback']}", payload["error"],
+                          payload["traceback"])
     return payload["value"]
 
 

@@ -323,9 +323,13 @@ def test_candidate_that_is_not_a_regular_file_is_an_error(loader, tmp_path, posi
         check.that(False, f"{where}: the update blocked for {e.seconds:.1f}s (in {e.blocked_in or 'an unknown wait'}) "
                           f"opening or reading {path}, and was killed; a candidate's kind must be checked without "
                           "opening it (os.stat)")
-    except ChildFailed:
+    except ChildFailed as e:
         _check_fifo_not_opened(watch, where)  # the cause, when it is the cause
-        raise
+        if not e.child_error:  # (the child died)
+            raise
+        # The child's failure as this test's own (its first line is the case's verdict in the report).
+        raise AssertionError(f"{e.child_error.removeprefix('AssertionError: ')}\n(in the forked child)\n"
+                             f"{e.child_traceback}") from None
     _check_fifo_not_opened(watch, where)
 
 
