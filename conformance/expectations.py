@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -150,13 +151,40 @@ def _toml_string(value: str) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+# Paths that belong to one run (pytest's temporary directories, /tmp, /dev/shm): a reason quoting them would
+# differ in every run and say nothing about the implementation.
+_RUN_PATHS = re.compile(r"(?:/[\w.@+-]+)*/pytest-of-[^/\s]+/[^\s'\"),:]*|(?:/tmp|/var/tmp|/dev/shm)/[^\s'\"),:]+")
+
+
+def blank_run_paths(text: str) -> str:
+    """``text`` with the paths that belong to one run replaced by ``<tmp>``."""
+    return _RUN_PATHS.sub("<tmp>", text)
+
+
+def _entry_lines(selector, pattern, kind, reason, link) -> list[str]:
+    lines = ["[[expect]]", f"{selector} = {_toml_string(pattern)}", f"kind = {_toml_string(kind)}",
+             f"reason = {_toml_string(reason)}"]
+    if link:
+        lines.append(f"link = {_toml_string(link)}")
+    return lines + [""]
+
+
+def _review(example: dict, prefix: str = "") -> str:
+    return "REVIEW: " + prefix + blank_run_paths((example["message"].splitlines() or [""])[0])[:200]
+
+
 def candidate(tests: list[dict], entries: list[Expectation], source: str | None) -> str:
     """A candidate expectations file for the failures of a run (to review, then pass to --expectations).
 
-    ``tests`` are report test entries (nodeid, rule, actual status, message). A rule whose every
-    applicable test failed gets one ``rule =`` entry, otherwise each failing test gets an ``id =``
-    entry. Kind, reason and link are kept from the entry that covered the failure in ``entries``;
-    new failures get kind "bug" and a reason to review, quoting the failure."""
+    ``tests`` are report test entries (nodeid, rule, actual status, message; ``race``: true for a test
+    whose verdict depends on a race with the implementation, e.g. a file changed while it is read). A
+    rule whose every applicable test failed gets one ``rule =`` entry, otherwise each failing test gets
+    an ``id =`` entry. Kind, reason and link are kept from the entry that covered the failure in
+    ``entries``; new failures get kind "bug" and a reason to review, quoting the failure with the run's
+    temporary paths blanked. Race-dependent tests are never pinned one by one (another run may fail
+    a different subset): when one of them failed, the whole rule (or, beside tests of the rule that
+    are not racy, the whole test function, as a ``glob``) is written as ``flaky``, so the file gates
+    every run of the same implementation."""
     by_rule: dict[str, list[dict]] = {}
     for t in tests:
         by_rule.setdefault(t["rule"], []).append(t)
@@ -168,17 +196,29 @@ def candidate(tests: list[dict], entries: list[Expectation], source: str | None)
         failing = [t for t in ran if t["actual"] in ("failed", "error")]
         if not failing:
             continue
-        whole = len(failing) == len(ran)
+        racy = [t for t in failing if t.get("race")]
+        if racy and all(t.get("race") for t in ran):
+            old = match(entries, racy[0]["nodeid"], rule)
+            lines += _entry_lines("rule", rule, "flaky", old.reason if old else _review(racy[0], "race-dependent: "),
+                                  old.link if old else None)
+            continue
+        globbed = set()
+        for t in racy:  # beside tests of the rule that do not race: every case of the racing function, flaky
+            function, bracket, _ = t["nodeid"].partition("[")
+            if (function if bracket else t["nodeid"]) in globbed:
+                continue
+            globbed.add(function if bracket else t["nodeid"])
+            old = match(entries, t["nodeid"], rule)
+            lines += _entry_lines("glob" if bracket else "id", function + "[[]*" if bracket else t["nodeid"], "flaky",
+                                  old.reason if old else _review(t, "race-dependent: "), old.link if old else None)
+        rest = [t for t in ran if t["nodeid"] not in globbed and t["nodeid"].partition("[")[0] not in globbed]
+        failing = [t for t in rest if t["actual"] in ("failed", "error")]
+        if not failing:
+            continue
+        whole = len(failing) == len(rest)
         selections = [("rule", rule, failing[0])] if whole else [("id", t["nodeid"], t) for t in failing]
         for selector, pattern, example in selections:
             old = match(entries, example["nodeid"], rule)
-            kind = old.kind if old else "bug"
-            reason = old.reason if old else "REVIEW: " + (example["message"].splitlines() or [""])[0][:200]
-            lines.append("[[expect]]")
-            lines.append(f"{selector} = {_toml_string(pattern)}")
-            lines.append(f"kind = {_toml_string(kind)}")
-            lines.append(f"reason = {_toml_string(reason)}")
-            if old and old.link:
-                lines.append(f"link = {_toml_string(old.link)}")
-            lines.append("")
+            lines += _entry_lines(selector, pattern, old.kind if old else "bug", old.reason if old else _review(example),
+                                  old.link if old else None)
     return "\n".join(lines)

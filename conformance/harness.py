@@ -168,16 +168,91 @@ class StatusWatcher:
 
 
 class ChildFailed(AssertionError):
-    """The function run by ``in_child`` raised (its message and traceback are in this error's text)."""
+    """The function run by ``in_child`` raised (its message and traceback are in this error's text;
+    ``child_error`` is the child's ``Type: message`` alone, ``child_traceback`` its traceback)."""
+
+    def __init__(self, message: str, child_error: str = "", child_traceback: str = ""):
+        super().__init__(message)
+        self.child_error, self.child_traceback = child_error, child_traceback
 
 
-def in_child(fn, *args, timeout_s: float = 60.0, **kwargs):
+class ChildTimedOut(ChildFailed):
+    """The child ran past its deadline and was killed; ``blocked_in`` says where each of its threads
+    was waiting (the kernel's wait channel and system call), ``seconds`` how long it ran."""
+
+    def __init__(self, message: str, seconds: float, blocked_in: str):
+        super().__init__(message)
+        self.seconds, self.blocked_in = seconds, blocked_in
+
+
+# The system calls a blocked loader is found in, by number (/proc/PID/syscall), per architecture.
+_SYSCALLS = {
+    "x86_64": {0: "read", 2: "open", 7: "poll", 9: "mmap", 17: "pread64", 19: "readv", 23: "select", 35: "nanosleep",
+               61: "wait4", 202: "futex", 230: "clock_nanosleep", 232: "epoll_wait", 257: "openat", 270: "pselect6",
+               271: "ppoll", 281: "epoll_pwait", 295: "preadv", 327: "preadv2", 437: "openat2"},
+    "aarch64": {22: "epoll_pwait", 56: "openat", 63: "read", 65: "readv", 67: "pread64", 69: "preadv", 72: "pselect6",
+                73: "ppoll", 98: "futex", 101: "nanosleep", 115: "clock_nanosleep", 222: "mmap", 260: "wait4",
+                286: "preadv2", 437: "openat2"},
+}.get(os.uname().machine, {})
+_SYSCALLS = {str(k): v for k, v in _SYSCALLS.items()}
+
+
+def blocked_in(pid: int) -> str:
+    """Where the threads of process ``pid`` wait, from ``/proc`` (no tracing): e.g. ``wait_for_partner
+    in openat`` (a FIFO's open waiting for a writer), ``pipe_read in read``. Empty if unknown."""
+    seen = []
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except OSError:
+        return ""
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/wchan", encoding="ascii") as f:
+                wchan = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/syscall", encoding="ascii") as f:
+                fields = f.read().split()
+        except OSError:
+            continue
+        call = _SYSCALLS.get(fields[0], f"system call {fields[0]}") if fields and fields[0].isdigit() else (fields[0] if fields else "?")
+        where = f"{wchan or '?'} in {call}"
+        if where not in seen and (wchan not in ("", "0") or call not in ("running", "?")):
+            seen.append(where)
+    return ", ".join(seen)
+
+
+def _reap(pid: int, grace_s: float = 5.0):
+    """Wait for a child that was sent SIGKILL, at most ``grace_s`` (a process in uninterruptible sleep
+    dies only when it wakes): its wait status, or None if it is still there (left for init to reap)."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return 0
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.005)
+
+
+def in_child(fn, *args, timeout_s: float = 60.0, watch=None, watch_interval_s: float = 0.01, **kwargs):
     """Run ``fn(*args, **kwargs)`` in a forked child of the test process and return its result,
     which must be JSON-serializable (no pickle crosses the pipe). The child's adapter calls and
     checks count for the test (vacuity guard). If ``fn`` raises, the test fails with the child's
-    error; a child that dies or runs past ``timeout_s`` fails it too. Fork, never spawn: the child
-    shares the suite's imports and costs milliseconds. Memory rules run the update in a child so
-    that the kernel's high-water mark (``peak_rss_kib``) is the child's own."""
+    error; a child that dies fails it too, and one that runs past ``timeout_s`` is killed and fails
+    it with ``ChildTimedOut`` (saying where it was blocked). Fork, never spawn: the child shares the
+    suite's imports and costs milliseconds. Memory rules run the update in a child so that the
+    kernel's high-water mark (``peak_rss_kib``) is the child's own.
+
+    This is how a case that can block *inside* the implementation is bounded from outside it: a
+    loader blocked in native code that holds the GIL (opening a FIFO in Rust, a read that never
+    returns) stops every thread of its process, and a signal handler never runs; the child is
+    killed from here, and this process, waiting in ``select``, stays responsive to Ctrl-C (the
+    child is killed on the way out). ``watch(pid)``, if given, is called every ``watch_interval_s``
+    while the child runs (e.g. to see a FIFO opened by it)."""
     import json
     import select
     import signal
@@ -192,6 +267,7 @@ def in_child(fn, *args, timeout_s: float = 60.0, **kwargs):
         code = 0
         try:
             os.close(read_end)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it (the parent kills it anyway)
             reset()
             check.reset()
             try:
@@ -213,36 +289,47 @@ def in_child(fn, *args, timeout_s: float = 60.0, **kwargs):
         finally:
             os._exit(code)
     os.close(write_end)
-    chunks, deadline, timed_out = [], time.monotonic() + timeout_s, False
+    name = getattr(fn, "__name__", fn)
+    started = time.monotonic()
+    chunks, deadline, timed_out, where, wait_status = [], started + timeout_s, False, "", None
     try:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                timed_out = True
+                timed_out, where = True, blocked_in(pid)
                 break
-            ready, _, _ = select.select([read_end], [], [], left)
+            ready, _, _ = select.select([read_end], [], [], min(left, watch_interval_s) if watch else left)
+            if watch:
+                watch(pid)
             if not ready:
                 continue
             chunk = os.read(read_end, 1 << 16)
             if not chunk:
                 break
             chunks.append(chunk)
+        wait_status = os.waitpid(pid, 0)[1] if not timed_out else None
     finally:
         os.close(read_end)
-        if timed_out:
-            os.kill(pid, signal.SIGKILL)
-        _, wait_status = os.waitpid(pid, 0)
+        if wait_status is None:  # timed out, or this process was interrupted (Ctrl-C): never leave it running
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            wait_status = _reap(pid)
     if timed_out:
-        raise ChildFailed(f"in_child({getattr(fn, '__name__', fn)}): the child ran past {timeout_s}s and was killed")
+        seconds = time.monotonic() - started
+        raise ChildTimedOut(f"in_child({name}): the child ran past {timeout_s}s and was killed"
+                            + (f" (blocked in {where})" if where else ""), seconds, where)
     if not chunks:
-        raise ChildFailed(f"in_child({getattr(fn, '__name__', fn)}): the child died without a result "
+        raise ChildFailed(f"in_child({name}): the child died without a result "
                           f"(wait status {wait_status}, signal {os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None})")
     payload = json.loads(b"".join(chunks))
     _calls["adapter"] += payload.get("adapter_calls", 0)
     for _ in range(payload.get("checks", 0)):
         check._count()
     if not payload["ok"]:
-        raise ChildFailed(f"in the forked child: {payload['error']}\n{payload['traceback']}")
+        raise ChildFailed(f"in the forked child: {payload['error']}\n{payload['traceback']}", payload["error"],
+                          payload["traceback"])
     return payload["value"]
 
 
@@ -289,10 +376,16 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
-def concurrently(calls: dict) -> dict:
+class StillRunning(AssertionError):
+    """A call run by ``concurrently`` had not returned by the deadline."""
+
+
+def concurrently(calls: dict, bound_s: float = 30.0) -> dict:
     """Run each ``name -> fn()`` on its own thread at once (sessions waiting out timeouts together, so
     that the phases of a stall cost one timeout, not one each); returns ``name -> (exception or None,
-    seconds)``. Every thread is joined (bounded) before returning."""
+    seconds)``. The threads are joined against one deadline of ``bound_s``: calls that never return cost
+    that once, not once each; one still running then has ``StillRunning`` as its exception (its thread, a
+    daemon, is left behind). The waits bounded this way (sockets, ZMQ) release the GIL."""
     import threading
     import time
 
@@ -307,9 +400,14 @@ def concurrently(calls: dict) -> dict:
         else:
             results[name] = (None, time.monotonic() - started)
 
-    threads = [threading.Thread(target=run, args=item, name=f"conformance-{item[0]}") for item in calls.items()]
+    threads = [threading.Thread(target=run, args=item, name=f"conformance-{item[0]}", daemon=True) for item in calls.items()]
     for t in threads:
         t.start()
+    started = time.monotonic()
     for t in threads:
-        t.join(30)
-    return results
+        t.join(max(0.0, started + bound_s - time.monotonic()))
+    out = dict(results)  # (a thread left behind that returns later changes nothing here)
+    for name in calls:
+        if name not in out:
+            out[name] = (StillRunning(f"{name}: still running after {bound_s:g}s (left behind)"), time.monotonic() - started)
+    return out

@@ -39,7 +39,7 @@ LISTING_KEY = pytest.StashKey[list]()
 NOTHING_TESTED_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED
 STATUSES = rep.STATUSES
 CONFORMANCE_DIR = os.path.dirname(os.path.abspath(__file__))
-PROPERTY_KEYS = ("rule", "level", "area", "requires", "device")
+PROPERTY_KEYS = ("rule", "level", "area", "requires", "device", "race")
 
 
 def pytest_addoption(parser):
@@ -189,6 +189,9 @@ def pytest_collection_modifyitems(session, config, items):
         requires = sorted({c for m in item.iter_markers("requires") for c in m.args})
         item.user_properties.extend([("rule", rule_id), ("level", levels()[rule_id]), ("area", area(rule_id)),
                                      ("requires", ",".join(requires)), ("device", devices().get(rule_id, ""))])
+        race = item.get_closest_marker("race")  # a verdict that depends on a race with the implementation
+        if race is not None:
+            item.user_properties.append(("race", " ".join(map(str, race.args)) or "race"))
     entries = config.stash[EXPECT_KEY]
     if entries and conformance_items:
         # Before any selection (--rule, -k): an entry for a rule this run deselects is still valid. An
@@ -399,6 +402,7 @@ def _record(config, nodeid: str, props: dict) -> dict:
         "expectation": entry.as_json() if entry else None,
         "repro": repro_command(config, nodeid),
         "_entry": entry,
+        "_race": bool(props.get("race")),
     }
 
 
@@ -548,7 +552,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"conformance report written to {path}")
     candidate = config.getoption("--update-expectations")
     if candidate:
-        text = expect.candidate(list(public.values()), config.stash.get(EXPECT_KEY, []), config.getoption("--expectations"))
+        tests = [{**public[k], "race": results[k]["_race"]} for k in public]
+        text = expect.candidate(tests, config.stash.get(EXPECT_KEY, []), config.getoption("--expectations"))
         with open(candidate, "w", encoding="utf-8") as f:
             f.write(text)
         terminalreporter.write_line(f"candidate expectations written to {candidate} (review kinds and reasons)")

@@ -12,14 +12,13 @@ which level it read. The all-levels cases additionally compare the trace.
 import os
 import re
 import stat
-import threading
 import time
 
 import numpy as np
 import pytest
 
 from conformance import check
-from conformance.harness import Worker
+from conformance.harness import ChildFailed, ChildTimedOut, Worker, in_child
 from fixtures import models as M
 from fixtures import snapshot as S
 
@@ -235,27 +234,50 @@ def _remove(path):
     (os.rmdir if os.path.isdir(path) and not os.path.islink(path) else os.unlink)(path)
 
 
-class _FifoWatch:
-    """Unblocks, and records, any reader that opened the FIFO: opening a FIFO for reading blocks
-    until a writer appears, so a loader that opens it would otherwise hang the suite."""
+class _Watch:
+    """Looks at the child refusing a candidate from the test process (``watch(pid)`` of
+    ``harness.in_child``). Opening a FIFO for reading blocks until a writer comes, inside the
+    implementation (safetensors opens it in Rust holding the GIL), so only another process can see it:
+    a writer's non-blocking open succeeds while a reader has the FIFO open or waits in open(); it is
+    recorded and closed at once, so that the reader sees end of file and the case goes on to its
+    verdict instead of waiting out the deadline. A device read without end (``/dev/zero``) grows the
+    child's memory: past RSS_CAP_MIB the child is killed and the case fails naming the device."""
 
-    def __init__(self, path):
-        self.path, self.opened, self._stop = path, False, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+    def __init__(self, path, kind, where):
+        self.path, self.kind, self.where = path, kind, where
+        self.opened, self._rss0 = False, None
 
-    def _run(self):
-        while not self._stop.wait(0.01):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads
-            except OSError:
-                continue
-            self.opened = True
-            os.close(fd)  # the reader sees end of file
+    def __call__(self, pid):
+        rss = _rss_mib(pid)
+        if self._rss0 is None:
+            self._rss0 = rss
+        if rss is not None and rss - self._rss0 > RSS_CAP_MIB:
+            check.that(False, f"{self.where}: the update read {rss - self._rss0} MiB from {self.path} (a {self.kind}) "
+                              f"and was killed; a candidate's kind must be checked without opening it (os.stat)")
+        if self.kind != "fifo":
+            return
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads
+        except OSError:
+            return
+        try:  # (the child replaces the FIFO with a regular file once it has been refused)
+            self.opened = self.opened or stat.S_ISFIFO(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
 
-    def stop(self):
-        self._stop.set()
-        self._thread.join()
+
+def _rss_mib(pid):
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            return next(int(line.split()[1]) >> 10 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
+RSS_CAP_MIB = 512  # the models here hold bytes; a loader that grows by this much reads without end
+# A case that can block inside the implementation (a FIFO or device opened and read) runs in a forked
+# child killed after this long: a hang fails the case naming it, never hangs the run.
+BLOCK_DEADLINE_S = 5.0
 
 
 _BAD_KINDS = {
@@ -293,17 +315,37 @@ def test_candidate_that_is_not_a_regular_file_is_an_error(loader, tmp_path, posi
         check.params_equal(session.observe(), want, f"{where}: the link's target must be loaded")
         return
     _make(kind, path, str(tmp_path))
-    watch = _FifoWatch(path) if kind == "fifo" else None
-    session = loader.open(SPEC, worker=WORKER)
-    try:
-        with check.raises((ValueError, OSError), match=re.escape(os.path.basename(path)), names=[path], where=where):
-            session.update()
-    finally:
-        if watch:
-            watch.stop()
-    if watch:
+    watch = _Watch(path, kind, where)
+    try:  # in a forked child: the update may block inside the implementation (a FIFO, a device)
+        in_child(_rejects_candidate_then_loads_it, loader, path, content, want, where,
+                 timeout_s=BLOCK_DEADLINE_S, watch=watch)
+    except ChildTimedOut as e:
+        check.that(False, f"{where}: the update blocked for {e.seconds:.1f}s (in {e.blocked_in or 'an unknown wait'}) "
+                          f"opening or reading {path}, and was killed; a candidate's kind must be checked without "
+                          "opening it (os.stat)")
+    except ChildFailed as e:
+        _check_fifo_not_opened(watch, where)  # the cause, when it is the cause
+        if not e.child_error:  # (the child died)
+            raise
+        # The child's failure as this test's own (its first line is the case's verdict in the report).
+        raise AssertionError(f"{e.child_error.removeprefix('AssertionError: ')}\n(in the forked child)\n"
+                             f"{e.child_traceback}") from None
+    _check_fifo_not_opened(watch, where)
+
+
+def _check_fifo_not_opened(watch, where):
+    if watch.kind == "fifo":
         check.that(not watch.opened, f"{where}: the loader opened the FIFO for reading (it blocks until a writer "
-                                     "comes); a candidate's kind must be checked without opening it")
+                                     "comes; the suite unblocked it from outside); a candidate's kind must be checked "
+                                     "without opening it (os.stat)")
+
+
+def _rejects_candidate_then_loads_it(loader, path, content, want, where):
+    """In the child: the update raises naming the candidate, loads nothing, is not NORMAL; after the
+    candidate is replaced with a regular file, clear() and update() load it."""
+    session = loader.open(SPEC, worker=WORKER)
+    with check.raises((ValueError, OSError), match=re.escape(os.path.basename(path)), names=[path], where=where):
+        session.update()
     check.not_loaded(session.observe(), NAMES, f"{where}: after the error")
     if "status" in loader.adapter.capabilities:
         check.status_not(session, "NORMAL", where)
