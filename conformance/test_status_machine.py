@@ -23,7 +23,7 @@ from fixtures import models as M
 from fixtures import status_cell as C
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
-LOOP = ("status.cell", "snapshot.single")
+LOOP = ("status.cell", L.ANY_LEVEL)  # on whichever snapshot level the loader reads (loop_schedule.LEVELS)
 VALUES = {"NORMAL": C.NORMAL, "UPDATING": C.UPDATING, "CLEARING": C.CLEARING, "CLEARED": C.CLEARED, "UNKNOWN(7)": 7}
 
 
@@ -35,7 +35,7 @@ def cell():
 
 def _loaded(loader, cell, spec=SPEC, **options):
     """A session of (rank 0, GPU 0) on ``cell``, first load of version 1 done."""
-    L.publish(loader.model_dir, spec, 1)
+    L.publish(loader.model_dir, spec, 1, L.level_of(loader.adapter))
     session = loader.open(spec, options={"status_cell": cell.name, **options})
     session.update()
     return session
@@ -51,7 +51,7 @@ def _judged(loader, cell, invariant, *, block, count, base):
     version's. Returns the outcome and where it ran (for further checks)."""
     session = _loaded(loader, cell)
     seed_list = L.seeds(count, base)
-    outcome = L.run(session, cell, loader.model_dir, SPEC, block=block, seed_list=seed_list)
+    outcome = L.run(session, cell, loader.model_dir, SPEC, block=block, seed_list=seed_list, level=L.level_of(loader.adapter))
     where = f"worker loop (block={block}), seeds {seed_list[0]}..{seed_list[-1]}"
     found = outcome.violations.get(invariant, [])
     check.that(not found, f"{where}: {len(found)} violation(s):\n  " + "\n  ".join(found[:5]))
@@ -138,21 +138,21 @@ WRITERS = [  # (rank, world, tp_size option, writes)
 @pytest.mark.rule("STATUS-RANK0-WRITES")
 @pytest.mark.parametrize(
     "rank,world,tp_size,writes",
-    [pytest.param(*w, marks=pytest.mark.requires("status.cell", "snapshot.parts"),
+    [pytest.param(*w, marks=pytest.mark.requires("status.cell", L.ANY_LEVEL),
                   id=f"rank{w[0]}of{w[1]}:tp{w[2] or 'world'}") for w in WRITERS],
 )
 def test_only_tensor_parallel_rank0_writes(loader, monkeypatch, rank, world, tp_size, writes):
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", str(world))
     gpu = 5 + rank  # physical id != ordinal != rank
-    sources = Sources(loader, "snapshot", rank=rank, gpu=gpu)
+    level = L.level_of(loader.adapter)
     who = f"rank {rank} of {world} (tp_size {tp_size or world}: tensor-parallel rank {rank % (tp_size or world)})"
     with C.Cell(7) as cell:  # a value no worker writes: any write shows
         options = {"status_cell": cell.name, **({"tp_size": tp_size} if tp_size else {})}
-        sources.publish(SPEC, 1)
+        L.publish(loader.model_dir, SPEC, 1, level, rank, gpu)
         visible = ",".join(str(5 + r) for r in range(world))
         session = loader.open(SPEC, worker=Worker(rank, visible, str(rank)), options=options)
         session.update()
-        check.params_equal(session.observe(), M.state(SPEC, version=1), f"{who}: first load of {sources.where}")
+        check.params_equal(session.observe(), M.state(SPEC, version=1), f"{who}: first load of its {level} snapshot")
         check.equal(cell.read(), 7, f"{who}: the cell after the first load")
         for step, want in (("clear()", C.CLEARED), ("update()", C.NORMAL), ("clear()", C.CLEARED)):
             (session.update if step == "update()" else session.clear)()
@@ -173,11 +173,12 @@ def _runs(loop, count, timeout_s=3.0):
 
 
 @pytest.mark.rule("STATUS-UPDATE-WHILE-NORMAL")
-@pytest.mark.requires("status.cell", "control", "snapshot.single")
+@pytest.mark.requires("status.cell", "control", L.ANY_LEVEL)
 def test_update_while_normal_reloads_nothing(loader, impl, cell):
     session = _loaded(loader, cell)
     control = impl.control(cell.name)
-    L.publish(loader.model_dir, SPEC, 2)  # the trainer has a new version on disk
+    level = L.level_of(loader.adapter)
+    L.publish(loader.model_dir, SPEC, 2, level)  # the trainer has a new version on disk
     with LoopChild(session, block=False) as loop:
         check.that(loop.next_event(L.EVENT_TIMEOUT_S) is not None, "the worker loop never started")
         loop.free()
@@ -191,7 +192,7 @@ def test_update_while_normal_reloads_nothing(loader, impl, cell):
         check.equal(control.clear_load_weight(5.0), (200, "clear model weight successfully"), "clear_load_weight() while NORMAL")
         check.equal(control.clear_load_weight(5.0), (200, "model weight is cleared"), "clear_load_weight() while CLEARED")
         check.equal(control.update_model_weight(5.0), (200, "update model weight successfully"), "update_model_weight() while CLEARED")
-        L.publish(loader.model_dir, SPEC, 3)
+        L.publish(loader.model_dir, SPEC, 3, level)
         check.equal(control.update_model_weight(2.0), (200, "model weight is updated"), "update_model_weight() while NORMAL again")
         _runs(loop, 3)
         report = loop.stop()
@@ -237,12 +238,14 @@ BAD_OPTIONS = [
     ("status_cell", 7, "status_cell"), ("status_cell", "dir/cell", "dir/cell"), ("status_cell", ".", "'.'"),
     ("status_cell", "..", ".."),
     ("status_cell", "model_weights_status.nowhere", "model_weights_status.nowhere"),
+    ("kv_cache_cell", 7, "kv_cache_cell"), ("kv_cache_cell", "kv_cache_status.nowhere", "kv_cache_status.nowhere"),
 ]
 
 
 def _option_case(key, value, named):
-    needs = {"staged": "staged", "agree_timeout_s": "multirank", "tp_size": "status.cell", "status_cell": "status.cell"}[key]
-    return pytest.param(key, value, named, marks=pytest.mark.requires(needs, "snapshot.single"), id=f"{key}={value!r}")
+    needs = {"staged": "staged", "agree_timeout_s": "multirank", "tp_size": "status.cell", "status_cell": "status.cell",
+             "kv_cache_cell": "loop.runner"}[key]
+    return pytest.param(key, value, named, marks=pytest.mark.requires(needs, L.ANY_LEVEL), id=f"{key}={value!r}")
 
 
 @pytest.mark.rule("STATUS-OPTIONS")
@@ -254,9 +257,9 @@ def test_bad_lifecycle_option_is_refused_at_open(loader, key, value, named):
 
 
 @pytest.mark.rule("STATUS-OPTIONS")
-@pytest.mark.requires("status.cell", "snapshot.single")
+@pytest.mark.requires("status.cell", L.ANY_LEVEL)
 def test_loop_without_a_cell_is_refused(loader):
-    L.publish(loader.model_dir, SPEC, 1)
+    L.publish(loader.model_dir, SPEC, 1, L.level_of(loader.adapter))
     session = loader.open(SPEC)
     session.update()
     ran = []
@@ -266,9 +269,9 @@ def test_loop_without_a_cell_is_refused(loader):
 
 
 @pytest.mark.rule("STATUS-OPTIONS")
-@pytest.mark.requires("status.cell", "staged", "multirank", "snapshot.single")
+@pytest.mark.requires("status.cell", "staged", "multirank", L.ANY_LEVEL)
 def test_short_cell_and_boundary_options(loader):
-    L.publish(loader.model_dir, SPEC, 1)
+    L.publish(loader.model_dir, SPEC, 1, L.level_of(loader.adapter))
     short = C.Cell(C.NORMAL)
     try:
         with open(short.path, "r+b") as f:
@@ -307,9 +310,20 @@ def _bounded_iteration(session, timeout_s=10.0):
     return box, time.monotonic() - start, len(ran)
 
 
+class _Trainer:
+    """The trainer of rank 1 on physical GPU 6, at the snapshot level the loader reads."""
+
+    def __init__(self, loader):
+        self.loader, self.level = loader, L.level_of(loader.adapter)
+
+    def publish(self, spec, version):
+        L.publish(self.loader.model_dir, spec, version, self.level, 1, 6)
+
+
 def _follower(loader, monkeypatch, cell, **options):
+    """Rank 1 of 2 (tensor-parallel rank 1: it never writes the cell) on ``cell``, version 1 loaded."""
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
-    sources = Sources(loader, "snapshot", rank=1, gpu=6)
+    sources = _Trainer(loader)
     sources.publish(SPEC, 1)
     session = loader.open(SPEC, worker=Worker(1, "5,6", "1"), options={"status_cell": cell.name, **options})
     session.update()
@@ -317,7 +331,7 @@ def _follower(loader, monkeypatch, cell, **options):
 
 
 @pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
-@pytest.mark.requires("status.cell", "snapshot.parts")
+@pytest.mark.requires("status.cell", L.ANY_LEVEL)
 def test_follower_waits_for_rank0_write(loader, monkeypatch, cell):
     sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=5.0)
     for request, written, want, version in ((C.CLEARING, C.CLEARED, "cleared", None), (C.UPDATING, C.NORMAL, "updated", 2)):
@@ -348,7 +362,7 @@ FOLLOWER_DEADLINE_S = 0.15  # a follower's agree_timeout_s where rank 0 never wr
 
 
 @pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
-@pytest.mark.requires("status.cell", "multirank", "snapshot.parts")
+@pytest.mark.requires("status.cell", "multirank", L.ANY_LEVEL)
 @pytest.mark.parametrize("request_value", [C.CLEARING, C.UPDATING], ids=["CLEARING", "UPDATING"])
 def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell, request_value):
     sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=FOLLOWER_DEADLINE_S)
@@ -368,7 +382,7 @@ def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell, request_va
 
 
 @pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
-@pytest.mark.requires("status.cell", "status", "snapshot.parts")
+@pytest.mark.requires("status.cell", "status", L.ANY_LEVEL)
 def test_follower_acts_on_rank0s_value(loader, monkeypatch, cell):
     """The loop acts on what ``sync`` returned (rank 0's read, broadcast), not on its own read: rank 0 read
     CLEARING, cleared and already wrote CLEARED by the time this rank's loop looks at the cell again. A rank
