@@ -23,7 +23,7 @@ from fixtures import status_cell as C
 
 from .loop_driver import END_RESULTS, DriverError, LoopChild
 
-EVENT_TIMEOUT_S = 3.0  # a healthy worker answers in milliseconds; this bounds a stuck one on a loaded machine
+EVENT_TIMEOUT_S = 5.0  # a healthy worker answers in milliseconds (an update: a second on a loaded machine); this bounds a stuck one
 NONBLOCK_RETURN_S = 1.0  # how long a non-blocking worker may stay in an iteration once the cell reads CLEARED
 
 # Invariants, one per rule.
@@ -251,9 +251,9 @@ def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome, leve
         release = _Release(cell, 0.0 if block else NONBLOCK_RETURN_S)
         thread = threading.Thread(target=iterate, name="conformance-prologue", daemon=True)
         thread.start()
-        thread.join(NONBLOCK_RETURN_S + EVENT_TIMEOUT_S)
+        thread.join(NONBLOCK_RETURN_S + 2 * EVENT_TIMEOUT_S)  # a clear and an update, on a loaded machine
         release.cancel()
-        result = box.get("result", f"did not return within {NONBLOCK_RETURN_S + EVENT_TIMEOUT_S:g}s")
+        result = box.get("result", f"did not return within {NONBLOCK_RETURN_S + 2 * EVENT_TIMEOUT_S:g}s")
         if not block and request == C.CLEARING and result == "updated" and len(ran) == runs \
                 and C.name_of(cell.read()) == "NORMAL":
             outcome.violations.setdefault(NONBLOCK, []).append(

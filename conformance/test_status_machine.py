@@ -291,14 +291,16 @@ def test_short_cell_and_boundary_options(loader):
 RANK0_DELAY_S = 0.08
 
 
-def _bounded_iteration(session, timeout_s=10.0):
+def _bounded_iteration(session, timeout_s=10.0, cell=None, sync=lambda value: value):
     """One non-blocking iteration in a thread: (what it returned or raised (with ``"end"``, the monotonic
-    time it did), seconds, model runs)."""
+    time it did), seconds, model runs). An iteration still inside after ``timeout_s`` (a loop that does not
+    return at CLEARED) is released with NORMAL in ``cell``, so that it stops polling; the test judges what
+    it had returned by then (nothing)."""
     box, ran = {}, []
 
     def iterate():
         try:
-            box["result"] = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
+            box["result"] = session.worker_iteration(lambda: ran.append(1), block=False, sync=sync)
         except BaseException as e:  # noqa: BLE001 (judged by the test)
             box["error"] = e
         box["end"] = time.monotonic()
@@ -307,7 +309,15 @@ def _bounded_iteration(session, timeout_s=10.0):
     thread = threading.Thread(target=iterate, daemon=True)
     thread.start()
     thread.join(timeout_s)
-    return box, time.monotonic() - start, len(ran)
+    seconds = time.monotonic() - start
+    if thread.is_alive() and cell is not None:
+        value = cell.read()
+        cell.write(C.NORMAL)
+        thread.join(2.0)
+        box.setdefault("stuck", f"still inside after {timeout_s:g}s with the cell at {C.name_of(value)} (released with NORMAL)")
+        box.pop("result", None)
+        box.pop("end", None)
+    return box, seconds, len(ran)
 
 
 class _Trainer:
@@ -346,10 +356,10 @@ def test_follower_waits_for_rank0_write(loader, monkeypatch, cell):
 
         timer = threading.Timer(RANK0_DELAY_S, rank0)
         timer.start()
-        box, seconds, runs = _bounded_iteration(session)
+        box, seconds, runs = _bounded_iteration(session, cell=cell)
         timer.cancel()
         where = f"rank 1 of 2, {C.name_of(request)} in the cell, rank 0 writing {C.name_of(written)} after {RANK0_DELAY_S}s"
-        check.equal(box.get("result", box.get("error")), want, f"{where}: what the iteration returned")
+        check.equal(box.get("result", box.get("error", box.get("stuck"))), want, f"{where}: what the iteration returned")
         early = "before rank 0 wrote at all" if "at" not in wrote or "end" not in box else \
             f"{wrote['at'] - box['end']:.3f}s before rank 0's write" if box["end"] < wrote["at"] else None
         check.that(early is None and runs == 0,
@@ -369,10 +379,10 @@ def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell, request_va
     if request_value == C.UPDATING:  # rank 0 wrote CLEARED; the follower cleared; now it updates alone
         cell.write(C.CLEARING)
         threading.Timer(0.05, lambda: cell.write(C.CLEARED)).start()
-        _bounded_iteration(session)
+        _bounded_iteration(session, cell=cell)
         sources.publish(SPEC, 2)
     cell.write(request_value)  # rank 0 never answers
-    box, seconds, runs = _bounded_iteration(session)
+    box, seconds, runs = _bounded_iteration(session, cell=cell)
     where = f"rank 1 of 2 after its own {'clear' if request_value == C.CLEARING else 'update'}, rank 0 never writing (agree_timeout_s {FOLLOWER_DEADLINE_S})"
     error = box.get("error")
     check.that(isinstance(error, TimeoutError) and cell.name in str(error) and "rank 1" in str(error),
@@ -389,11 +399,10 @@ def test_follower_acts_on_rank0s_value(loader, monkeypatch, cell):
     that went by the cell would see CLEARED, do nothing, and keep the old weights through the update."""
     sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=5.0)
     cell.write(C.CLEARED)  # rank 0's write after its own clear; this rank's broadcast says CLEARING
-    ran = []
-    result = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: C.CLEARING)
+    box, _, runs = _bounded_iteration(session, timeout_s=3.0, cell=cell, sync=lambda value: C.CLEARING)
     where = f"rank 1 of 2, {cell.name} reading CLEARED, rank 0's broadcast CLEARING"
-    check.equal(result, "cleared", f"{where}: what the iteration returned")
-    check.that(not ran, f"{where}: the model ran {len(ran)} time(s) in the iteration that cleared")
+    check.equal(box.get("result", box.get("error", box.get("stuck"))), "cleared", f"{where}: what the iteration returned")
+    check.that(not runs, f"{where}: the model ran {runs} time(s) in the iteration that cleared")
     check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], where)
     check.status_is(session, "CLEARED", where)
     check.equal(C.name_of(cell.read()), "CLEARED", f"{where}: the cell (a follower never writes)")

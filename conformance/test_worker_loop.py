@@ -103,6 +103,16 @@ def _wait_for(predicate, timeout_s: float) -> bool:
     return True
 
 
+def _finish(worker: WorkerThread, cell: C.Cell) -> None:
+    """Wait for the worker's last iteration; one still inside after ``CYCLE_TIMEOUT_S`` is released with NORMAL
+    in the cell (so that it stops polling) and judged on what it had returned by then."""
+    worker.join(CYCLE_TIMEOUT_S)
+    worker.stop.set()
+    if worker.is_alive():
+        cell.write(C.NORMAL)
+        worker.join(2.0)
+
+
 def _loaded(loader, cell, **options):
     """Rank 0 of one on ``cell``, version 1 loaded, version 2 published for the cycle."""
     level = L.level_of(loader.adapter)
@@ -122,8 +132,7 @@ def _cycle(session, cell: C.Cell, probe: Probe, block: bool) -> tuple[WorkerThre
     cleared = _wait_for(lambda: cell.read() == C.CLEARED or not worker.is_alive(), CYCLE_TIMEOUT_S)
     time.sleep(IDLE_S)
     cell.write(C.UPDATING)
-    worker.join(CYCLE_TIMEOUT_S)
-    worker.stop.set()
+    _finish(worker, cell)
     where = f"{mode} worker loop, one clear/update cycle (iterations: {worker.results}; runner: {probe.show()})"
     check.that(cleared and not worker.is_alive() and worker.results[-1:] == ["updated"],
                f"{where}: the cycle did not complete within {CYCLE_TIMEOUT_S:g}s (cell {C.name_of(cell.read())})")
@@ -227,8 +236,7 @@ def test_follower_acts_once_per_request(loader, monkeypatch, block):
         time.sleep(IDLE_S)
         cell.write(C.UPDATING)
         rank0_after(lambda: [c for c in probe.of("") if c[2] == "UPDATING"], C.NORMAL, max(RANK0_AFTER_S, 3 * load_s))
-        worker.join(CYCLE_TIMEOUT_S)
-        worker.stop.set()
+        _finish(worker, cell)
         where = (f"rank 1 of 2 ({'blocking' if block else 'non-blocking'}), rank 0 writing {timeline} s after its start "
                  f"(iterations: {worker.results}; runner: {probe.show()})")
         check.that(not worker.is_alive() and worker.results[-1:] == ["updated"], f"{where}: the cycle did not complete")
