@@ -25,6 +25,7 @@ from .loop_driver import END_RESULTS, DriverError, LoopChild
 
 EVENT_TIMEOUT_S = 5.0  # a healthy worker answers in milliseconds (an update: a second on a loaded machine); this bounds a stuck one
 NONBLOCK_RETURN_S = 1.0  # how long a non-blocking worker may stay in an iteration once the cell reads CLEARED
+BLOCK_RELEASE_S = 0.1  # a long wait at CLEARED for a blocking loop: ten of FastDeploy's 10 ms polls (STATUS-BLOCK-WAITS)
 
 # Invariants, one per rule.
 KEPT = "request-kept"  # STATUS-REQUEST-KEPT
@@ -219,17 +220,18 @@ def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome, leve
              block: bool = False) -> int:
     """One cycle of the loop in this process, in the test's mode, before the child takes over: the loop runs
     the model at NORMAL, then, non-blocking, clears at CLEARING, idles at CLEARED, updates at UPDATING, each
-    in its own iteration; blocking, the iteration at CLEARING stays until the update (UPDATING written as soon
-    as the cell reads CLEARED). (A tool that traces calls, coverage or mutation testing, sees the loop's
+    in its own iteration; blocking, the iteration at CLEARING stays until the update (UPDATING written as
+    soon as the cell reads CLEARED; one that returns at CLEARED is a BLOCK violation, and the cycle goes on
+    with an UPDATING iteration). (A tool that traces calls, coverage or mutation testing, sees the loop's
     functions called by the test this way; the child's calls die with it.) Each iteration runs in a thread
     with a deadline, so a loop that never returns fails the test instead of hanging it. A non-blocking loop
     that stays at CLEARED is released after ``NONBLOCK_RETURN_S`` (a NONBLOCK violation only; the cycle is
     complete once it has updated). Returns the version loaded (0: failed)."""
-    steps = ((C.NORMAL, "ran", C.NORMAL, 1), (C.CLEARING, "cleared", C.CLEARED, 0), (C.CLEARED, "idle", C.CLEARED, 0),
-             (C.UPDATING, "updated", C.NORMAL, 0))
+    steps = [(C.NORMAL, "ran", C.NORMAL, 1), (C.CLEARING, "cleared", C.CLEARED, 0), (C.CLEARED, "idle", C.CLEARED, 0),
+             (C.UPDATING, "updated", C.NORMAL, 0)]
     if block:
-        steps = ((C.NORMAL, "ran", C.NORMAL, 1), (C.CLEARING, "updated", C.NORMAL, 0))
-    for request, want, after, runs in steps:
+        steps = [(C.NORMAL, "ran", C.NORMAL, 1), (C.CLEARING, "updated", C.NORMAL, 0)]
+    for request, want, after, runs in steps:  # (a list: a blocking loop that returned at CLEARED gets one more step)
         if request != C.NORMAL:
             cell.write(request)
         if request == C.CLEARING:
@@ -254,6 +256,12 @@ def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome, leve
         thread.join(NONBLOCK_RETURN_S + 2 * EVENT_TIMEOUT_S)  # a clear and an update, on a loaded machine
         release.cancel()
         result = box.get("result", f"did not return within {NONBLOCK_RETURN_S + 2 * EVENT_TIMEOUT_S:g}s")
+        if block and request == C.CLEARING and result == "cleared" and len(ran) == runs:
+            outcome.violations.setdefault(BLOCK, []).append(
+                "in-process iteration at CLEARING: the blocking iteration returned 'cleared': it must stay until the "
+                "update has committed")
+            steps.append((C.UPDATING, "updated", C.NORMAL, 0))  # the cycle goes on, judged on the rest
+            continue
         if not block and request == C.CLEARING and result == "updated" and len(ran) == runs \
                 and C.name_of(cell.read()) == "NORMAL":
             outcome.violations.setdefault(NONBLOCK, []).append(

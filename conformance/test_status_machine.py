@@ -52,6 +52,7 @@ def _judged(loader, cell, invariant, *, block, count, base):
     session = _loaded(loader, cell)
     seed_list = L.seeds(count, base)
     outcome = L.run(session, cell, loader.model_dir, SPEC, block=block, seed_list=seed_list, level=L.level_of(loader.adapter))
+    outcome.session = session  # this process's copy (the child's died with it)
     where = f"worker loop (block={block}), seeds {seed_list[0]}..{seed_list[-1]}"
     found = outcome.violations.get(invariant, [])
     check.that(not found, f"{where}: {len(found)} violation(s):\n  " + "\n  ".join(found[:5]))
@@ -95,7 +96,29 @@ def test_nonblocking_loop_returns_at_cleared(loader, cell):
 @pytest.mark.rule("STATUS-BLOCK-WAITS")
 @pytest.mark.requires(*LOOP)
 def test_blocking_loop_stays_until_updated(loader, cell):
-    _judged(loader, cell, L.BLOCK, block=True, count=3, base=700)
+    outcome, where = _judged(loader, cell, L.BLOCK, block=True, count=3, base=700)
+    # The seeds write UPDATING at most 12 ms after CLEARED: a loop that polls every 10 ms and returns at CLEARED
+    # may still see it. One more cycle, in this process after the child (no fork follows), waits longer.
+    session = outcome.session
+    version = (outcome.versions[-1] if outcome.versions else 1) + 1
+    L.publish(loader.model_dir, SPEC, version, L.level_of(loader.adapter))
+    cell.write(C.CLEARING)
+
+    def later():
+        deadline = time.monotonic() + L.EVENT_TIMEOUT_S
+        while cell.read() != C.CLEARED and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(L.BLOCK_RELEASE_S)
+        cell.write(C.UPDATING)
+
+    release = threading.Thread(target=later, daemon=True)
+    release.start()
+    box, _, runs = _bounded_iteration(session, cell=cell, block=True)
+    release.join(L.EVENT_TIMEOUT_S + 1)
+    where = f"blocking worker loop, UPDATING {L.BLOCK_RELEASE_S:g}s after CLEARED"
+    check.equal(box.get("result", box.get("error", box.get("stuck"))), "updated", f"{where}: what the iteration that synced CLEARING returned")
+    check.that(runs == 0, f"{where}: {runs} model run(s) in the iteration")
+    check.params_equal(session.observe(), M.state(SPEC, version=version), f"{where}: after the update")
 
 
 # -- who writes the cell, and when --------------------------------------------------------------------
@@ -291,8 +314,8 @@ def test_short_cell_and_boundary_options(loader):
 RANK0_DELAY_S = 0.08
 
 
-def _bounded_iteration(session, timeout_s=10.0, cell=None, sync=lambda value: value):
-    """One non-blocking iteration in a thread: (what it returned or raised (with ``"end"``, the monotonic
+def _bounded_iteration(session, timeout_s=10.0, cell=None, sync=lambda value: value, block=False):
+    """One iteration (non-blocking unless ``block``) in a thread: (what it returned or raised (with ``"end"``, the monotonic
     time it did), seconds, model runs). An iteration still inside after ``timeout_s`` (a loop that does not
     return at CLEARED) is released with NORMAL in ``cell``, so that it stops polling; the test judges what
     it had returned by then (nothing)."""
@@ -300,7 +323,7 @@ def _bounded_iteration(session, timeout_s=10.0, cell=None, sync=lambda value: va
 
     def iterate():
         try:
-            box["result"] = session.worker_iteration(lambda: ran.append(1), block=False, sync=sync)
+            box["result"] = session.worker_iteration(lambda: ran.append(1), block=block, sync=sync)
         except BaseException as e:  # noqa: BLE001 (judged by the test)
             box["error"] = e
         box["end"] = time.monotonic()
