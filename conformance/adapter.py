@@ -13,6 +13,15 @@ What the rules observe from outside (docs/adapters.md, "What the rules need from
 ``update()`` in a forked child of the test process (no threads or held locks between calls); after a
 call returns, no descriptor, mapping, shared-memory segment or thread of the session is left.
 
+The worker loop (capability ``status.cell``): ``session.worker_iteration(run_model, *, block, sync=None)``;
+with capability ``loop.runner`` the suite also passes ``runner=R``, an object that records what the loop
+asks of the engine's GPU model runner and communication library: ``R.clear_requests()`` (in-flight
+requests stopped, before a clear and before an update), ``R.shutdown_process_group(name)`` and
+``R.restart_process_group(name)`` (only with ``block=True``); and ``options["kv_cache_cell"]``, the KV cache's
+status cell, which the loop sets CLEARING before a clear and UPDATING before an update. An adapter without
+``loop.runner`` is never passed either (docs/adapters.md, SPEC.md STATUS-REQUESTS-CLEARED, -COMM-GROUPS,
+-KV-CELL, -ONCE-PER-REQUEST).
+
 Optional session methods, each behind its capability: ``digest()`` (``digest.model``: the model digest
 of the parameters as landed, ``{"model": {alg: hex}, "tensors": {name: {alg: hex}}}`` with ``xxh3`` and
 ``md5``, SPEC.md § DIGEST) and ``debug_digest(tensor)`` (``digest.debug``: FastDeploy's debug digest

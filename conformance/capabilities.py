@@ -32,6 +32,10 @@ CAPABILITIES = {
     "status.cell": "options['status_cell'] names the shared int32 status cell: tensor-parallel rank 0 writes CLEARED "
     "and NORMAL there (never for the first load); session.worker_iteration(run_model, block=, sync=) is one pass "
     "of the worker's event loop against it",
+    "loop.runner": "session.worker_iteration(..., runner=R): the loop calls R.clear_requests() where it stops the runner's "
+    "in-flight requests, and R.shutdown_process_group(name) / R.restart_process_group(name) for each communication "
+    "group it shuts down or restarts; options['kv_cache_cell'] names the KV cache's status cell, which it sets "
+    "CLEARING before a clear and UPDATING before an update",
     "control": "adapter.control(cell_name) returns the API side: clear_load_weight(timeout_s) and "
     "update_model_weight(timeout_s), each returning (code, message)",
     "staged": "options['staged'] = True: nothing is adopted before the whole update is complete and agreed",

@@ -23,8 +23,9 @@ from fixtures import status_cell as C
 
 from .loop_driver import END_RESULTS, DriverError, LoopChild
 
-EVENT_TIMEOUT_S = 3.0  # a healthy worker answers in milliseconds; this bounds a stuck one on a loaded machine
+EVENT_TIMEOUT_S = 5.0  # a healthy worker answers in milliseconds (an update: a second on a loaded machine); this bounds a stuck one
 NONBLOCK_RETURN_S = 1.0  # how long a non-blocking worker may stay in an iteration once the cell reads CLEARED
+BLOCK_RELEASE_S = 0.1  # a long wait at CLEARED for a blocking loop: ten of FastDeploy's 10 ms polls (STATUS-BLOCK-WAITS)
 
 # Invariants, one per rule.
 KEPT = "request-kept"  # STATUS-REQUEST-KEPT
@@ -79,14 +80,27 @@ def seeds(count: int, base: int) -> list[int]:
     return [int(only)] if only else [base + i for i in range(count)]
 
 
-def publish(model_dir: str, spec, version: int) -> None:
-    """The trainer's next version: the single snapshot file of (rank 0, GPU 0)."""
-    S.write_safetensors(S.single_path(model_dir, 0, 0), dict(sorted(M.state(spec, version=version).items())))
+# The loop's rules hold whatever snapshot level the loader reads: the first of these it claims.
+LEVELS = (("single", "snapshot.single"), ("legacy", "snapshot.legacy"), ("parts", "snapshot.parts"))
+ANY_LEVEL = "|".join(cap for _, cap in LEVELS)  # for @pytest.mark.requires: any one will do
+
+
+def level_of(adapter) -> str:
+    """The snapshot level the loop's tests write for ``adapter`` (``LEVELS``)."""
+    caps = set(adapter.capabilities)
+    return next(level for level, cap in LEVELS if cap in caps)
+
+
+def publish(model_dir: str, spec, version: int, level: str = "single", rank: int = 0, gpu: int = 0) -> None:
+    """The trainer's next version: the snapshot of (rank, GPU) at ``level`` (default the single file of rank 0, GPU 0)."""
+    S.write_level(level, model_dir, None, rank, gpu, dict(sorted(M.state(spec, version=version).items())))
 
 
 class Runner:
-    def __init__(self, loop: LoopChild, cell: C.Cell, model_dir: str, spec, block: bool, outcome: Outcome):
+    def __init__(self, loop: LoopChild, cell: C.Cell, model_dir: str, spec, block: bool, outcome: Outcome,
+                 level: str = "single"):
         self.loop, self.cell, self.model_dir, self.spec, self.block = loop, cell, model_dir, spec, block
+        self.level = level
         self.outcome = outcome
         self.version = 1
         self.cleared_by_sync = False  # this iteration synced CLEARING
@@ -121,7 +135,7 @@ class Runner:
             out.add(PROGRESS, s, "the loop stopped answering at NORMAL", loop.events)
             return False
         self.version += 1
-        publish(self.model_dir, self.spec, self.version)
+        publish(self.model_dir, self.spec, self.version, self.level)
         cell.write(C.CLEARING)
         loop.answer()
         # 2. until the worker's CLEARED: a CLEARING is never overwritten by a value read before it.
@@ -151,8 +165,8 @@ class Runner:
                 if event is None:
                     out.add(NONBLOCK, s, f"hook {k} after CLEARED never came within {NONBLOCK_RETURN_S:g}s: the "
                             "non-blocking loop did not return at CLEARED (it waits for the next update)", loop.events)
-                    cell.write(C.UPDATING)  # release a worker that waits, so the child can be stopped
-                    return False
+                    cell.write(C.UPDATING)  # release a worker that waits: the cycle goes on, judged on the rest
+                    return self.until_normal(s)
                 if cell.read() != C.CLEARED:
                     out.add(KEPT, s, f"the cell read {C.name_of(cell.read())} while CLEARED and no request", loop.events)
                     return False
@@ -162,7 +176,7 @@ class Runner:
                 out.add(NONBLOCK, s, "no hook after CLEARED within the deadline: the non-blocking loop did not "
                         "return at CLEARED", loop.events)
                 cell.write(C.UPDATING)
-                return False
+                return self.until_normal(s)
             cell.write(C.UPDATING)
             loop.answer()
         else:
@@ -202,19 +216,26 @@ class Runner:
                 loop.answer()
 
 
-def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome) -> int:
-    """One cycle of the loop in this process, non-blocking, before the child takes over: the loop runs the
-    model at NORMAL, clears at CLEARING, idles at CLEARED, updates at UPDATING, each in its own iteration.
-    (A tool that traces calls, coverage or mutation testing, sees the loop's functions called by the test
-    this way; the child's calls die with it.) Each iteration runs in a thread with a deadline, so a loop
-    that never returns fails the test instead of hanging it. Returns the version loaded (0: failed)."""
-    steps = ((C.NORMAL, "ran", C.NORMAL, 1), (C.CLEARING, "cleared", C.CLEARED, 0), (C.CLEARED, "idle", C.CLEARED, 0),
-             (C.UPDATING, "updated", C.NORMAL, 0))
-    for request, want, after, runs in steps:
+def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome, level: str = "single",
+             block: bool = False) -> int:
+    """One cycle of the loop in this process, in the test's mode, before the child takes over: the loop runs
+    the model at NORMAL, then, non-blocking, clears at CLEARING, idles at CLEARED, updates at UPDATING, each
+    in its own iteration; blocking, the iteration at CLEARING stays until the update (UPDATING written as
+    soon as the cell reads CLEARED; one that returns at CLEARED is a BLOCK violation, and the cycle goes on
+    with an UPDATING iteration). (A tool that traces calls, coverage or mutation testing, sees the loop's
+    functions called by the test this way; the child's calls die with it.) Each iteration runs in a thread
+    with a deadline, so a loop that never returns fails the test instead of hanging it. A non-blocking loop
+    that stays at CLEARED is released after ``NONBLOCK_RETURN_S`` (a NONBLOCK violation only; the cycle is
+    complete once it has updated). Returns the version loaded (0: failed)."""
+    steps = [(C.NORMAL, "ran", C.NORMAL, 1), (C.CLEARING, "cleared", C.CLEARED, 0), (C.CLEARED, "idle", C.CLEARED, 0),
+             (C.UPDATING, "updated", C.NORMAL, 0)]
+    if block:
+        steps = [(C.NORMAL, "ran", C.NORMAL, 1), (C.CLEARING, "updated", C.NORMAL, 0)]
+    for request, want, after, runs in steps:  # (a list: a blocking loop that returned at CLEARED gets one more step)
         if request != C.NORMAL:
             cell.write(request)
         if request == C.CLEARING:
-            publish(model_dir, spec, 2)
+            publish(model_dir, spec, 2, level)
         ran: list = []
         box: dict = {}
 
@@ -223,18 +244,30 @@ def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome) -> i
 
         def iterate():
             try:
-                box["result"] = session.worker_iteration(lambda: ran.append(1), block=False, sync=sync)
+                box["result"] = session.worker_iteration(lambda: ran.append(1), block=block, sync=sync)
             except BaseException as e:  # noqa: BLE001 (reported below)
                 box["result"] = f"raised {type(e).__name__}: {e}"
 
-        # A loop that does not return at CLEARED would wait for ever: release it after a while.
-        release = threading.Timer(NONBLOCK_RETURN_S, lambda: cell.read() == C.CLEARED and cell.write(C.UPDATING))
-        release.start()
+        # A loop that does not return at CLEARED would wait for ever: release it after a while (at once
+        # when blocking: the API's UPDATING as soon as the worker's CLEARED).
+        release = _Release(cell, 0.0 if block else NONBLOCK_RETURN_S)
         thread = threading.Thread(target=iterate, name="conformance-prologue", daemon=True)
         thread.start()
-        thread.join(NONBLOCK_RETURN_S + EVENT_TIMEOUT_S)
+        thread.join(NONBLOCK_RETURN_S + 2 * EVENT_TIMEOUT_S)  # a clear and an update, on a loaded machine
         release.cancel()
-        result = box.get("result", f"did not return within {NONBLOCK_RETURN_S + EVENT_TIMEOUT_S:g}s")
+        result = box.get("result", f"did not return within {NONBLOCK_RETURN_S + 2 * EVENT_TIMEOUT_S:g}s")
+        if block and request == C.CLEARING and result == "cleared" and len(ran) == runs:
+            outcome.violations.setdefault(BLOCK, []).append(
+                "in-process iteration at CLEARING: the blocking iteration returned 'cleared': it must stay until the "
+                "update has committed")
+            steps.append((C.UPDATING, "updated", C.NORMAL, 0))  # the cycle goes on, judged on the rest
+            continue
+        if not block and request == C.CLEARING and result == "updated" and len(ran) == runs \
+                and C.name_of(cell.read()) == "NORMAL":
+            outcome.violations.setdefault(NONBLOCK, []).append(
+                f"in-process iteration at CLEARING: it stayed through CLEARED until released by an UPDATING "
+                f"{NONBLOCK_RETURN_S:g}s later, and returned 'updated'")
+            return 2
         if result != want or C.name_of(cell.read()) != C.name_of(after) or len(ran) != runs:
             invariant = NONBLOCK if request == C.CLEARING and result == "updated" else NO_RUN if len(ran) != runs else PROGRESS
             outcome.violations.setdefault(invariant, []).append(
@@ -245,15 +278,39 @@ def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome) -> i
     return 2
 
 
-def run(session, cell: C.Cell, model_dir: str, spec, *, block: bool, seed_list) -> Outcome:
+class _Release(threading.Thread):
+    """Writes UPDATING once the cell has read CLEARED for ``after_s`` seconds (the API's next request), until cancelled."""
+
+    def __init__(self, cell: C.Cell, after_s: float):
+        super().__init__(name="conformance-release", daemon=True)
+        self.cell, self.after_s, self.done = cell, after_s, threading.Event()
+        self.start()
+
+    def run(self):
+        since = None
+        while not self.done.wait(0.002):
+            if self.cell.read() != C.CLEARED:
+                since = None
+                continue
+            since = since or time.monotonic()
+            if time.monotonic() - since >= self.after_s:
+                self.cell.write(C.UPDATING)
+                return
+
+    def cancel(self):
+        self.done.set()
+        self.join(1.0)
+
+
+def run(session, cell: C.Cell, model_dir: str, spec, *, block: bool, seed_list, level: str = "single") -> Outcome:
     """Every seed's cycle against one worker loop; the child is stopped at the end and its report
     (digests, status, version) kept in the outcome."""
     outcome = Outcome()
-    version = prologue(session, cell, model_dir, spec, outcome)
+    version = prologue(session, cell, model_dir, spec, outcome, level, block)
     if not version:
         return outcome
     with LoopChild(session, block=block) as loop:
-        runner = Runner(loop, cell, model_dir, spec, block, outcome)
+        runner = Runner(loop, cell, model_dir, spec, block, outcome, level)
         runner.version = version
         try:
             for seed in seed_list:

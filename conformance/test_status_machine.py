@@ -23,7 +23,7 @@ from fixtures import models as M
 from fixtures import status_cell as C
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
-LOOP = ("status.cell", "snapshot.single")
+LOOP = ("status.cell", L.ANY_LEVEL)  # on whichever snapshot level the loader reads (loop_schedule.LEVELS)
 VALUES = {"NORMAL": C.NORMAL, "UPDATING": C.UPDATING, "CLEARING": C.CLEARING, "CLEARED": C.CLEARED, "UNKNOWN(7)": 7}
 
 
@@ -35,7 +35,7 @@ def cell():
 
 def _loaded(loader, cell, spec=SPEC, **options):
     """A session of (rank 0, GPU 0) on ``cell``, first load of version 1 done."""
-    L.publish(loader.model_dir, spec, 1)
+    L.publish(loader.model_dir, spec, 1, L.level_of(loader.adapter))
     session = loader.open(spec, options={"status_cell": cell.name, **options})
     session.update()
     return session
@@ -51,7 +51,8 @@ def _judged(loader, cell, invariant, *, block, count, base):
     version's. Returns the outcome and where it ran (for further checks)."""
     session = _loaded(loader, cell)
     seed_list = L.seeds(count, base)
-    outcome = L.run(session, cell, loader.model_dir, SPEC, block=block, seed_list=seed_list)
+    outcome = L.run(session, cell, loader.model_dir, SPEC, block=block, seed_list=seed_list, level=L.level_of(loader.adapter))
+    outcome.session = session  # this process's copy (the child's died with it)
     where = f"worker loop (block={block}), seeds {seed_list[0]}..{seed_list[-1]}"
     found = outcome.violations.get(invariant, [])
     check.that(not found, f"{where}: {len(found)} violation(s):\n  " + "\n  ".join(found[:5]))
@@ -95,7 +96,29 @@ def test_nonblocking_loop_returns_at_cleared(loader, cell):
 @pytest.mark.rule("STATUS-BLOCK-WAITS")
 @pytest.mark.requires(*LOOP)
 def test_blocking_loop_stays_until_updated(loader, cell):
-    _judged(loader, cell, L.BLOCK, block=True, count=3, base=700)
+    outcome, where = _judged(loader, cell, L.BLOCK, block=True, count=3, base=700)
+    # The seeds write UPDATING at most 12 ms after CLEARED: a loop that polls every 10 ms and returns at CLEARED
+    # may still see it. One more cycle, in this process after the child (no fork follows), waits longer.
+    session = outcome.session
+    version = (outcome.versions[-1] if outcome.versions else 1) + 1
+    L.publish(loader.model_dir, SPEC, version, L.level_of(loader.adapter))
+    cell.write(C.CLEARING)
+
+    def later():
+        deadline = time.monotonic() + L.EVENT_TIMEOUT_S
+        while cell.read() != C.CLEARED and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(L.BLOCK_RELEASE_S)
+        cell.write(C.UPDATING)
+
+    release = threading.Thread(target=later, daemon=True)
+    release.start()
+    box, _, runs = _bounded_iteration(session, cell=cell, block=True)
+    release.join(L.EVENT_TIMEOUT_S + 1)
+    where = f"blocking worker loop, UPDATING {L.BLOCK_RELEASE_S:g}s after CLEARED"
+    check.equal(box.get("result", box.get("error", box.get("stuck"))), "updated", f"{where}: what the iteration that synced CLEARING returned")
+    check.that(runs == 0, f"{where}: {runs} model run(s) in the iteration")
+    check.params_equal(session.observe(), M.state(SPEC, version=version), f"{where}: after the update")
 
 
 # -- who writes the cell, and when --------------------------------------------------------------------
@@ -138,21 +161,21 @@ WRITERS = [  # (rank, world, tp_size option, writes)
 @pytest.mark.rule("STATUS-RANK0-WRITES")
 @pytest.mark.parametrize(
     "rank,world,tp_size,writes",
-    [pytest.param(*w, marks=pytest.mark.requires("status.cell", "snapshot.parts"),
+    [pytest.param(*w, marks=pytest.mark.requires("status.cell", L.ANY_LEVEL),
                   id=f"rank{w[0]}of{w[1]}:tp{w[2] or 'world'}") for w in WRITERS],
 )
 def test_only_tensor_parallel_rank0_writes(loader, monkeypatch, rank, world, tp_size, writes):
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", str(world))
     gpu = 5 + rank  # physical id != ordinal != rank
-    sources = Sources(loader, "snapshot", rank=rank, gpu=gpu)
+    level = L.level_of(loader.adapter)
     who = f"rank {rank} of {world} (tp_size {tp_size or world}: tensor-parallel rank {rank % (tp_size or world)})"
     with C.Cell(7) as cell:  # a value no worker writes: any write shows
         options = {"status_cell": cell.name, **({"tp_size": tp_size} if tp_size else {})}
-        sources.publish(SPEC, 1)
+        L.publish(loader.model_dir, SPEC, 1, level, rank, gpu)
         visible = ",".join(str(5 + r) for r in range(world))
         session = loader.open(SPEC, worker=Worker(rank, visible, str(rank)), options=options)
         session.update()
-        check.params_equal(session.observe(), M.state(SPEC, version=1), f"{who}: first load of {sources.where}")
+        check.params_equal(session.observe(), M.state(SPEC, version=1), f"{who}: first load of its {level} snapshot")
         check.equal(cell.read(), 7, f"{who}: the cell after the first load")
         for step, want in (("clear()", C.CLEARED), ("update()", C.NORMAL), ("clear()", C.CLEARED)):
             (session.update if step == "update()" else session.clear)()
@@ -173,11 +196,12 @@ def _runs(loop, count, timeout_s=3.0):
 
 
 @pytest.mark.rule("STATUS-UPDATE-WHILE-NORMAL")
-@pytest.mark.requires("status.cell", "control", "snapshot.single")
+@pytest.mark.requires("status.cell", "control", L.ANY_LEVEL)
 def test_update_while_normal_reloads_nothing(loader, impl, cell):
     session = _loaded(loader, cell)
     control = impl.control(cell.name)
-    L.publish(loader.model_dir, SPEC, 2)  # the trainer has a new version on disk
+    level = L.level_of(loader.adapter)
+    L.publish(loader.model_dir, SPEC, 2, level)  # the trainer has a new version on disk
     with LoopChild(session, block=False) as loop:
         check.that(loop.next_event(L.EVENT_TIMEOUT_S) is not None, "the worker loop never started")
         loop.free()
@@ -191,7 +215,7 @@ def test_update_while_normal_reloads_nothing(loader, impl, cell):
         check.equal(control.clear_load_weight(5.0), (200, "clear model weight successfully"), "clear_load_weight() while NORMAL")
         check.equal(control.clear_load_weight(5.0), (200, "model weight is cleared"), "clear_load_weight() while CLEARED")
         check.equal(control.update_model_weight(5.0), (200, "update model weight successfully"), "update_model_weight() while CLEARED")
-        L.publish(loader.model_dir, SPEC, 3)
+        L.publish(loader.model_dir, SPEC, 3, level)
         check.equal(control.update_model_weight(2.0), (200, "model weight is updated"), "update_model_weight() while NORMAL again")
         _runs(loop, 3)
         report = loop.stop()
@@ -237,12 +261,14 @@ BAD_OPTIONS = [
     ("status_cell", 7, "status_cell"), ("status_cell", "dir/cell", "dir/cell"), ("status_cell", ".", "'.'"),
     ("status_cell", "..", ".."),
     ("status_cell", "model_weights_status.nowhere", "model_weights_status.nowhere"),
+    ("kv_cache_cell", 7, "kv_cache_cell"), ("kv_cache_cell", "kv_cache_status.nowhere", "kv_cache_status.nowhere"),
 ]
 
 
 def _option_case(key, value, named):
-    needs = {"staged": "staged", "agree_timeout_s": "multirank", "tp_size": "status.cell", "status_cell": "status.cell"}[key]
-    return pytest.param(key, value, named, marks=pytest.mark.requires(needs, "snapshot.single"), id=f"{key}={value!r}")
+    needs = {"staged": "staged", "agree_timeout_s": "multirank", "tp_size": "status.cell", "status_cell": "status.cell",
+             "kv_cache_cell": "loop.runner"}[key]
+    return pytest.param(key, value, named, marks=pytest.mark.requires(needs, L.ANY_LEVEL), id=f"{key}={value!r}")
 
 
 @pytest.mark.rule("STATUS-OPTIONS")
@@ -254,9 +280,9 @@ def test_bad_lifecycle_option_is_refused_at_open(loader, key, value, named):
 
 
 @pytest.mark.rule("STATUS-OPTIONS")
-@pytest.mark.requires("status.cell", "snapshot.single")
+@pytest.mark.requires("status.cell", L.ANY_LEVEL)
 def test_loop_without_a_cell_is_refused(loader):
-    L.publish(loader.model_dir, SPEC, 1)
+    L.publish(loader.model_dir, SPEC, 1, L.level_of(loader.adapter))
     session = loader.open(SPEC)
     session.update()
     ran = []
@@ -266,9 +292,9 @@ def test_loop_without_a_cell_is_refused(loader):
 
 
 @pytest.mark.rule("STATUS-OPTIONS")
-@pytest.mark.requires("status.cell", "staged", "multirank", "snapshot.single")
+@pytest.mark.requires("status.cell", "staged", "multirank", L.ANY_LEVEL)
 def test_short_cell_and_boundary_options(loader):
-    L.publish(loader.model_dir, SPEC, 1)
+    L.publish(loader.model_dir, SPEC, 1, L.level_of(loader.adapter))
     short = C.Cell(C.NORMAL)
     try:
         with open(short.path, "r+b") as f:
@@ -288,14 +314,16 @@ def test_short_cell_and_boundary_options(loader):
 RANK0_DELAY_S = 0.08
 
 
-def _bounded_iteration(session, timeout_s=10.0):
-    """One non-blocking iteration in a thread: (what it returned or raised (with ``"end"``, the monotonic
-    time it did), seconds, model runs)."""
+def _bounded_iteration(session, timeout_s=10.0, cell=None, sync=lambda value: value, block=False):
+    """One iteration (non-blocking unless ``block``) in a thread: (what it returned or raised (with ``"end"``, the monotonic
+    time it did), seconds, model runs). An iteration still inside after ``timeout_s`` (a loop that does not
+    return at CLEARED) is released with NORMAL in ``cell``, so that it stops polling; the test judges what
+    it had returned by then (nothing)."""
     box, ran = {}, []
 
     def iterate():
         try:
-            box["result"] = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
+            box["result"] = session.worker_iteration(lambda: ran.append(1), block=block, sync=sync)
         except BaseException as e:  # noqa: BLE001 (judged by the test)
             box["error"] = e
         box["end"] = time.monotonic()
@@ -304,12 +332,31 @@ def _bounded_iteration(session, timeout_s=10.0):
     thread = threading.Thread(target=iterate, daemon=True)
     thread.start()
     thread.join(timeout_s)
-    return box, time.monotonic() - start, len(ran)
+    seconds = time.monotonic() - start
+    if thread.is_alive() and cell is not None:
+        value = cell.read()
+        cell.write(C.NORMAL)
+        thread.join(2.0)
+        box.setdefault("stuck", f"still inside after {timeout_s:g}s with the cell at {C.name_of(value)} (released with NORMAL)")
+        box.pop("result", None)
+        box.pop("end", None)
+    return box, seconds, len(ran)
+
+
+class _Trainer:
+    """The trainer of rank 1 on physical GPU 6, at the snapshot level the loader reads."""
+
+    def __init__(self, loader):
+        self.loader, self.level = loader, L.level_of(loader.adapter)
+
+    def publish(self, spec, version):
+        L.publish(self.loader.model_dir, spec, version, self.level, 1, 6)
 
 
 def _follower(loader, monkeypatch, cell, **options):
+    """Rank 1 of 2 (tensor-parallel rank 1: it never writes the cell) on ``cell``, version 1 loaded."""
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
-    sources = Sources(loader, "snapshot", rank=1, gpu=6)
+    sources = _Trainer(loader)
     sources.publish(SPEC, 1)
     session = loader.open(SPEC, worker=Worker(1, "5,6", "1"), options={"status_cell": cell.name, **options})
     session.update()
@@ -317,7 +364,7 @@ def _follower(loader, monkeypatch, cell, **options):
 
 
 @pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
-@pytest.mark.requires("status.cell", "snapshot.parts")
+@pytest.mark.requires("status.cell", L.ANY_LEVEL)
 def test_follower_waits_for_rank0_write(loader, monkeypatch, cell):
     sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=5.0)
     for request, written, want, version in ((C.CLEARING, C.CLEARED, "cleared", None), (C.UPDATING, C.NORMAL, "updated", 2)):
@@ -332,10 +379,10 @@ def test_follower_waits_for_rank0_write(loader, monkeypatch, cell):
 
         timer = threading.Timer(RANK0_DELAY_S, rank0)
         timer.start()
-        box, seconds, runs = _bounded_iteration(session)
+        box, seconds, runs = _bounded_iteration(session, cell=cell)
         timer.cancel()
         where = f"rank 1 of 2, {C.name_of(request)} in the cell, rank 0 writing {C.name_of(written)} after {RANK0_DELAY_S}s"
-        check.equal(box.get("result", box.get("error")), want, f"{where}: what the iteration returned")
+        check.equal(box.get("result", box.get("error", box.get("stuck"))), want, f"{where}: what the iteration returned")
         early = "before rank 0 wrote at all" if "at" not in wrote or "end" not in box else \
             f"{wrote['at'] - box['end']:.3f}s before rank 0's write" if box["end"] < wrote["at"] else None
         check.that(early is None and runs == 0,
@@ -348,17 +395,17 @@ FOLLOWER_DEADLINE_S = 0.15  # a follower's agree_timeout_s where rank 0 never wr
 
 
 @pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
-@pytest.mark.requires("status.cell", "multirank", "snapshot.parts")
+@pytest.mark.requires("status.cell", "multirank", L.ANY_LEVEL)
 @pytest.mark.parametrize("request_value", [C.CLEARING, C.UPDATING], ids=["CLEARING", "UPDATING"])
 def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell, request_value):
     sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=FOLLOWER_DEADLINE_S)
     if request_value == C.UPDATING:  # rank 0 wrote CLEARED; the follower cleared; now it updates alone
         cell.write(C.CLEARING)
         threading.Timer(0.05, lambda: cell.write(C.CLEARED)).start()
-        _bounded_iteration(session)
+        _bounded_iteration(session, cell=cell)
         sources.publish(SPEC, 2)
     cell.write(request_value)  # rank 0 never answers
-    box, seconds, runs = _bounded_iteration(session)
+    box, seconds, runs = _bounded_iteration(session, cell=cell)
     where = f"rank 1 of 2 after its own {'clear' if request_value == C.CLEARING else 'update'}, rank 0 never writing (agree_timeout_s {FOLLOWER_DEADLINE_S})"
     error = box.get("error")
     check.that(isinstance(error, TimeoutError) and cell.name in str(error) and "rank 1" in str(error),
@@ -368,18 +415,17 @@ def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell, request_va
 
 
 @pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
-@pytest.mark.requires("status.cell", "status", "snapshot.parts")
+@pytest.mark.requires("status.cell", "status", L.ANY_LEVEL)
 def test_follower_acts_on_rank0s_value(loader, monkeypatch, cell):
     """The loop acts on what ``sync`` returned (rank 0's read, broadcast), not on its own read: rank 0 read
     CLEARING, cleared and already wrote CLEARED by the time this rank's loop looks at the cell again. A rank
     that went by the cell would see CLEARED, do nothing, and keep the old weights through the update."""
     sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=5.0)
     cell.write(C.CLEARED)  # rank 0's write after its own clear; this rank's broadcast says CLEARING
-    ran = []
-    result = session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: C.CLEARING)
+    box, _, runs = _bounded_iteration(session, timeout_s=3.0, cell=cell, sync=lambda value: C.CLEARING)
     where = f"rank 1 of 2, {cell.name} reading CLEARED, rank 0's broadcast CLEARING"
-    check.equal(result, "cleared", f"{where}: what the iteration returned")
-    check.that(not ran, f"{where}: the model ran {len(ran)} time(s) in the iteration that cleared")
+    check.equal(box.get("result", box.get("error", box.get("stuck"))), "cleared", f"{where}: what the iteration returned")
+    check.that(not runs, f"{where}: the model ran {runs} time(s) in the iteration that cleared")
     check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], where)
     check.status_is(session, "CLEARED", where)
     check.equal(C.name_of(cell.read()), "CLEARED", f"{where}: the cell (a follower never writes)")

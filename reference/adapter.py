@@ -51,8 +51,8 @@ class ReferenceSession:
         """Seconds per span of the last clear/update cycle (``reference.phases``; benchmarks only)."""
         return dict(self.manager.phases)
 
-    def worker_iteration(self, run_model, *, block: bool, sync=None) -> str:
-        return worker_loop.iteration(self.manager, run_model, block=block, sync=sync)
+    def worker_iteration(self, run_model, *, block: bool, sync=None, runner=None) -> str:
+        return worker_loop.iteration(self.manager, run_model, block=block, sync=sync, runner=runner)
 
     def close(self) -> None:
         """Every path frees its files, mappings, sockets and threads before ``update()`` returns
@@ -84,6 +84,7 @@ class ReferenceAdapter:
             "stream.gdr_ipc",
             "stream.prefetch",
             "status.cell",
+            "loop.runner",
             "control",
             "staged",
             "version",

@@ -85,6 +85,7 @@ class CommitOptions:
     status_cell: str | None = None
     agree_timeout_s: float = 60.0
     tp_size: int | None = None  # ranks per tensor-parallel group; None: the whole world
+    kv_cache_cell: str | None = None  # the KV cache's status cell, which the worker loop sets CLEARING / UPDATING
 
     @classmethod
     def parse(cls, options: Mapping) -> "CommitOptions":
@@ -100,7 +101,10 @@ class CommitOptions:
         tp_size = options.get("tp_size")
         if tp_size is not None and (not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1):
             raise ValueError(f"options['tp_size'] must be a positive int, got {tp_size!r}")
-        return cls(staged, cell, float(timeout), tp_size)
+        kv = options.get("kv_cache_cell")
+        if kv is not None and not isinstance(kv, str):
+            raise ValueError(f"options['kv_cache_cell'] must be a shared-memory name, got {kv!r}")
+        return cls(staged, cell, float(timeout), tp_size, kv)
 
     def tp_rank(self, rank: int, world_size: int) -> int:
         return rank % (self.tp_size or world_size)

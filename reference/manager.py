@@ -26,7 +26,7 @@ from . import digest as _digest
 from .agreement import Agreement
 from .phases import Phases, pulled
 from .status import Status
-from .status_cell import CellWriter
+from .status_cell import CellWriter, StatusCell
 
 log = logging.getLogger("reference.manager")
 
@@ -86,6 +86,8 @@ class WeightManager:
         self.agreement = Agreement(self.commit_options.agree_timeout_s)
         self.cell = CellWriter(self.commit_options.status_cell,
                                self.commit_options.tp_rank(self.rank, self.agreement.declared_world_size()))
+        if self.commit_options.kv_cache_cell is not None:
+            StatusCell(self.commit_options.kv_cache_cell).close()  # a bad name or a missing cell: an error at open
         self.version: int | None = None  # of the last committed update
         self.first_load = True
         self.cell_at_startup: int | None = None  # the cell when the first load began (reference.restart)

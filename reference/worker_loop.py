@@ -11,6 +11,13 @@ The worker writes only what it did (CLEARED after its clear, NORMAL after its co
 manager, rank 0 only): never the value it read back, so an UPDATING the API writes while the worker
 holds a stale CLEARED is never overwritten (#5493). ``block=False`` returns as soon as the cell reads
 CLEARED (#5249); ``block=True`` stays until the update that follows has committed.
+
+Before it clears or updates, the loop tells the KV cache's status cell (``options["kv_cache_cell"]``, if
+any) CLEARING or UPDATING (#5930), then has the runner stop its in-flight requests (``runner.clear_requests()``,
+#4286/#4402), and only then changes the weights. The reference shuts no communication group down (its
+agreement needs the default group between iterations: #5433), so it never calls the runner's
+``shutdown_process_group`` / ``restart_process_group``. After its own clear or update a rank waits for rank
+0's write, so it acts once per request (#5710).
 """
 from __future__ import annotations
 
@@ -44,7 +51,17 @@ def wait_while(cell: StatusCell, value: int, timeout_s: float, poll_s: float, wh
         time.sleep(poll_s)
 
 
-def check_status(manager, cell: StatusCell, value: int, *, block: bool, poll_s: float = POLL_S) -> str:
+def _stop_requests(manager, runner, kv_value: Status) -> None:
+    """What precedes every change of the weights: the KV cache's cell told, the in-flight requests stopped."""
+    name = manager.commit_options.kv_cache_cell
+    if name is not None:
+        with StatusCell(name) as kv:
+            kv.write(kv_value)
+    if runner is not None:
+        runner.clear_requests()
+
+
+def check_status(manager, cell: StatusCell, value: int, *, block: bool, poll_s: float = POLL_S, runner=None) -> str:
     """FastDeploy's ``check_model_weights_status`` from the synced ``value``; returns what was done:
     "updated", "cleared" or "idle". After its own clear or update, a rank waits for rank 0's write
     (bounded by the agreement's timeout), so that no rank reads the request again and repeats it."""
@@ -52,10 +69,12 @@ def check_status(manager, cell: StatusCell, value: int, *, block: bool, poll_s: 
     timeout = manager.agreement.timeout_s
     while value != Status.NORMAL and (block or value != Status.CLEARED):
         if value == Status.UPDATING:
+            _stop_requests(manager, runner, Status.UPDATING)
             manager.update()
             value = wait_while(cell, Status.UPDATING, timeout, poll_s, f"rank {manager.rank} committed its update")
             done = "updated"
         elif value == Status.CLEARING:
+            _stop_requests(manager, runner, Status.CLEARING)
             manager.clear()
             value = wait_while(cell, Status.CLEARING, timeout, poll_s, f"rank {manager.rank} cleared")
             done = "cleared"
@@ -66,7 +85,7 @@ def check_status(manager, cell: StatusCell, value: int, *, block: bool, poll_s: 
 
 
 def iteration(manager, run_model: Callable[[], None], *, block: bool, sync: Callable[[int], int] | None = None,
-              poll_s: float = POLL_S) -> str:
+              poll_s: float = POLL_S, runner=None) -> str:
     """One pass of the worker's loop; returns "ran", "updated", "cleared" or "idle"."""
     name = manager.commit_options.status_cell
     if name is None:
@@ -80,4 +99,4 @@ def iteration(manager, run_model: Callable[[], None], *, block: bool, sync: Call
         if value == Status.NORMAL:
             run_model()
             return "ran"
-        return check_status(manager, cell, value, block=block, poll_s=poll_s)
+        return check_status(manager, cell, value, block=block, poll_s=poll_s, runner=runner)

@@ -30,6 +30,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -79,6 +81,9 @@ STREAM_CAPS = {"rsync_tp0": {"stream.rsync"}, "parts": {"stream.rsync"},
                "gdr": {"stream.rsync", "stream.gdr", "stream.gdr_ipc"}}
 for _gen, _caps in STREAM_CAPS.items():
     FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | _caps
+# Every generation has a check_model_weights_status the adapter drives (loop.py), whatever its signature.
+for _gen in FACTS:
+    FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | {"status.cell", "loop.runner"}
 _TYPING_OLD = "from typing import Any, Dict"
 _BASE = {"import os", "import time", "from multiprocessing.shared_memory import SharedMemory", "import numpy as np",
          "import paddle", "from paddleformers.utils.log import logger", "from fastdeploy.config import FDConfig"}
@@ -482,6 +487,63 @@ def test_status_cell_follows_fastdeploy_writes(adapters, tmp_path, monkeypatch, 
         session.trace()
     loader.close_all()
     assert not os.path.exists(cell), f"{cell} not unlinked at close"
+
+
+@pytest.mark.parametrize("gen", ["dwm0", "parts"])
+def test_adapter_never_writes_fastdeploys_status_into_the_suites_cell(adapters, tmp_path, monkeypatch, gen):
+    """With the suite's cell, CLEARED and NORMAL come from FastDeploy or from nobody: a manager whose
+    ``_update_shared_status`` writes nothing leaves the cell as the engine set it, through clear, update and
+    the worker loop; the loop runs the class's own check_model_weights_status with the runner stand-in."""
+    from conformance.impls.fastdeploy import loop
+    from fixtures import status_cell as C
+
+    adapter = adapters(standin(gen))
+    loader = Loader(adapter, tmp_path, monkeypatch)
+    level = TOP_LEVEL[gen] if gen in TOP_LEVEL else "single"
+    S.write_level(level, loader.model_dir, loader.shared_dir, 0, 0, M.state(SPEC, version=1))
+    with C.Cell(7) as cell:
+        session = loader.open(SPEC, options={"status_cell": cell.name})
+        inner = session._inner
+        assert inner.pid == cell.name.removeprefix("model_weights_status.") and inner._cell is None
+        session.update()
+        assert cell.read() == 7, f"{gen}: the first load wrote {cell.read()}"
+        silenced = []
+        inner.manager._update_shared_status = lambda pid, value: silenced.append(value)
+        session.clear()
+        session.update()
+        assert cell.read() == 7 and silenced == [-2, 0], (gen, cell.read(), silenced)
+        calls = []
+        fn, why = loop.check_function(adapter.dwm_class)
+        assert fn is not None, why
+        cell.write(C.NORMAL)
+        assert session.worker_iteration(lambda: calls.append("run"), block=False, sync=lambda v: v) == "ran"
+        del inner.manager._update_shared_status  # FastDeploy's own writes again
+        cell.write(C.CLEARING)
+        probe = type("Probe", (), {"clear_requests": lambda self: calls.append("clear_requests"),
+                                   "shutdown_process_group": lambda self, g: calls.append(f"shutdown:{g}"),
+                                   "restart_process_group": lambda self, g: calls.append(f"restart:{g}")})()
+        done = {}
+        worker = threading.Thread(target=lambda: done.setdefault("r", session.worker_iteration(
+            lambda: calls.append("run"), block=False, sync=lambda v: v, runner=probe)), daemon=True)
+        worker.start()
+        assert _wait(lambda: cell.read() == C.CLEARED), f"{gen}: FastDeploy's clear never wrote CLEARED"
+        if gen == "dwm0":  # no block before #5249: it stays through CLEARED until the next update
+            cell.write(C.UPDATING)
+        worker.join(10)
+        want = "updated" if gen == "dwm0" else "cleared"
+        assert done.get("r") == want, (gen, done, calls)
+        expected = {"dwm0": ["run", "shutdown:default", "restart:default"], "parts": ["run", "clear_requests"]}[gen]
+        assert calls == expected, (gen, calls)
+    loader.close_all()
+
+
+def _wait(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 ENVS_IDENTITY = (('visible = os.getenv("CUDA_VISIBLE_DEVICES", "0").split(",")', 'visible = (envs.CUDA_VISIBLE_DEVICES or "0").split(",")'),

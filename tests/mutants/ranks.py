@@ -45,7 +45,7 @@ class WritesBackReadStatus(Mutant):
     kills = frozenset({"STATUS-REQUEST-KEPT"})
 
     def patches(self):
-        def iteration(manager, run_model, *, block, sync=None, poll_s=_loop.POLL_S):
+        def iteration(manager, run_model, *, block, sync=None, poll_s=_loop.POLL_S, runner=None):
             name = manager.commit_options.status_cell
             with StatusCell(name) as cell:
                 value = cell.read()
@@ -55,7 +55,7 @@ class WritesBackReadStatus(Mutant):
                 if value == Status.NORMAL:
                     run_model()
                     return "ran"
-                return _loop.check_status(manager, cell, value, block=block, poll_s=poll_s)
+                return _loop.check_status(manager, cell, value, block=block, poll_s=poll_s, runner=runner)
 
         return {"reference.worker_loop.iteration": iteration}
 
@@ -67,8 +67,8 @@ class NonBlockingWaits(Mutant):
     kills = frozenset({"STATUS-NONBLOCK-RETURNS"})
 
     def patches(self):
-        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S):
-            return _real_check_status(manager, cell, value, block=True, poll_s=poll_s)
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S, runner=None):
+            return _real_check_status(manager, cell, value, block=True, poll_s=poll_s, runner=runner)
 
         return {"reference.worker_loop.check_status": check_status}
 
@@ -79,8 +79,8 @@ class BlockingReturnsAtCleared(Mutant):
     kills = frozenset({"STATUS-BLOCK-WAITS"})
 
     def patches(self):
-        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S):
-            return _real_check_status(manager, cell, value, block=False, poll_s=poll_s)
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S, runner=None):
+            return _real_check_status(manager, cell, value, block=False, poll_s=poll_s, runner=runner)
 
         return {"reference.worker_loop.check_status": check_status}
 
@@ -92,8 +92,8 @@ class RunsModelAfterChange(Mutant):
     kills = frozenset({"STATUS-NO-RUN-AFTER-CHANGE"})
 
     def patches(self):
-        def iteration(manager, run_model, *, block, sync=None, poll_s=_loop.POLL_S):
-            result = _real_iteration(manager, run_model, block=block, sync=sync, poll_s=poll_s)
+        def iteration(manager, run_model, *, block, sync=None, poll_s=_loop.POLL_S, runner=None):
+            result = _real_iteration(manager, run_model, block=block, sync=sync, poll_s=poll_s, runner=runner)
             if result in ("cleared", "updated"):
                 run_model()
             return result
@@ -108,15 +108,153 @@ class SlowWriteBack(Mutant):
     kills = frozenset({"STATUS-REQUEST-KEPT"})
 
     def patches(self):
-        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S):
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S, runner=None):
             if value == Status.CLEARED and not block:
                 time.sleep(0.0005)
                 if manager.cell.writes:
                     cell.write(Status.CLEARED)
                 return "idle"
-            return _real_check_status(manager, cell, value, block=block, poll_s=poll_s)
+            return _real_check_status(manager, cell, value, block=block, poll_s=poll_s, runner=runner)
 
         return {"reference.worker_loop.check_status": check_status}
+
+
+# -- what surrounds a change of the weights (STATUS-REQUESTS-CLEARED, -COMM-GROUPS, -KV-CELL, -ONCE-PER-REQUEST)
+_real_stop_requests = _loop._stop_requests
+
+
+class RequestsClearedOnlyBeforeClear(Mutant):
+    id = "loop_requests_cleared_only_before_clear"
+    bug = ("the runner's in-flight requests are stopped before a clear but not before an update, as FastDeploy "
+           "did between #3601 and #4286 / #4402: requests admitted at CLEARED run into the update")
+    kills = frozenset({"STATUS-REQUESTS-CLEARED"})
+
+    def patches(self):
+        def stop_requests(manager, runner, kv_value):
+            return _real_stop_requests(manager, runner if kv_value == Status.CLEARING else None, kv_value)
+
+        return {"reference.worker_loop._stop_requests": stop_requests}
+
+
+class RequestsClearedAfterClear(Mutant):
+    id = "loop_requests_cleared_after_clear"
+    bug = "the loop stops the runner's requests only once the clear is done: requests in flight ran on weights being cleared"
+    kills = frozenset({"STATUS-REQUESTS-CLEARED"})
+
+    def patches(self):
+        real_clear = _manager.WeightManager.clear
+
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S, runner=None):
+            if value != Status.CLEARING or runner is None:
+                return _real_check_status(manager, cell, value, block=block, poll_s=poll_s, runner=runner)
+
+            class Late:
+                def clear_requests(self):
+                    pass
+
+                def __getattr__(self, name):
+                    return getattr(runner, name)
+
+            def clear_then_stop(self):
+                real_clear(self)
+                runner.clear_requests()
+
+            manager.clear = clear_then_stop.__get__(manager)
+            try:
+                return _real_check_status(manager, cell, value, block=block, poll_s=poll_s, runner=Late())
+            finally:
+                del manager.clear
+
+        return {"reference.worker_loop.check_status": check_status}
+
+
+class GroupsShutDownOnEveryClear(Mutant):
+    id = "loop_shuts_groups_down_on_every_clear"
+    bug = ("every clear shuts the communication groups down and every update restarts them, whether or not the "
+           "worker idles in its check, as before FastDeploy #5433: a worker back in its event loop broadcasts on a "
+           "group that is gone")
+    kills = frozenset({"STATUS-COMM-GROUPS"})
+
+    def patches(self):
+        def stop_requests(manager, runner, kv_value):
+            _real_stop_requests(manager, runner, kv_value)
+            if runner is not None:
+                (runner.shutdown_process_group if kv_value == Status.CLEARING else runner.restart_process_group)("default")
+
+        return {"reference.worker_loop._stop_requests": stop_requests}
+
+
+class GroupsRestartedAfterLoad(Mutant):
+    id = "loop_restarts_groups_after_the_load"
+    bug = ("a blocking worker shuts its groups down at the clear but restarts them only after the new weights "
+           "are in: the update's collectives run on a group that is down")
+    kills = frozenset({"STATUS-COMM-GROUPS"})
+
+    def patches(self):
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S, runner=None):
+            result = _real_check_status(manager, cell, value, block=block, poll_s=poll_s, runner=runner)
+            if block and runner is not None and result == "updated":
+                runner.restart_process_group("default")
+            return result
+
+        def stop_requests(manager, runner, kv_value):
+            _real_stop_requests(manager, runner, kv_value)
+            if runner is not None and kv_value == Status.CLEARING and _loop_block[0]:
+                runner.shutdown_process_group("default")
+
+        _loop_block = [False]
+
+        def iteration(manager, run_model, *, block, sync=None, poll_s=_loop.POLL_S, runner=None):
+            _loop_block[0] = block
+            return _real_iteration(manager, run_model, block=block, sync=sync, poll_s=poll_s, runner=runner)
+
+        return {"reference.worker_loop.check_status": check_status, "reference.worker_loop._stop_requests": stop_requests,
+                "reference.worker_loop.iteration": iteration}
+
+
+class KvCellNeverTold(Mutant):
+    id = "loop_kv_cell_never_told"
+    bug = ("the loop changes the weights without telling the KV cache's status cell, as before FastDeploy #5930 / "
+           "#5934: the cache transfer manager never frees or rebuilds its caches")
+    kills = frozenset({"STATUS-KV-CELL"})
+
+    def patches(self):
+        def stop_requests(manager, runner, kv_value):
+            if runner is not None:
+                runner.clear_requests()
+
+        return {"reference.worker_loop._stop_requests": stop_requests}
+
+
+class KvCellToldAfterClear(Mutant):
+    id = "loop_kv_cell_told_after_the_change"
+    bug = "the KV cache's cell is set only after the loop stopped the requests and changed the weights"
+    kills = frozenset({"STATUS-KV-CELL"})
+
+    def patches(self):
+        def stop_requests(manager, runner, kv_value):
+            if runner is not None:
+                runner.clear_requests()
+            name = manager.commit_options.kv_cache_cell
+            if name is not None:
+                with StatusCell(name) as kv:
+                    kv.write(kv_value)
+
+        return {"reference.worker_loop._stop_requests": stop_requests}
+
+
+class FollowerActsAgain(Mutant):
+    id = "loop_follower_acts_again"
+    bug = ("after its own clear or update a rank goes round its check again without waiting for rank 0's write, as "
+           "FastDeploy did between #5249 and #5710: a rank faster than rank 0 clears (and shuts its group down) twice")
+    kills = frozenset({"STATUS-ONCE-PER-REQUEST"})
+
+    def patches(self):
+        def wait_while(cell, value, timeout_s, poll_s, why):
+            time.sleep(poll_s)  # one look, then round the check again: a request still there is done again
+            return cell.read()
+
+        return {"reference.worker_loop.wait_while": wait_while}
 
 
 # -- who writes the cell (STATUS) -----------------------------------------------------------------

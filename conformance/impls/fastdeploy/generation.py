@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from conformance.registry import ImplError
 
+from .loop import check_function
 from .world import fd_config, worker_world
 
 PROBE_RANK, PROBE_GPU = 1, 7
@@ -278,6 +279,11 @@ def derive(cls) -> Generation:
         capabilities.add("trace")
     if hasattr(cls, "_update_shared_status"):
         capabilities.add("status")
+    loop_fn, why = check_function(cls)
+    if loop_fn is None:
+        not_claimed["status.cell"] = not_claimed["loop.runner"] = why
+    else:
+        capabilities |= {"status.cell", "loop.runner"}  # FastDeploy's own check_model_weights_status (loop.py)
     not_claimed["ipc.meta"] = _ipc_reason(cls)
     not_claimed["ipc.buckets"] = "FastDeploy has no bucket path (fd-spec §3.7)"
     return Generation(params, runner_finalizes, levels, frozenset(capabilities), not_claimed, tuple(notes))

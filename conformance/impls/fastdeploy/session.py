@@ -3,17 +3,28 @@ FastDeploy's own method (legacy shared-memory control path, fd-spec §2.2 and §
 
 * ``update()``, first time: ``DynamicWeightManager(...)`` (arguments by name, see generation.py); its
   constructor captures the parameters, loads them and finalizes.
-* ``clear()``: ``clear_parameters(pid)``.
-* ``update()`` afterwards: ``update_parameters(pid)``, then ``finalize_update(pid)`` where the class leaves
-  that to the runner (DWM-0's ``update_parameters`` finalizes itself).
+* ``clear()``: the runner's ``clear_parameters(pid)``: the manager's ``clear_parameters(pid)`` (with
+  ``shutdown_process_group=False`` where it takes the flag: the engine's default
+  ``shutdown_comm_group_if_worker_idle``).
+* ``update()`` afterwards: the runner's ``update_parameters(pid)``: the manager's ``update_parameters(pid)``
+  (``restart_process_group=False`` likewise), then ``finalize_update(pid)`` where the class leaves that to
+  the runner (DWM-0's ``update_parameters`` finalizes itself).
+* ``worker_iteration(run_model, block=, sync=, runner=)``: FastDeploy's own ``check_model_weights_status``
+  in worker_process.py's loop (loop.py), where the class has one.
 
-Status: FastDeploy writes an int32 into the shared-memory cell ``model_weights_status.{pid}``; the session
-creates that 4-byte cell (a unique ``pid``), reads it for ``status()`` and unlinks it at ``close()``. Like
-the engine, it writes CLEARING before a clear and UPDATING before an update; FastDeploy writes CLEARED
-after a clear and NORMAL after a *non-first* finalize. The first load writes nothing (fd-spec rule 32: the
-engine's cell already reads NORMAL while the worker starts), so the session writes NORMAL itself once
-the constructor has returned. A cell not yet used reads CLEARED: nothing is loaded. A failed update
-thus leaves UPDATING.
+Status: FastDeploy writes an int32 into the shared-memory cell ``model_weights_status.{pid}``.
+
+* With ``options["status_cell"]`` (the suite's cell, ``model_weights_status.{suffix}``: ``pid`` is the
+  suffix), the suite plays the engine and the API: the adapter writes nothing there, FastDeploy writes
+  what it writes (CLEARED after a clear and NORMAL after a non-first finalize, on tensor-parallel rank 0:
+  ``global rank % options["tp_size"]``, default the world size, in ``fd_config``), and ``status()`` reads it.
+* Without it, the session creates a private 4-byte cell (a unique ``pid``, unlinked at ``close()``) and
+  plays the engine and its control API there: CLEARING before a clear and UPDATING before an update (the
+  API's requests), and the engine-created cell's NORMAL once the worker's first load has returned (the
+  engine's cell reads NORMAL from its creation, fd-spec rule 32; until the worker has started, the private
+  cell reads CLEARED: nothing is loaded). CLEARED after a clear and NORMAL after a later update are
+  FastDeploy's writes, never the adapter's: a generation that leaves the cell wrong is judged on it. A
+  failed update thus leaves UPDATING. The worker of a private cell is tensor-parallel rank 0 of one.
 
 Trace: observed, never wrapped. Every generation ends a successful ``_update_model_from_state`` with its
 own log line ``Updated {n}/{m} parameters from {src_type} source`` (on its module's ``logger``); a handler
@@ -25,6 +36,7 @@ when none was). The manager's methods are its own: the constructor is called as 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import logging
 import os
@@ -37,6 +49,7 @@ import numpy as np
 
 from conformance.adapter import LoaderConfig, LoadEvent, Observed, observe_paddle
 
+from . import loop
 from .generation import Generation, constructor_kwargs
 from .stubs import CLEARED, CLEARING, NORMAL, UPDATING
 from .world import WORKER_ENV, fd_config, worker_world
@@ -120,17 +133,37 @@ class FastDeploySession:
         self.manager = None
         self._events: list[LoadEvent] = []
         self._loaded_from: list[str] = []  # files loaded since FastDeploy's last applied line, while an update runs
-        self.pid, self._cell = _status_cell()
-        self._write(CLEARED)  # nothing loaded yet
+        options = dict(config.options)
+        self.tp_rank, self.tp_size = 0, 1
+        self.cell_name = self.kv_cell_name = None
+        self._cell = None
+        tensor_parallel = _tensor_parallel(self.env, options.get("tp_size"))
+        if options.get("status_cell") is not None:
+            self.pid = loop.cell_suffix(options["status_cell"])
+            self.cell_name = options["status_cell"]
+            self.tp_rank, self.tp_size = tensor_parallel
+        else:
+            self.pid, self._cell = _status_cell()
+            self.cell_name = self._cell.name
+            self._write(CLEARED)  # the worker has not started: nothing loaded
+        if options.get("kv_cache_cell") is not None:
+            loop.check_cell(options["kv_cache_cell"], "kv_cache_cell")
+            self.kv_cell_name = options["kv_cache_cell"]
 
-    # engine side of the status cell
+    # the engine's side of a private status cell (never of the suite's)
     def _write(self, value: int) -> None:
-        self._cell.buf[:4] = np.array([value], dtype=np.int32).tobytes()
+        if self._cell is not None:
+            self._cell.buf[:4] = np.array([value], dtype=np.int32).tobytes()
 
     def _read(self) -> int:
-        return int(np.frombuffer(bytes(self._cell.buf[:4]), dtype=np.int32)[0])
+        with loop.signal(self.cell_name) as cell:
+            return int(cell.value[0])
 
-    def _fastdeploy(self):
+    def _config(self, load_strategy: str, shutdown: bool = False):
+        return fd_config(load_strategy, self.config.model_dir, self.config.options, self.pid,
+                         tp_rank=self.tp_rank, tp_size=self.tp_size, shutdown_comm_group=shutdown)
+
+    def _fastdeploy(self, groups=None):
         def load(path, configs, real_load):
             result = real_load(path, **configs)
             self._loaded_from.append(os.fspath(path))
@@ -142,7 +175,7 @@ class FastDeploySession:
             self._events.append(LoadEvent(src_type, source))
 
         stack = contextlib.ExitStack()
-        stack.enter_context(worker_world(self.env, self.config.shared_dir, load_hook=load))
+        stack.enter_context(worker_world(self.env, self.config.shared_dir, load_hook=load, groups=groups))
         stack.enter_context(observe_applied(getattr(sys.modules.get(self._cls.__module__), "logger", None), applied))
         return stack
 
@@ -150,32 +183,57 @@ class FastDeploySession:
         # The runner's call: the constructor captures the parameters, loads them and finalizes.
         selected = self.env.get("FLAGS_selected_gpus") or "0"
         local_rank = int(selected) if selected.isdigit() else 0
-        config = fd_config(self.config.load_strategy, self.config.model_dir, self.config.options, self.pid)
+        config = self._config(self.config.load_strategy)
         return self._cls(**constructor_kwargs(self.generation.init_params, config, self.models, local_rank))
 
     def update(self) -> None:
-        try:
-            with self._fastdeploy():
-                self._events = []
-                self._write(UPDATING)
-                if self.manager is None:
+        self._write(UPDATING)  # the API's request
+        if self.manager is None:
+            try:
+                with self._fastdeploy():
+                    self._events = []
                     self.manager = self._construct()
-                    self._write(NORMAL)  # first load: finalize writes nothing (fd-spec rule 32)
-                else:
-                    self.manager.update_parameters(self.pid)
-                    if self.generation.runner_finalizes:
-                        self.manager.finalize_update(self.pid)
+            finally:
+                self._loaded_from.clear()
+            self._write(NORMAL)  # the engine's cell reads NORMAL once the worker has started (fd-spec rule 32)
+            return
+        self.runner_update(self.pid, False)
+
+    def clear(self) -> None:
+        if self.manager is None:
+            return  # FastDeploy has no manager before its first load, and nothing is loaded to clear
+        self._write(CLEARING)  # the API's request
+        self.runner_clear(self.pid, False)
+
+    # the runner's calls into the manager (fd-spec §2.6-2.7)
+    def runner_update(self, pid, restart: bool, groups=None) -> None:
+        """The runner's ``update_parameters(pid)``: the manager's, then ``finalize_update(pid)`` where the
+        runner finalizes; ``restart_process_group`` passed where the manager takes it."""
+        if self.manager is None:
+            raise RuntimeError("FastDeploy adapter: the worker loop runs after the first update() (the worker's startup load)")
+        try:
+            with self._fastdeploy(groups):
+                self._events = []
+                flag = _flag(self.manager.update_parameters, "restart_process_group", restart)
+                self.manager.update_parameters(pid, **flag)
+                if self.generation.runner_finalizes:
+                    self.manager.finalize_update(pid)
         finally:
             self._loaded_from.clear()
 
-    def clear(self) -> None:
-        with self._fastdeploy():
-            if self.manager is None:
-                # FastDeploy has no manager before its first load, and nothing is loaded to clear.
-                self._write(CLEARED)
-                return
-            self._write(CLEARING)
-            self.manager.clear_parameters(self.pid)
+    def runner_clear(self, pid, shutdown: bool, groups=None) -> None:
+        """The runner's ``clear_parameters(pid)``: the manager's, ``shutdown_process_group`` passed where it takes it."""
+        with self._fastdeploy(groups):
+            self.manager.clear_parameters(pid, **_flag(self.manager.clear_parameters, "shutdown_process_group", shutdown))
+
+    def worker_iteration(self, run_model, *, block: bool, sync=None, runner=None) -> str:
+        """One pass of the worker's loop around FastDeploy's own ``check_model_weights_status`` (loop.py)."""
+        fn, why = loop.check_function(self._cls)
+        if fn is None:
+            raise NotImplementedError(f"FastDeploy adapter: no worker loop to drive ({why})")
+        if self._cell is not None:
+            raise ValueError("FastDeploy adapter: the worker loop needs options['status_cell'], the engine's status cell")
+        return loop.iteration(self, fn, run_model, block=block, sync=sync, runner=runner)
 
     def observe(self) -> dict[str, Observed]:
         return observe_paddle({name: p for model in self.models for name, p in model.state_dict().items()})
@@ -188,9 +246,25 @@ class FastDeploySession:
         return STATUS_NAMES.get(value, f"UNKNOWN({value})")
 
     def close(self) -> None:
+        self.manager = None
         if self._cell is None:
-            return
+            return  # the suite's cell is the suite's to unlink
         self._cell.close()
         self._cell.unlink()
         self._cell = None
-        self.manager = None
+
+
+def _flag(method, name: str, value: bool) -> dict:
+    """``{name: value}`` where ``method`` takes that parameter (generations before #5493 take none)."""
+    return {name: value} if name in inspect.signature(method).parameters else {}
+
+
+def _tensor_parallel(env: dict, tp_size) -> tuple[int, int]:
+    """(tensor-parallel rank, size) of this worker as the engine launches it: ``global rank % tp_size``,
+    ``tp_size`` the world size unless the option says otherwise."""
+    if tp_size is not None and (not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1):
+        raise ValueError(f"options['tp_size'] must be a positive int, got {tp_size!r}")
+    rank = int(env.get("PADDLE_TRAINER_ID") or 0)
+    world = int(env.get("PADDLE_TRAINERS_NUM") or 1)
+    size = tp_size or max(world, 1)
+    return rank % size, size

@@ -14,6 +14,11 @@
   other ranks had arrived.
 * Loads. ``load_hook(path, configs, real_load)`` sees every ``paddle.load`` (after mapping) and decides
   what it returns; ``watch(how, path)`` is told of every lookup (``exists``, ``glob``, ``load``).
+* Communication groups. ``paddle.distributed.shutdown_process_group`` and ``restart_process_group`` (the
+  engine's library, which FastDeploy calls on a clear or an update when asked, or always in older
+  generations) are stand-ins for the call: nothing is shut down (the suite runs no process group) and
+  ``groups(how, name)`` is told of each call (``how`` "shutdown" or "restart"; ``name`` "default" for the
+  default group, else the group's ``name``: the ``tp_group`` and ``ep_group`` of ``fd_config``).
 """
 from __future__ import annotations
 
@@ -66,13 +71,15 @@ def _apply_env(values: dict) -> None:
 
 
 @contextlib.contextmanager
-def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None):
+def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None, groups=None):
     """Patch the process for one call into FastDeploy (see the module docstring); undo it after."""
     import paddle
 
     saved_env = {k: os.environ.get(k) for k in WORKER_ENV}
+    dist = paddle.distributed
     real = {"exists": os.path.exists, "glob": glob_module.glob, "load": paddle.load,
-            "barrier": paddle.distributed.barrier}
+            "barrier": dist.barrier, "shutdown": getattr(dist, "shutdown_process_group", None),
+            "restart": getattr(dist, "restart_process_group", None)}
 
     loading = []  # non-empty while paddle.load runs: its own lookups are not FastDeploy's
 
@@ -104,8 +111,16 @@ def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None):
     def barrier(*args, **kwargs):
         return None
 
+    def group_call(how):
+        def call(group=None, *args, **kwargs):
+            if groups is not None:
+                groups(how, group_name(group))
+
+        return call
+
     _apply_env(env)
-    os.path.exists, glob_module.glob, paddle.load, paddle.distributed.barrier = exists, glob, load, barrier
+    os.path.exists, glob_module.glob, paddle.load, dist.barrier = exists, glob, load, barrier
+    dist.shutdown_process_group, dist.restart_process_group = group_call("shutdown"), group_call("restart")
     try:
         yield
     except BaseException as e:
@@ -113,20 +128,34 @@ def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None):
         raise
     finally:
         os.path.exists, glob_module.glob = real["exists"], real["glob"]
-        paddle.load, paddle.distributed.barrier = real["load"], real["barrier"]
+        paddle.load, dist.barrier = real["load"], real["barrier"]
+        for name, key in (("shutdown_process_group", "shutdown"), ("restart_process_group", "restart")):
+            if real[key] is None:
+                dist.__dict__.pop(name, None)
+            else:
+                setattr(dist, name, real[key])
         _apply_env(saved_env)
 
 
-def fd_config(load_strategy: str, model_dir: str, options, pid: int) -> types.SimpleNamespace:
-    """The parts of FDConfig that any generation reads: one worker, TP 1, no EP. The model directory
-    is both ``model_config.model`` and DWM-0's ``parallel_config.model_name_or_path``."""
+def group_name(group) -> str:
+    """"default" for the default group (no argument or None), else the group's name."""
+    return "default" if group is None else str(getattr(group, "name", group))
+
+
+def fd_config(load_strategy: str, model_dir: str, options, pid, tp_rank: int = 0, tp_size: int = 1,
+              shutdown_comm_group: bool = False) -> types.SimpleNamespace:
+    """The parts of FDConfig that any generation reads: no EP; tensor-parallel rank and size as the engine
+    launched this worker (one rank of a one-rank group unless the session shares the suite's status cell);
+    ``tp_group`` and ``ep_group`` are named stand-ins (``groups`` of ``worker_world`` tells them apart from
+    the default group). The model directory is both ``model_config.model`` and DWM-0's
+    ``parallel_config.model_name_or_path``."""
     ns = types.SimpleNamespace
     return ns(
         load_config=ns(load_strategy=load_strategy, dynamic_load_weight=True, rsync_config=dict(options).get("rsync_config")),
         parallel_config=ns(
-            tensor_parallel_rank=0, tensor_parallel_size=1, enable_expert_parallel=False,
-            local_data_parallel_id=0, expert_parallel_rank=0, tp_group=None, ep_group=None,
-            local_engine_worker_queue_port=pid, shutdown_comm_group_if_worker_idle=False,
+            tensor_parallel_rank=tp_rank, tensor_parallel_size=tp_size, enable_expert_parallel=False,
+            local_data_parallel_id=0, expert_parallel_rank=0, tp_group=ns(name="tp"), ep_group=ns(name="ep"),
+            local_engine_worker_queue_port=pid, shutdown_comm_group_if_worker_idle=shutdown_comm_group,
             model_name_or_path=model_dir,
         ),
         model_config=ns(model=model_dir),

@@ -158,8 +158,9 @@ class DynamicWeightManager:
 
     @staticmethod
     def check_model_weights_status(model_weights_status, model_runner, pid):
-        """DWM-0's worker loop (fd-spec §2.5): act on 1 (update) / -1 (clear); 1 ms polls, no
-        clear_requests; after a clear it returns and comes back for the update."""
+        """DWM-0's worker loop (fd-spec §2.5): act on 1 (update) / -1 (clear) with 1 ms polls and no
+        clear_requests, until the cell reads 0: it stays through CLEARED until the update (no ``block``);
+        once it has cleared, it no longer waits for NORMAL after acting (``stopped``)."""
         cell = model_weights_status.value
         stopped = False
         while cell[0] != 0:
