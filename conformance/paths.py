@@ -142,7 +142,8 @@ class StreamFeed(Feed):
     reused across versions), each published version one scripted stream, answered to the next update.
     The sessions' models get the suite's ``load_weights`` (``fixtures.streams.attach_loaders``): GDR loads
     through each model's own loader (FastDeploy's contract), and rsync's sessions have them as an engine's
-    models do."""
+    models do. The version the sessions are opened with is published as ``version.yaml`` beside the model,
+    as a trainer does (``fixtures.streams.publish_version``)."""
 
     TIMEOUT_S = 5.0  # the library's per-item wait: never reached by a healthy stream or a scripted fault
 
@@ -166,6 +167,7 @@ class StreamFeed(Feed):
         from fixtures import streams as S
 
         S.attach_loaders(session.models)
+        S.publish_version(self.loader.model_dir, self.options(0)["version"])  # for a bootstrap first load
 
     def publish(self, rank: int, tensors, version: int, layout=None) -> str:
         """``layout``: a trainer fault ``(kind, k)`` for this stream (``sim.stream_trainer.Stream.fault``)."""

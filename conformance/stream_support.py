@@ -30,13 +30,15 @@ def open_stream(loader, trainer, spec, strategy: str, *, version="1", timeout_s:
                 verify=None, mtp_start=None, loaders=None, **cfg):
     """A session on ``strategy`` fed by ``trainer``, its models given the suite's ``load_weights``
     (``loaders``: options of fixtures.streams.attach_loaders) and, with ``mtp_start``, their MTP layers.
-    ``version`` None leaves the version to ``version.yaml``. Returns (session, load record)."""
+    ``version`` None leaves the version to ``version.yaml``; a version is also published as ``version.yaml``
+    (``fixtures.streams.publish_version``: FastDeploy's first load is a bootstrap that reads it). Returns (session, load record)."""
     options = {"rsync_config": S.rsync_config(trainer, timeout_s, **cfg)}
     if version is not None:
         options["version"] = version
     if verify is not None:
         options["verify_checksum"] = verify
     session = loader.open(spec, strategy=strategy, options=options, worker=worker)
+    S.publish_version(loader.model_dir, version)  # a first load without the argument asks for the same
     record = S.attach_loaders(session.models, **(loaders or {}))
     if mtp_start is not None:
         S.mark_mtp_layers(session.models, mtp_start)

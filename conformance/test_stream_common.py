@@ -83,6 +83,7 @@ def _bad_options(strategy):
 @pytest.mark.parametrize("strategy", [case("rsync"), case("gdr"), case("gdr_ipc")])
 def test_options_checked_before_the_trainer_hears_of_them(loader, ct_trainer, strategy):
     state = M.state(SPEC, version=1)
+    S.publish_version(loader.model_dir, "1")  # every session below is opened with version 1
     ct_trainer.serve()  # answering: a loader that connects anyway is seen at once
     for what, edit, other, name in _bad_options(strategy):
         options = dict(other, version="1")

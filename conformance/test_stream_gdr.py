@@ -327,19 +327,22 @@ FD_EXTRA = {"backend": "nccl", "output_framework": "paddle", "gpu_direct": True,
             "gdr_prefetch_queue_size": 2, "gdr_release_cache": True, "etcd_server": "127.0.0.1:2379", "transfer_mode": "gdr"}
 
 
-def _configured(loader, trainer, strategy, settings, worker, version=None):
-    """Open with ``settings`` (kept by the test) as rsync_config, update once; returns the TransferConfig the
-    library was initialized with, after checking the load and that ``settings`` did not change."""
+def _configured(loader, trainer, strategy, settings, worker, version=None, updates=1):
+    """Open with ``settings`` (kept by the test) as rsync_config, update ``updates`` times; returns the
+    TransferConfig the library was initialized with and the step the last update asked for, after checking
+    the load and that ``settings`` did not change."""
     import copy
 
     state = M.state(SPEC, version=1)
-    trainer.serve(S.stream_of(state))
+    trainer.serve(*[S.stream_of(state) for _ in range(updates)])
     given = S.rsync_config(trainer, 5.0, **settings)
     kept = copy.deepcopy(given)
     options = {"rsync_config": given, **({} if version is None else {"version": version})}
     session = loader.open(SPEC, strategy=strategy, options=options, worker=worker)
+    S.publish_version(loader.model_dir, version)
     S.attach_loaders(session.models)
-    session.update()
+    for _ in range(updates):
+        session.update()
     where = f"{strategy} with rsync_config {settings}"
     check.params_equal(session.observe(), state, where)
     check.equal(given, kept, f"{where}: the caller's rsync_config after the update")
@@ -368,12 +371,14 @@ def test_gdr_transfer_config(loader, ct_trainer, monkeypatch):
 @pytest.mark.requires("stream.gdr_ipc")
 def test_gdr_ipc_mode_config(loader, ct_trainer, monkeypatch):
     """IPC mode on ordinal 2 (physical GPU 6) of global rank 9: global_rank 2, the IPC backend, qsize 2 unless
-    given, step "0" unless a version is given, index dropped."""
+    given, step "0" unless a version is given, index dropped. The version is checked on the update after the
+    first load (FastDeploy's first load is its constructor's, which passes no version)."""
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "16")
     worker = Worker(rank=9, visible="4,5,6,7", selected="2")
     for settings, version, want in (({}, None, dict(qsize=2, step="0")), (dict(qsize=5, index=3), "8", dict(qsize=5, step="8")),
                                     (dict(device_name="gpu:6"), "", dict(qsize=2, step="0"))):
-        config, step = _configured(loader, ct_trainer, "gdr_ipc", settings, worker, version=version)
+        config, step = _configured(loader, ct_trainer, "gdr_ipc", settings, worker, version=version,
+                                   updates=2 if version else 1)
         got = {"global_rank": config["global_rank"], "phase1_backend": config["phase1_backend"], "qsize": config["qsize"],
                "group_size": config["group_size"], "step": step}
         check.equal(got, {"global_rank": 2, "phase1_backend": "ipc", "group_size": 16, **want},

@@ -623,3 +623,48 @@ def test_matrix_shows_the_reference_and_every_generation_side_by_side(reports, r
             assert cell["class"] == [want], f"{name} {rule['id']}: {rule['status']} shown as {cell['class']}"
     assert page.cells[("PART-ORDER-NUMERIC", len(names) - 1)]["text"].strip() == "FAILED (contract)"
     assert page.cells[("PART-ORDER-NUMERIC", names.index("parts"))]["text"].strip() == "passed"
+
+
+def test_gdr_flag_is_set_per_session_never_for_the_process(monkeypatch):
+    """The streamed sessions configure ``FD_USE_GDR_CHECKPOINT_TRANSFER`` for their own construction only:
+    in the stub envs on the constructing thread (another thread reads the process's value); with a real
+    ``fastdeploy.envs`` (reads os.environ) in the process environment, restored after the last user, and a
+    construction wanting the other value waits until then."""
+    import threading
+    import types
+
+    from conformance.impls.fastdeploy import streams, stubs
+
+    monkeypatch.delenv(stubs.GDR_FLAG, raising=False)
+    modules: dict = {}
+    stubs.install_stubs(modules, importer=lambda name: (_ for _ in ()).throw(ImportError(name)))
+    stub = types.SimpleNamespace(envs=modules["fastdeploy.envs"])
+    seen = {}
+    with streams.engine_config(stub, True):
+        other = threading.Thread(target=lambda: seen.update(other=stub.envs.FD_USE_GDR_CHECKPOINT_TRANSFER))
+        other.start()
+        other.join()
+        seen["own"] = stub.envs.FD_USE_GDR_CHECKPOINT_TRANSFER
+        assert stubs.GDR_FLAG not in os.environ, "the stub's flag leaked into the process environment"
+    assert seen == {"own": True, "other": False}, seen
+    assert stub.envs.FD_USE_GDR_CHECKPOINT_TRANSFER is False, "the flag outlived the construction"
+
+    real = types.SimpleNamespace(envs=types.SimpleNamespace())  # not a conformance stub: the process env
+    order = []
+    with streams.engine_config(real, True):
+        assert os.environ[stubs.GDR_FLAG] == "1"
+        with streams.engine_config(real, True):  # the same value is shared at once
+            order.append("shared")
+
+        def rsync():
+            with streams.engine_config(real, False):
+                order.append(("rsync", os.environ[stubs.GDR_FLAG]))
+
+        waiter = threading.Thread(target=rsync)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive(), "a construction wanting the other value did not wait"
+        order.append("gdr done")
+    waiter.join(5)
+    assert order == ["shared", "gdr done", ("rsync", "0")], order
+    assert stubs.GDR_FLAG not in os.environ, "the process flag was not restored"

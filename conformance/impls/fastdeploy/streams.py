@@ -5,15 +5,19 @@
   those methods. Where no real library imports, the names are mapped onto ``sim.checkpoint_transfer`` (the
   stand-in whose trainer end the suite drives), replacing the adapter's inert stubs; a real installation
   is never shadowed: with one, the streamed capabilities are not claimed (its peers are not the suite's).
-* Which path. FastDeploy picks it in the constructor from ``envs.FD_USE_GDR_CHECKPOINT_TRANSFER`` and
-  ``load_strategy`` (fd-spec §1.4). Rather than flip a process-wide flag (the suite runs sessions at
-  once), the session binds, on the instance and for the constructor only, each entry point the
-  constructor may call to the one the flag would pick, with the runner's arguments: the version
-  (``options['version']``) and ``verify_checksum``. Later updates call that method as the runner does:
-  ``update_weights_by_rdma(version, verify_checksum)``, or ``update_weights_by_gdr(version, verify_checksum,
-  restore_cleared_params=<cleared since>)``; a class of the GDR era is then finalized
-  (``finalize_update(pid)``, as its runner does after either), an older one is not (its rsync is driven
-  only by the control API). ``update()`` returns the method's result.
+* Which path. The first load is the constructor's own: it picks the method from
+  ``envs.FD_USE_GDR_CHECKPOINT_TRANSFER`` and ``load_strategy`` (fd-spec §1.4) and calls it without
+  arguments (a bootstrap load: the version comes from ``{model_dir}/version.yaml``, or is step "0" in the
+  GDR IPC mode). The adapter only configures the engine, as a deployment does: ``load_strategy``
+  (``rsync`` for rsync and GDR, ``ipc`` for GDR's IPC mode), the GDR flag (``engine_config``: on the
+  calling thread in the suite's stub envs, in the process environment for a real ``fastdeploy.envs``), and
+  for GDR ``rsync_config['transfer_mode'] = 'gdr'`` unless given (the setting of the #7951 era, whose
+  ``update_weights_by_rdma`` routes by it); no method of the manager is replaced. Later updates call
+  the session's method as the runner does: ``update_weights_by_rdma(version, verify_checksum)``, or
+  ``update_weights_by_gdr(version, verify_checksum, restore_cleared_params=<cleared since>)``; a class of
+  the GDR era is then finalized (``finalize_update(pid)``, as its runner does after either), an older one
+  is not (its rsync is driven only by the control API). ``update()`` returns the method's result (None
+  for the first load: the constructor returns nothing).
 * The device. ``Tensor.cuda()`` (the bootstrap rsync load adopts ``new.cuda()``) is the identity on this
   CPU suite, as the device stand-in of the other paths.
 * Concurrency. The timing rules run several sessions at once; the world of their calls (identity,
@@ -24,11 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import sys
 import threading
 
 from .session import FastDeploySession
 from .generation import constructor_kwargs
-from .stubs import CLEARED, CLEARING, NORMAL, UPDATING
+from .stubs import CLEARED, CLEARING, GDR_FLAG, NORMAL, UPDATING, thread_config
 from .world import fd_config, worker_world
 
 STRATEGIES = {"rsync": "rsync", "gdr": "rsync", "gdr_ipc": "ipc"}  # suite strategy -> FastDeploy load_strategy
@@ -104,6 +110,48 @@ def stream_world(env: dict, shared_dir: str):
                 stack.close()
 
 
+# -- the engine's configuration of the path ----------------------------------------------------------
+_flag = threading.Condition()
+_flag_in_force = {"value": None, "users": 0}
+
+
+@contextlib.contextmanager
+def engine_config(module, gdr: bool):
+    """``envs.FD_USE_GDR_CHECKPOINT_TRANSFER`` as ``gdr`` while the block constructs a manager of ``module``
+    (nothing where the module reads no ``envs``). The suite's stub envs take it on the calling thread only;
+    a real ``fastdeploy.envs`` reads the process environment, so the variable is set there, shared by
+    constructions that want the same value, and one that wants the other waits until they are done."""
+    envs = getattr(module, "envs", None)
+    if envs is None:
+        yield
+        return
+    if getattr(envs, "__conformance_stub__", False):
+        with thread_config(**{GDR_FLAG: gdr}):
+            yield
+        return
+    want = "1" if gdr else "0"
+    with _flag:
+        _flag.wait_for(lambda: not _flag_in_force["users"] or _flag_in_force["value"] == want)
+        if not _flag_in_force["users"]:
+            _flag_in_force["saved"] = os.environ.get(GDR_FLAG)
+            os.environ[GDR_FLAG] = want
+        _flag_in_force["value"] = want
+        _flag_in_force["users"] += 1
+    try:
+        yield
+    finally:
+        with _flag:
+            _flag_in_force["users"] -= 1
+            if not _flag_in_force["users"]:
+                saved = _flag_in_force.pop("saved")
+                if saved is None:
+                    os.environ.pop(GDR_FLAG, None)
+                else:
+                    os.environ[GDR_FLAG] = saved
+                _flag_in_force["value"] = None
+                _flag.notify_all()
+
+
 class StreamSession(FastDeploySession):
     """A FastDeploy worker updated by rsync or GDR (module docstring)."""
 
@@ -129,25 +177,17 @@ class StreamSession(FastDeploySession):
         return lambda: method(**self._call_kwargs(method))
 
     def _construct(self):
-        manager = self._cls.__new__(self._cls)
-        entry = self._entry(manager)
-
-        def first_load(*args, **kwargs):
-            self._result = entry()
-            return self._result
-
-        # Whatever the flag and load_strategy make the constructor call, it is this session's path.
-        for name in ("update_weights_by_rdma", "update_weights_by_gdr", "update_parameters"):
-            setattr(manager, name, first_load)
+        """The runner's call, as for the other paths: the constructor picks the first load itself
+        (fd-spec §1.4), from the engine configuration this session was opened with (``_engine_config``)."""
         selected = self.env.get("FLAGS_selected_gpus") or "0"
         local_rank = int(selected) if selected.isdigit() else 0
-        config = fd_config(STRATEGIES[self.strategy], self.config.model_dir, self.config.options, self.pid)
-        try:
-            self._cls.__init__(manager, **constructor_kwargs(self.generation.init_params, config, self.models, local_rank))
-        finally:
-            for name in ("update_weights_by_rdma", "update_weights_by_gdr", "update_parameters"):
-                manager.__dict__.pop(name, None)
-        return manager
+        options = dict(self.config.options)
+        if self.strategy != "rsync":
+            # GDR era #7951 (update_weights_by_rdma routes by rsync_config's transfer_mode): the engine's GDR setting.
+            options["rsync_config"] = {"transfer_mode": "gdr", **dict(options.get("rsync_config") or {})}
+        config = fd_config(STRATEGIES[self.strategy], self.config.model_dir, options, self.pid)
+        with engine_config(sys.modules.get(self._cls.__module__), self.strategy != "rsync"):
+            return self._cls(**constructor_kwargs(self.generation.init_params, config, self.models, local_rank))
 
     def update(self):
         with self._world():

@@ -13,12 +13,14 @@ is replaced by a stub; a module that imports is never touched. Stubs of what the
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import logging
 import os
 import sys
+import threading
 import types
 
 from conformance.registry import ImplError
@@ -52,9 +54,30 @@ def _fail_function(what: str):
 
 
 # fastdeploy/envs.py reads each variable from the environment when it is read, with these defaults;
-# so does the stub, for the variables a DynamicWeightManager reads.
+# so does the stub, for the variables a DynamicWeightManager reads. The GDR flag is engine configuration
+# the adapter sets per session: a value set on the calling thread (``thread_config``) comes before the
+# process environment, so sessions constructing at once on different threads each see their own.
+_thread_config = threading.local()
+
+
+@contextlib.contextmanager
+def thread_config(**values):
+    """For the block, on this thread only, the stub envs read ``values`` (name -> value) first."""
+    saved = dict(getattr(_thread_config, "values", {}))
+    _thread_config.values = {**saved, **values}
+    try:
+        yield
+    finally:
+        _thread_config.values = saved
+
+
+def _configured(name: str, default):
+    values = getattr(_thread_config, "values", {})
+    return values[name] if name in values else default()
+
+
 _ENVS = {
-    GDR_FLAG: lambda: bool(int(os.getenv(GDR_FLAG, "0") or "0")),
+    GDR_FLAG: lambda: _configured(GDR_FLAG, lambda: bool(int(os.getenv(GDR_FLAG, "0") or "0"))),
     "CUDA_VISIBLE_DEVICES": lambda: os.getenv("CUDA_VISIBLE_DEVICES", None),
     "FLAGS_selected_gpus": lambda: os.getenv("FLAGS_selected_gpus", "0"),
 }
