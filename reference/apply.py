@@ -23,12 +23,30 @@ def check_match(name: str, src_dtype: str, src_shape, dst: paddle.Tensor, source
 
 
 def adopt(name: str, new: paddle.Tensor, target: paddle.Tensor) -> None:
-    """Make ``target`` hold ``new``'s data, zero-copy (FastDeploy's ``_share_buffer_to``).
+    """Make ``target`` hold ``new``'s values: zero-copy (FastDeploy's ``_share_buffer_to``) when the
+    layouts agree, else a copy into the target's own layout (APPLY-STRIDED-TARGET, FastDeploy #6601): a
+    target whose strides differ from the incoming tensor's (FP8 scales laid out column-major, transposed
+    weights) keeps them, and sharing a row-major buffer into it would make it read the bytes in the wrong
+    order. A cleared strided target is first given storage of its own layout (APPLY-STRIDED-CLEARED,
+    #6722). ``name`` is kept for callers that log per tensor."""
+    new = new.contiguous()  # every loader builds contiguous tensors; this makes sure
+    if list(new.stride()) == list(target.stride()):
+        new._share_buffer_to(target)
+        return
+    if math.prod(target.shape) == 0:
+        return  # holds no data, and its layout stays its own
+    if not target._is_initialized():
+        allocate_strided(target)
+    target[...] = new
 
-    FastDeploy copies instead when the strides differ; here they cannot: a parameter is contiguous,
-    every loader builds contiguous tensors, and ``contiguous()`` (a no-op for those) makes sure.
-    ``name`` is kept for callers that log per tensor."""
-    new.contiguous()._share_buffer_to(target)
+
+def allocate_strided(target: paddle.Tensor) -> None:
+    """Give a cleared ``target`` fresh storage laid out by its own strides: a view over new memory that the
+    parameter object adopts (``.data``), so the model keeps the same object. (FastDeploy's
+    ``target[...] = paddle.empty(...)`` needs a device where setitem allocates: on CPU it raises.)"""
+    shape, stride = list(target.shape), list(target.stride())
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+    target.data = paddle.as_strided(paddle.empty([span], dtype=target.dtype), shape, stride)
 
 
 def is_loaded(param: paddle.Tensor) -> bool:

@@ -152,7 +152,9 @@ class WeightManager:
         try:
             # The streamed paths may update in place, without a clear (FastDeploy's rsync and GDR).
             in_place = self.load_strategy in IN_PLACE_STRATEGIES and self.status != Status.CLEARING
-            if self.status != Status.CLEARED and not in_place:
+            # The first load may find the engine's placeholders allocated (an FP8 layout: APPLY-STRIDED-TARGET);
+            # FastDeploy's constructor loads into them, whatever they hold.
+            if self.status != Status.CLEARED and not in_place and not self.first_load:
                 raise RuntimeError(
                     f"update() needs cleared weights, status is {self.status.name}: call clear() first"
                 )

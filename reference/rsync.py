@@ -19,7 +19,7 @@ import time
 
 import paddle
 
-from . import prefetch, stream_config, transfer_lib, transforms
+from . import apply, prefetch, stream_config, transfer_lib, transforms
 from .dtypes import dtype_name
 
 log = logging.getLogger("reference.rsync")
@@ -65,7 +65,8 @@ def store(received, params, bootstrap: bool) -> None:
         for key, new in received.items():
             target = params[key]
             if bootstrap and not target._is_initialized():
-                new._share_buffer_to(target)  # fresh from the library (materialized), contiguous
+                # fresh from the library (materialized), contiguous: shared, or copied into a strided target
+                apply.adopt(key, new, target)
             else:
                 target.set_value(new)
 
