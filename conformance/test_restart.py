@@ -139,7 +139,7 @@ class Child:
                 emit(kind="end", result=result, loaded=loaded, model=_model_digest(
                     {n: o.data for n, o in observed.items()}))
                 time.sleep(0.002)
-            emit(kind="report", status=session.status(), version=session.version(), adapter_calls=harness.adapter_calls(),
+            emit(kind="report", status=session.status(), version=session.version() if hasattr(session, "version") else None, adapter_calls=harness.adapter_calls(),
                  digests={n: None if o.data is None else hashlib.sha256(o.data).hexdigest()
                           for n, o in session.observe().items()})
         except BaseException as e:  # noqa: BLE001 (reported to the parent)

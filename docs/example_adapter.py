@@ -221,6 +221,23 @@ def read_tensors(path: str, entries: list, ident: tuple, wanted):
             yield name, (tensor if tensor.dtype == want else tensor.view(want))  # fp8: uint8 bytes, viewed
 
 
+def copy_into(param: paddle.Tensor, tensor: paddle.Tensor) -> None:
+    """Copy ``tensor``'s values into ``param``, keeping the parameter's own layout: a strided parameter
+    (an FP8 scale laid out column-major) keeps its strides (APPLY-STRIDED-TARGET), and a cleared one is
+    first given storage of that layout (APPLY-STRIDED-CLEARED); a row-major one is simply assigned."""
+    shape, stride = list(param.shape), list(param.stride())
+    row_major = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    if stride == row_major:
+        paddle.assign(tensor, output=param)
+        return
+    if math.prod(shape) == 0:
+        return  # holds no data; its layout stays its own
+    if not param._is_initialized():
+        span = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+        param.data = paddle.as_strided(paddle.empty([span], dtype=param.dtype), shape, stride)
+    param[...] = tensor
+
+
 class MineLoader:
     """The implementation under test (yours would live in its own package)."""
 
@@ -247,7 +264,7 @@ class MineLoader:
         for (label, path), (entries, ident) in zip(sources, headers):  # one file in memory at a time
             with paddle.no_grad():
                 for name, tensor in read_tensors(path, entries, ident, self.params):
-                    paddle.assign(tensor, output=self.params[name])  # a copy; a later part overwrites
+                    copy_into(self.params[name], tensor)  # a copy; a later part overwrites
                     loaded.add(id(self.params[name]))  # by object: a tied pair is loaded by either name
             self.applied.append((label, path))
         missing = sorted(name for name, param in self.params.items() if id(param) not in loaded)

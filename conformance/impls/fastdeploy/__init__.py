@@ -51,6 +51,14 @@ class FastDeployAdapter:
         self.capabilities = self.capabilities | stream_caps
         self.notes += [f"not claimed: {c} ({why})" for c, why in stream_why.items()]
 
+    def control(self, cell_name: str):
+        """The engine's control API over the status cell (EngineClient's ``clear_load_weight`` and
+        ``update_model_weight``, fd-spec §2.3): the engine's code, not the manager's, so the adapter plays
+        it, with the suite's reference rendering of those guards; FastDeploy's worker answers in the cell."""
+        from reference.control import WeightControl
+
+        return WeightControl(cell_name)
+
     def open(self, models, config: LoaderConfig) -> FastDeploySession:
         if config.load_strategy in streams.STRATEGIES:
             return streams.StreamSession(self.dwm_class, self.generation, models, config)
