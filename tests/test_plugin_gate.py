@@ -362,7 +362,7 @@ def _run_repo(args, timeout=120):
 def test_list_rules_needs_no_impl_and_lists_every_rule():
     code, output = _run_repo(["conformance", "--list-rules"])
     assert code == 0, output[-3000:]
-    listed = re.findall(r"^([A-Z][A-Z0-9]*(?:-[A-Z0-9]+)+) +(contract|hardening) +(\w+) +([\w.,-]+) ", output, re.M)
+    listed = re.findall(r"^([A-Z][A-Z0-9]*(?:-[A-Z0-9]+)+) +(contract|hardening) +(\w+) +([\w.,|-]+) ", output, re.M)
     assert {r[0] for r in listed} == set(rules()), sorted(set(rules()) ^ {r[0] for r in listed})
     for rule_id, level, area_, caps in listed:
         assert level == levels()[rule_id] and area_ == area(rule_id), (rule_id, level, area_)
