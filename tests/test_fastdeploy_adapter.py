@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import re
 import sys
 import threading
 import time
@@ -50,9 +51,17 @@ STANDINS = os.path.join(REPO, "tests", "fd_standins")
 GENERATIONS = ("dwm_old", "dwm0", "ep", "rsync_tp0", "parts", "gdr")
 KINDS = ("notimpl", "bug", "never", "flaky")
 KIND_LEVEL = {"bug": "contract", "never": "hardening"}  # notimpl / flaky: either level
-# gen -> rules whose failures are all flaky (they may pass): FILE-CHANGED-DURING-LOAD once its CPU-only cases
-# moved to FILE-CHANGED-BETWEEN-PARTS (judged for the GPU FastDeploy serves on).
-FLAKY_ONLY: dict[str, set] = {"parts": {"FILE-CHANGED-DURING-LOAD"}, "gdr": {"FILE-CHANGED-DURING-LOAD"}}
+
+
+def flaky_only(report: dict) -> set:
+    """Rules that failed only in tests pinned flaky (they may pass): FILE-CHANGED-DURING-LOAD once its CPU-only
+    cases moved to FILE-CHANGED-BETWEEN-PARTS, the status machine's schedules that stall under load."""
+    failed: dict[str, set] = {}
+    for test in report["tests"]:
+        if test["actual"] in ("failed", "error"):
+            entry = test["expectation"]
+            failed.setdefault(test["rule"], set()).add(entry["kind"] if entry else None)
+    return {rule for rule, kinds in failed.items() if kinds == {"flaky"}}
 
 
 def standin(gen: str) -> str:
@@ -133,16 +142,18 @@ def reports(tmp_path_factory):
         return dict(pool.map(run, jobs))
 
 
-def pinned_failures(report: dict) -> dict[str, tuple[str, str]]:
-    """Rule -> (kind, reason) for every rule with a test that failed as expected (flaky entries aside);
-    a rule pinned with two kinds or reasons is an error."""
+def pinned_failures(report: dict) -> dict[str, str]:
+    """Rule -> kind for every rule with a test that failed as expected (flaky entries aside); a rule pinned
+    with two kinds is an error (its level is one). Reasons may differ: one rule can fail for two bugs, in
+    different cases (GDR-MAIN-EVERY-ITEM on the GDR stand-in: the dropped first-load result, and the
+    zero-element parameter that verification counts as not loaded)."""
     pinned: dict[str, set] = {}
     for test in report["tests"]:
         entry = test["expectation"]
         if entry is not None and entry["kind"] != "flaky" and test["actual"] in ("failed", "error"):
-            pinned.setdefault(test["rule"], set()).add((entry["kind"], entry["reason"]))
+            pinned.setdefault(test["rule"], set()).add(entry["kind"])
     several = {rule: sorted(p) for rule, p in pinned.items() if len(p) > 1}
-    assert not several, f"rules pinned with several kinds or reasons: {several}"
+    assert not several, f"rules pinned with several kinds: {several}"
     return {rule: next(iter(p)) for rule, p in pinned.items()}
 
 
@@ -165,6 +176,8 @@ def test_generation_fails_exactly_its_expectations(reports, gen):
             missing = set(test["requires"]) - claimed
             if not missing and "depends on the device" not in test["message"] and "safetensors damage" not in test["message"]:
                 wrong.append(f"{where}: not applicable although every capability it needs is claimed: {test['message'][:200]}")
+        elif status == "skipped" and re.match(r"Skipped: tier \w+ not selected", test["message"]):
+            pass  # a tier (restart, multirank, cycles) runs in its own step, not in this quick gate
         elif status not in ("passed", "expected_failure"):
             wrong.append(f"{where}: verdict {status}: {test['message'][:200]}")
         if entry is not None and entry["kind"] in KIND_LEVEL and known_levels.get(test["rule"]) != KIND_LEVEL[entry["kind"]]:
@@ -172,7 +185,7 @@ def test_generation_fails_exactly_its_expectations(reports, gen):
     assert not wrong, f"{gen} ({standin(gen)}):\n  " + "\n  ".join(wrong)
     pinned = pinned_failures(report)
     failing_rules = {r["id"] for r in report["rules"] if r["status"] == "expected_failure"}
-    assert set(pinned) == failing_rules - FLAKY_ONLY.get(gen, set()), \
+    assert set(pinned) == failing_rules - flaky_only(report), \
         f"{gen}: pinned {sorted(pinned)}, failing {sorted(failing_rules)}"
     assert report["summary"]["tests"]["expected_failure"] >= len(pinned) > 0, report["summary"]
 
