@@ -73,7 +73,9 @@ def run(adapter, config, selected) -> dict:
     impl_opts = dict(kv.partition("=")[::2] for kv in config.getoption("--impl-opt"))
     job = Job(impl, plans(paths, cycles, "MR-DEADLINE" in rules, "staged" in caps), ranks=RANKS, impl_opts=impl_opts,
               agree_timeout_s=AGREE_TIMEOUT_S, transfer_timeout_s=TRANSFER_TIMEOUT_S, stall_timeout_s=STALL_TIMEOUT_S)
-    return job.run()
+    result = job.run()
+    result["version_claimed"] = "version" in caps  # the ranks report version() only where it is claimed
+    return result
 
 
 def path_result(job: dict, path: str) -> dict:
@@ -92,6 +94,24 @@ def step(job: dict, p: dict, key) -> dict:
     if found is None or "update" not in found:
         raise AssertionError(f"the multi-rank job stopped before {p['path']} step {key}: {job.get('error', 'not run')}")
     return found
+
+
+def reached_steps(job: dict, p: dict) -> list[dict]:
+    """The steps after the first load (versions 2 to ``LAST_STEP``) that the job reached, in order. A job
+    that stopped in the aftermath of a faulty step (its ranks left while the next step was awaited) ends
+    the list there: what a failure leaves behind is MR-FAILURE-EVERY-RANK's verdict, not that of every
+    rule judged on later steps. A job that stopped during a faulty step ends it before that step. A job that
+    stopped with no fault before it fails the caller."""
+    planned = {s.version: s.fault for s in steps(p["path"])}
+    reached = []
+    for version in range(2, LAST_STEP + 1):
+        found = next((s for s in p["steps"] if s["version"] == version), None)
+        if found is None or "update" not in found:
+            if any(s["fault"] for s in reached) or planned.get(version):
+                return reached  # it stopped during a faulty step or in its aftermath
+            raise AssertionError(f"the multi-rank job stopped before {p['path']} step {version}: {job.get('error', 'not run')}")
+        reached.append(found)
+    return reached
 
 
 def held_until(event: dict, version: int) -> float | None:

@@ -181,7 +181,8 @@ def run_path(job: dict, config: dict, adapter, rank: int, report: Reporter, coll
 
     def state(**extra) -> dict:
         phases = session.phases() if hasattr(session, "phases") else {}
-        return {"job": name, "status": session.status(), "version": session.version(), "digests": digests(session),
+        version = session.version() if "version" in adapter.capabilities else None  # read only where claimed
+        return {"job": name, "status": session.status(), "version": version, "digests": digests(session),
                 "resources": settled_resources(), "phases": phases, **extra}
 
     try:

@@ -42,7 +42,7 @@ def _cell(history):
 def _healthy(rank_job, p):
     """(where, sent by rank, what each rank reported) for the first load and every healthy update."""
     yield "first load of version 1", p["first_sent"], p["first"], 1
-    for s in [P.step(rank_job, p, v) for v in range(2, P.LAST_STEP + 1)] + p["cycles"]:
+    for s in P.reached_steps(rank_job, p) + p["cycles"]:
         if s["fault"] is None:
             yield f"update to version {s['version']}", s["sent"], s["update"], s["version"]
 
@@ -58,7 +58,8 @@ def test_every_rank_loads_its_own_shard(rank_job, path):
             at = f"{path}, rank {rank} (physical GPU {rank_job['visible'][rank]}): {where}"
             check.equal(event["event"], "updated" if version > 1 else "loaded", f"{at}: what the rank reported ({event.get('error')})")
             check.equal(event["digests"], sent[str(rank)] if str(rank) in sent else sent[rank], f"{at}: sha256 of every parameter vs its trainer's")
-            check.equal(event["version"], version, f"{at}: version()")
+            if rank_job.get("version_claimed", True):
+                check.equal(event["version"], version, f"{at}: version()")
             others = [r for r in sent if int(r) != rank]
             check.that(all(event["digests"] != sent[r] for r in others), f"{at}: the rank holds another rank's shard")
 
@@ -89,7 +90,7 @@ def _cleared_after_every_rank(rank_job, path, s):
 @pytest.mark.parametrize("path", _paths())
 def test_normal_only_after_every_rank(rank_job, path):
     p = _path(rank_job, path)
-    for s in [P.step(rank_job, p, v) for v in range(2, P.LAST_STEP + 1)]:
+    for s in P.reached_steps(rank_job, p):
         _cleared_after_every_rank(rank_job, path, s)
         history = _cell(s["cell"])
         where = f"{path}: update to version {s['version']}" + (f" with {s['fault']} on rank {s['rank']}" if s["fault"] else "")
@@ -123,7 +124,8 @@ def test_failure_reaches_every_rank(rank_job, path, version, fault, rank):
         at = f"{where}, rank {r}"
         check.equal(event["event"], "failed", f"{at}: what the rank reported ({event.get('status')}, {event.get('version')})")
         check.that(event["status"] != "NORMAL", f"{at}: status {event['status']} after the failed update")
-        check.equal(event["version"], version - 1, f"{at}: version() after the failed update")
+        if rank_job.get("version_claimed", True):
+            check.equal(event["version"], version - 1, f"{at}: version() after the failed update")
         check.that(event["t"] - s["t_update"] < SLACK_S, f"{at}: reported {event['t'] - s['t_update']:.1f}s after the UPDATING")
         if int(r) != failing:
             check.that(f"rank {failing}" in event["error"], f"{at}: the error does not name the failing rank {failing}: {event['error']!r}")

@@ -49,6 +49,7 @@ pytestmark = pytest.mark.timeout(900)
 
 STANDINS = os.path.join(REPO, "tests", "fd_standins")
 GENERATIONS = ("dwm_old", "dwm0", "ep", "rsync_tp0", "parts", "gdr")
+MULTIRANK = ("parts", "gdr")  # generations with snapshot parts: the multi-rank job's snapshot path
 KINDS = ("notimpl", "bug", "never", "flaky")
 KIND_LEVEL = {"bug": "contract", "never": "hardening"}  # notimpl / flaky: either level
 
@@ -92,7 +93,7 @@ for _gen, _caps in STREAM_CAPS.items():
     FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | _caps
 # Every generation has a check_model_weights_status the adapter drives (loop.py), whatever its signature.
 for _gen in FACTS:
-    FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | {"status.cell", "loop.runner", "control"}
+    FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | {"status.cell", "loop.runner", "control", "multirank"}
 _TYPING_OLD = "from typing import Any, Dict"
 _BASE = {"import os", "import time", "from multiprocessing.shared_memory import SharedMemory", "import numpy as np",
          "import paddle", "from paddleformers.utils.log import logger", "from fastdeploy.config import FDConfig"}
@@ -132,11 +133,12 @@ def reports(tmp_path_factory):
     broken.write_text(source.replace(sort, "        parts.sort(key=lambda entry: str(entry[0]))  # regression"))
 
     def run(job):
-        name, path, gen = job
+        name, path, gen, *extra = job
         return name, run_conformance(["--impl=fastdeploy", f"--impl-opt=source={path}",
-                                      f"--expectations={expectations_path(gen)}"], root / f"{name}.json", timeout=600)
+                                      f"--expectations={expectations_path(gen)}"], root / f"{name}.json", extra, timeout=600)
 
-    jobs = [(gen, os.path.relpath(standin(gen), REPO), gen) for gen in GENERATIONS]
+    jobs = [(f"{gen}:multirank", os.path.relpath(standin(gen), REPO), gen, "-m", "multirank") for gen in MULTIRANK]
+    jobs += [(gen, os.path.relpath(standin(gen), REPO), gen) for gen in GENERATIONS]
     jobs.append(("regression", str(broken), "parts"))
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         return dict(pool.map(run, jobs))
@@ -188,6 +190,20 @@ def test_generation_fails_exactly_its_expectations(reports, gen):
     assert set(pinned) == failing_rules - flaky_only(report), \
         f"{gen}: pinned {sorted(pinned)}, failing {sorted(failing_rules)}"
     assert report["summary"]["tests"]["expected_failure"] >= len(pinned) > 0, report["summary"]
+
+
+@pytest.mark.parametrize("gen", MULTIRANK)
+def test_multirank_tier_on_real_ranks(reports, gen):
+    """FastDeploy's own worker loop on 2 real ranks (paddle.distributed.launch, gloo): the tier, gated by the
+    generation's expectations file, is green; each rank loaded its own shard and the ranks agreed where the
+    job got (MR-OWN-SHARD, MR-AGREE-BEFORE-NORMAL ran, pinned flaky: a follower acts on the cell it reads);
+    and MR-FAILURE-EVERY-RANK fails as pinned (a failing rank tells no peer: the peer waits in its barrier)."""
+    code, report, output = reports[f"{gen}:multirank"]
+    assert report is not None and code == 0, f"{gen} -m multirank: exit {code}:\n{output[-3000:]}"
+    rules = {r["id"]: r["status"] for r in report["rules"] if r["id"].startswith("MR-")}
+    assert rules.get("MR-FAILURE-EVERY-RANK") == "expected_failure", f"{gen}: {rules}"
+    ran = {t["rule"] for t in report["tests"] if t["actual"] in ("passed", "failed")}
+    assert {"MR-OWN-SHARD", "MR-AGREE-BEFORE-NORMAL"} <= ran, f"{gen}: MR rules that ran: {sorted(ran)}; {rules}"
 
 
 def test_a_new_regression_turns_the_gate_red(reports):

@@ -281,12 +281,15 @@ def derive(cls) -> Generation:
         capabilities.add("status")
     loop_fn, why = check_function(cls)
     if loop_fn is None:
-        not_claimed["status.cell"] = not_claimed["loop.runner"] = not_claimed["control"] = why
+        not_claimed["status.cell"] = not_claimed["loop.runner"] = not_claimed["control"] = not_claimed["multirank"] = why
     else:
         capabilities |= {"status.cell", "loop.runner"}  # FastDeploy's own check_model_weights_status (loop.py)
         # The API side (EngineClient's clear_load_weight / update_model_weight guards, fd-spec §2.3) is the
         # engine's, outside the manager: the adapter plays it (FastDeployAdapter.control).
         capabilities.add("control")
+        # One session per rank under paddle.distributed (the suite's rank workers): the loop's broadcast of
+        # rank 0's value and FastDeploy's barriers run on the real group (world.py, loop.py).
+        capabilities.add("multirank")
     not_claimed["ipc.meta"] = _ipc_reason(cls)
     not_claimed["ipc.buckets"] = "FastDeploy has no bucket path (fd-spec §3.7)"
     return Generation(params, runner_finalizes, levels, frozenset(capabilities), not_claimed, tuple(notes))

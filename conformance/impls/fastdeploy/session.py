@@ -52,7 +52,7 @@ from conformance.adapter import LoaderConfig, LoadEvent, Observed, observe_paddl
 from . import loop
 from .generation import Generation, constructor_kwargs
 from .stubs import CLEARED, CLEARING, NORMAL, UPDATING
-from .world import WORKER_ENV, fd_config, worker_world
+from .world import WORKER_ENV, bounded, fd_config, real_group, worker_world
 
 STATUS_NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", CLEARING: "CLEARING", CLEARED: "CLEARED"}
 _pids = itertools.count(1)
@@ -138,6 +138,10 @@ class FastDeploySession:
         self.cell_name = self.kv_cell_name = None
         self._cell = None
         tensor_parallel = _tensor_parallel(self.env, options.get("tp_size"))
+        # A rank of several under paddle.distributed (the multirank tier): barriers and the loop's broadcast
+        # on the real group, bounded by the process group's timeout (world.py).
+        self.real_ranks = real_group()
+        self.group_timeout_s = float(options.get("agree_timeout_s") or 30.0)
         if options.get("status_cell") is not None:
             self.pid = loop.cell_suffix(options["status_cell"])
             self.cell_name = options["status_cell"]
@@ -175,7 +179,8 @@ class FastDeploySession:
             self._events.append(LoadEvent(src_type, source))
 
         stack = contextlib.ExitStack()
-        stack.enter_context(worker_world(self.env, self.config.shared_dir, load_hook=load, groups=groups))
+        stack.enter_context(worker_world(self.env, self.config.shared_dir, load_hook=load, groups=groups,
+                                         real_ranks=self.real_ranks, group_timeout_s=self.group_timeout_s))
         stack.enter_context(observe_applied(getattr(sys.modules.get(self._cls.__module__), "logger", None), applied))
         return stack
 
@@ -233,7 +238,19 @@ class FastDeploySession:
             raise NotImplementedError(f"FastDeploy adapter: no worker loop to drive ({why})")
         if self._cell is not None:
             raise ValueError("FastDeploy adapter: the worker loop needs options['status_cell'], the engine's status cell")
+        if sync is None and self.real_ranks:
+            sync = self._broadcast_rank0  # worker_process.py broadcasts rank 0's value to the others
         return loop.iteration(self, fn, run_model, block=block, sync=sync, runner=runner)
+
+    def _broadcast_rank0(self, value: int) -> int:
+        """worker_process.py's ``paddle.distributed.broadcast`` of the status from rank 0, on the real group,
+        within the process group's timeout."""
+        import paddle
+        import paddle.distributed as dist
+
+        box = paddle.to_tensor(np.array([value], np.int32))
+        bounded(lambda: dist.broadcast(box, src=0), self.group_timeout_s, "paddle.distributed.broadcast")
+        return int(box.numpy()[0])
 
     def observe(self) -> dict[str, Observed]:
         return observe_paddle({name: p for model in self.models for name, p in model.state_dict().items()})

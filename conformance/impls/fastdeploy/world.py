@@ -9,9 +9,14 @@
   other path changes. An exception leaving the call has the same mapping applied to its message, so it
   names the file the suite wrote (FastDeploy's message names the directory it read, which in production
   is that file).
-* Barriers. DWM-0 calls ``paddle.distributed.barrier()`` whenever the world size is above 1; the suite
-  runs one worker at a time with no process group, so for the call a barrier returns at once, as if the
-  other ranks had arrived.
+* Barriers. DWM-0 calls ``paddle.distributed.barrier()`` whenever the world size is above 1, later
+  generations ``barrier(tp_group)`` / ``barrier(ep_group)`` when those groups have several ranks. Without a
+  process group (one worker at a time, the quick run) a barrier returns at once, as if the other ranks had
+  arrived. On real ranks (the ``multirank`` tier: ``paddle.distributed`` initialized, world size above 1,
+  the tensor-parallel group the whole world; the session says so, ``real_ranks``) it is the default group's
+  real barrier, with the process group's timeout the engine configures: ``group_timeout_s`` (the job's
+  ``agree_timeout_s``). A barrier
+  that times out raises ``TimeoutError`` in FastDeploy's call, as a gloo or NCCL timeout does.
 * Loads. ``load_hook(path, configs, real_load)`` sees every ``paddle.load`` (after mapping) and decides
   what it returns; ``watch(how, path)`` is told of every lookup (``exists``, ``glob``, ``load``).
 * Communication groups. ``paddle.distributed.shutdown_process_group`` and ``restart_process_group`` (the
@@ -71,7 +76,8 @@ def _apply_env(values: dict) -> None:
 
 
 @contextlib.contextmanager
-def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None, groups=None):
+def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None, groups=None, real_ranks: bool = False,
+                 group_timeout_s: float = 30.0):
     """Patch the process for one call into FastDeploy (see the module docstring); undo it after."""
     import paddle
 
@@ -109,6 +115,8 @@ def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None, groups=
             loading.pop()
 
     def barrier(*args, **kwargs):
+        if real_ranks:  # the default group: the tensor-parallel group is the whole world (module docstring)
+            bounded(real["barrier"], group_timeout_s, "paddle.distributed.barrier")
         return None
 
     def group_call(how):
@@ -135,6 +143,37 @@ def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None, groups=
             else:
                 setattr(dist, name, real[key])
         _apply_env(saved_env)
+
+
+def real_group() -> bool:
+    """True on a real rank of several: ``paddle.distributed`` initialized with a world size above 1."""
+    import paddle.distributed as dist
+
+    return bool(dist.is_initialized()) and dist.get_world_size() > 1
+
+
+def bounded(call, timeout_s: float, what: str):
+    """``call()`` on the default group within ``timeout_s`` (the process group's timeout): the collective
+    runs on a daemon thread, and a timeout raises ``TimeoutError`` naming it. A collective left pending
+    breaks the group, as a real timeout does: the ranks' harness then sees its own collectives fail."""
+    import threading
+
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = call()
+        except BaseException as e:  # noqa: BLE001 (re-raised on the caller's thread)
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name=f"fastdeploy-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what}: the other ranks did not arrive within {timeout_s:g}s (the process group's timeout)")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
 
 
 def group_name(group) -> str:
