@@ -336,6 +336,13 @@ td.cell a { color: inherit; }
 """
 
 
+def page_head(title: str, css: str) -> list[str]:
+    """The opening lines of a standalone page (doctype to the ``<h1>``), the matrix's and the history's."""
+    return ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+            '<meta name="viewport" content="width=device-width, initial-scale=1">',
+            f"<title>{esc(title)}</title><style>{css}</style></head><body>", f"<h1>{esc(title)}</h1>"]
+
+
 def render(reports: list[Report], title: str = "Conformance matrix") -> str:
     rows = rows_of(reports)
     # grid[i][j]: (class, rule or None) of row i, report j
@@ -344,13 +351,8 @@ def render(reports: list[Report], title: str = "Conformance matrix") -> str:
     shown_counts = [(k, label) for k, label in COUNTS
                     if k in ALWAYS_COUNTED or any(c[k] for c in per_col)]
 
-    out = []
+    out = page_head(title, CSS)
     w = out.append
-    w("<!DOCTYPE html>")
-    w('<html lang="en"><head><meta charset="utf-8">')
-    w('<meta name="viewport" content="width=device-width, initial-scale=1">')
-    w(f"<title>{esc(title)}</title><style>{CSS}</style></head><body>")
-    w(f"<h1>{esc(title)}</h1>")
     suites = sorted({_text(r.run_info.get('suite_version')) for r in reports} - {""})
     w(f'<p class="sub">{len(rows)} rules by {len(reports)} implementation run(s)'
       + (f"; suite version {esc(', '.join(suites))}" if suites else "")

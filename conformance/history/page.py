@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .. import matrix
-from ..matrix import CELL_KINDS, LEVELS, RULE_WIDTH, cell_class, cell_text, cell_tooltip, esc, title_html
+from ..matrix import CELL_KINDS, LEVELS, RULE_WIDTH, cell_class, cell_text, cell_tooltip, esc, page_head, title_html
 
 COLUMN_WIDTH = 150
 TITLE_IN_CELL = 60  # characters of a commit title shown in a changed cell (the tooltip has it whole)
@@ -35,13 +35,8 @@ def _arrow(old: str, new: str) -> str:
 def render(title: str, versions, results: dict, rows, reports, verdicts, changes, source: str) -> str:
     """The page. ``results`` maps a version's index to its runs.Result (absent: not run)."""
     at = {(c.rule, c.index): c for c in changes}
-    out: list[str] = []
+    out = page_head(title, CSS)
     w = out.append
-    w("<!DOCTYPE html>")
-    w('<html lang="en"><head><meta charset="utf-8">')
-    w('<meta name="viewport" content="width=device-width, initial-scale=1">')
-    w(f"<title>{esc(title)}</title><style>{CSS}</style></head><body>")
-    w(f"<h1>{esc(title)}</h1>")
     runs = sum(1 for r in reports if r is not None)
     w(f'<p class="sub">{len(rows)} rules by {len(versions)} versions of {esc(source)} (oldest first), '
       f"{runs} with a report; {len(changes)} verdict change(s). A blue bar marks a cell whose verdict differs "
