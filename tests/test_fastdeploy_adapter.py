@@ -204,6 +204,11 @@ def test_multirank_tier_on_real_ranks(reports, gen):
     assert rules.get("MR-FAILURE-EVERY-RANK") == "expected_failure", f"{gen}: {rules}"
     ran = {t["rule"] for t in report["tests"] if t["actual"] in ("passed", "failed")}
     assert {"MR-OWN-SHARD", "MR-AGREE-BEFORE-NORMAL"} <= ran, f"{gen}: MR rules that ran: {sorted(ran)}; {rules}"
+    # The flaky pins allow the race's outcome (the job broke at an update: a rank left), never a rank that
+    # crashed on a healthy step (the adapter or the harness broken: the pins would hide it).
+    crashed = [f"{t['nodeid']}: {t['message'][:300]}" for t in report["tests"]
+               if t["rule"] in ("MR-OWN-SHARD", "MR-AGREE-BEFORE-NORMAL") and "crashed" in (t["message"] or "")]
+    assert not crashed, f"{gen}: a rank crashed:\n" + "\n".join(crashed)
 
 
 def test_a_new_regression_turns_the_gate_red(reports):
