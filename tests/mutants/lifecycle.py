@@ -399,3 +399,60 @@ class TraceAccumulates(Mutant):
                     self.trace[:0] = earlier
 
         return _manager_patch(Manager)
+
+
+# -- every update, not only the first (LIFE-EVERY-UPDATE) ------------------------------------------------
+class CommitFirstLoadOnly(Mutant):
+    id = "commit_first_load_only"
+    bug = ("the commit (verification, the ranks' agreement, the version, NORMAL) runs for the first load only, "
+           "as checkpoint-engine's barrier held for the first update only: later updates land their bytes and "
+           "never commit, so the worker stays UPDATING")
+    kills = frozenset({"LIFE-EVERY-UPDATE"})
+    zoo_args = ("-k", "every_update")
+
+    def patches(self):
+        class Manager(_manager.WeightManager):
+            def finalize(self):
+                if self.first_load:
+                    super().finalize()
+
+        return _manager_patch(Manager)
+
+
+class SnapshotPlannedOnce(Mutant):
+    id = "snapshot_planned_once"
+    bug = ("the snapshot's files are planned at the first load and the plan kept for the run (the file set taken "
+           "as fixed): a later update with another part count reads parts that are gone and misses new ones")
+    kills = frozenset({"LIFE-EVERY-UPDATE"})
+    zoo_args = ("-k", "every_update")
+
+    def patches(self):
+        from reference import snapshot as _snapshot
+
+        real, plans = _snapshot.plan_snapshot, {}
+
+        def plan_snapshot(model_dir, listing, shared_dir, shared_listing, rank, gpu_id):
+            key = (model_dir, shared_dir, rank, gpu_id)
+            if key not in plans:
+                plans[key] = real(model_dir, listing, shared_dir, shared_listing, rank, gpu_id)
+            return plans[key]
+
+        return {"reference.snapshot.plan_snapshot": plan_snapshot}
+
+
+class StreamFillsEmptyOnly(Mutant):
+    id = "stream_fills_empty_only"
+    bug = ("the streamed update writes only parameters that hold nothing (the bootstrap load's rule applied to "
+           "every update): the first load lands, every in-place update after it changes nothing")
+    kills = frozenset({"LIFE-EVERY-UPDATE"})
+    zoo_args = ("-k", "every_update")
+
+    def patches(self):
+        from reference import rsync as _rsync
+
+        real = _rsync.store
+
+        def store(received, params, bootstrap):
+            real({k: t for k, t in received.items() if not params[k]._is_initialized()}, params, bootstrap)
+
+        return {"reference.rsync.store": store}
