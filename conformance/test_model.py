@@ -112,6 +112,21 @@ def test_transform_applied_once_per_update(route, path, updates):
             _served_once(session, model, st, f"{where}, update {version} of {updates}")
 
 
+@pytest.mark.rule("MODEL-SAME-WEIGHTS")
+@pytest.mark.parametrize("path", cases(extra=POST))
+def test_reloading_the_served_weights_changes_nothing(route, path):
+    rt = route(path)
+    model = _model(rt)
+    session = rt.open(model)
+    st = TT.sent(model, 1)
+    where = _cycle(rt, model, 1, tensors=st, clear=False)
+    _served_once(session, model, st, f"{where}: the first load")
+    for update in (1, 2):  # the served weights sent again (a trainer's retry, an RL step that changed nothing), twice
+        again = {name: array.copy() for name, array in st.items()}
+        where = _cycle(rt, model, 1 + update, tensors=again)
+        _served_once(session, model, st, f"{where}: update {update} of 2 carries exactly the served weights")
+
+
 @pytest.mark.rule("MODEL-TRANSFORM-FROZEN")
 @pytest.mark.parametrize("path,updates", cases(2, extra=POST))
 def test_frozen_draft_is_not_transformed_again(route, path, updates):

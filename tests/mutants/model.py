@@ -333,3 +333,57 @@ class DeclarationUnchecked(Mutant):
 
         return {"reference.transforms.plan": plan, "reference.transforms.is_frozen": lambda m: False}
 
+
+
+# -- the served weights sent again (MODEL-SAME-WEIGHTS) -----------------------------------------------------
+def _raw(tensor) -> bytes:
+    """A tensor's bytes as loaded (b"" for a zero-element one)."""
+    return b"" if 0 in tuple(tensor.shape) else tensor.numpy().tobytes()
+
+
+class SkipUnchangedTensors(Mutant):
+    id = "skip_unchanged_tensors"
+    bug = ("an update copies only the tensors whose bytes differ from what it applied last time (a shortcut for "
+           "RL steps that change few weights), even after a clear emptied the parameters: reloading the served "
+           "weights leaves every one of them empty")
+    kills = frozenset({"MODEL-SAME-WEIGHTS"})
+    zoo_args = ("-k", "reloading_the_served")
+
+    def patches(self):
+        from reference import apply as _apply
+
+        real, last = _apply.apply_tensors, {}
+
+        def apply_tensors(targets, tensors, source, land=None):
+            def changed():
+                for name, tensor in tensors:
+                    raw = _raw(tensor)
+                    if last.get(name) != raw:
+                        last[name] = raw
+                        yield name, tensor
+
+            return real(targets, changed(), source, land)
+
+        return {"reference.apply.apply_tensors": apply_tensors}
+
+
+class TransformSkippedWhenUnchanged(Mutant):
+    id = "transform_skipped_when_unchanged"
+    bug = ("the post-load transpose runs only for weights whose loaded bytes changed since the last update (they "
+           "were transposed then, so why again): reloading the served weights serves them untransposed")
+    kills = frozenset({"MODEL-SAME-WEIGHTS"})
+    zoo_args = ("-k", "reloading_the_served")
+
+    def patches(self):
+        seen: dict[int, bytes] = {}
+
+        def after_load(post):
+            todo = []
+            for t in post.transposes:
+                raw = _raw(t.param)
+                if seen.get(id(t.param)) != raw:
+                    todo.append(t)
+                seen[id(t.param)] = raw
+            _real_after_load(_transforms.PostLoad(todo, post.derived))
+
+        return {"reference.transforms.after_load": after_load}
