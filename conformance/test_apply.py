@@ -8,6 +8,7 @@ the safetensors library (and ``paddle.save`` for the fallback), never by the imp
 names sort as they are listed (``embed`` < ``layers`` < ``norm``), so "first", "middle" and "last"
 hold for a loader reading a file in name order; cases at every position cover other orders.
 """
+import logging
 import os
 import re
 
@@ -313,6 +314,52 @@ def test_unknown_names_are_ignored(loader, source, layout):
     where = f"{source} {paths} with extra tensors {sorted(extras)}"
     check.params_equal(observed, want, where)
     check.equal(sorted(observed), sorted(want), f"{where}: parameter names after the update")
+
+
+UNKNOWN_CASES = [
+    case("single", "mixed", id="single"),
+    case("legacy", "mixed", id="legacy"),
+    case("shared", "mixed", id="shared-fallback"),
+    case("part0", "own-part", id="first-of-3-parts-only-extras"),
+    case("part2", "own-part", id="last-of-3-parts-only-extras"),
+    case("parts", "mixed", id="extras-spread-over-3-parts"),
+    pytest.param("ipc", "mixed", marks=pytest.mark.requires("ipc.meta"), id="ipc-metas"),
+]
+
+
+def _named(name: str, text: str) -> bool:
+    """``name`` as a whole name in ``text`` (``embed`` inside ``embed.weight`` does not count)."""
+    return re.search(r"(?<![\w.])" + re.escape(name) + r"(?![\w.])", text) is not None
+
+
+@pytest.mark.rule("APPLY-UNKNOWN-REPORTED")
+@pytest.mark.parametrize("source,layout", UNKNOWN_CASES)
+def test_unknown_names_are_reported_by_name(loader, caplog, source, layout):
+    """The update that ignores them names every ignored tensor, as a whole name, in a record at WARNING or above
+    (any logger)."""
+    want = M.state(SPEC, version=1)
+    extras = M.state(EXTRAS_PICKLABLE if S.writes_pickle(source) or source == "ipc" else EXTRAS, version=5)
+    caplog.set_level(logging.WARNING)  # root logger: whatever logger the implementation uses
+    if source == "ipc":
+        from fixtures import ipc as I
+
+        export = I.Export({**want, **extras}, device_id=0)
+        try:
+            paths = [I.write_metas(I.meta_path(loader.shared_dir, 0), export.metas)]
+            session = loader.open(SPEC, strategy="ipc")
+            session.update()
+        finally:
+            export.close()
+    else:
+        paths = _write(loader, source, {**want, **extras}, focus=list(extras) if layout == "own-part" else ())
+        session = loader.open(SPEC)
+        session.update()
+    where = f"{source} {[os.path.basename(p) for p in paths]} with extra tensors {sorted(extras)}"
+    check.params_equal(session.observe(), want, where)
+    records = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    silent = [name for name in sorted(extras) if not any(_named(name, m) for m in records)]
+    check.that(not silent, f"{where}: ignored tensors no record at WARNING or above names: {silent} "
+                           f"(the update's records at that level: {records[:5]})")
 
 
 MISSING = {

@@ -207,8 +207,9 @@ class WeightManager:
         span.end()
         if seen == 0:
             raise ValueError(f"No parameter found in state dict from {source or label} ({label})")
-        for name in unknown:
-            log.debug("Ignoring unmatched %s param: %s", label, name)
+        if unknown:  # ignored as the contract says (APPLY-UNKNOWN-IGNORED), never silently (APPLY-UNKNOWN-REPORTED)
+            log.warning("Ignored %d tensor(s) from %s that no parameter takes: %s", len(unknown), source or label,
+                        ", ".join(unknown))
         self.trace.append(LoadEvent(label, source, applied, seen))
         log.info("Updated %d/%d parameters from %s source %s", applied, seen, label, source)
         return applied

@@ -456,3 +456,57 @@ class StreamFillsEmptyOnly(Mutant):
             real({k: t for k, t in received.items() if not params[k]._is_initialized()}, params, bootstrap)
 
         return {"reference.rsync.store": store}
+
+
+# -- ignored names reported (APPLY-UNKNOWN-REPORTED) ---------------------------------------------------
+class _IgnoredReport:
+    """``reference.manager.log`` with its report of ignored tensors rewritten by ``rewrite(args)``: None
+    drops to DEBUG, else the new (format, *args) at WARNING; every other record as it was."""
+
+    def __init__(self, rewrite):
+        self.rewrite = rewrite
+
+    def warning(self, msg, *args, **kwargs):
+        if isinstance(msg, str) and msg.startswith("Ignored "):
+            new = self.rewrite(args)
+            if new is None:
+                return _manager.log.debug(msg, *args, **kwargs)
+            return _manager.log.warning(*new, **kwargs)
+        return _manager.log.warning(msg, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(_manager.log, name)
+
+
+class UnknownNamesAtDebug(Mutant):
+    id = "unknown_names_at_debug"
+    bug = "ignored tensors are logged at DEBUG, one line each, as FastDeploy does: a drifted name goes unseen"
+    kills = frozenset({"APPLY-UNKNOWN-REPORTED"})
+    zoo_args = ("-k", "unknown_names")
+
+    def patches(self):
+        return {"reference.manager.log": _IgnoredReport(lambda args: None)}
+
+
+class UnknownNamesFirstOnly(Mutant):
+    id = "unknown_names_first_only"
+    bug = "the warning names the first ignored tensor only ('3 tensors ignored, e.g. X'): the others go unseen"
+    kills = frozenset({"APPLY-UNKNOWN-REPORTED"})
+    zoo_args = ("-k", "unknown_names")
+
+    def patches(self):
+        def rewrite(args):
+            count, source, names = args
+            return ("%d tensor(s) ignored from %s, e.g. %s", count, source, names.split(", ")[0])
+
+        return {"reference.manager.log": _IgnoredReport(rewrite)}
+
+
+class UnknownNamesCounted(Mutant):
+    id = "unknown_names_counted"
+    bug = "the warning gives how many tensors were ignored, not which: the operator cannot tell what drifted"
+    kills = frozenset({"APPLY-UNKNOWN-REPORTED"})
+    zoo_args = ("-k", "unknown_names")
+
+    def patches(self):
+        return {"reference.manager.log": _IgnoredReport(lambda args: ("%d tensor(s) ignored from %s", args[0], args[1]))}
