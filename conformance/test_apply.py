@@ -292,18 +292,19 @@ EXTRAS = M.spec(
 EXTRAS_PICKLABLE = M.ModelSpec(tuple(p for p in EXTRAS.main if not p.dtype.startswith("float8")))
 
 
+# Where extras sit: the snapshot levels (ipc metas: test_ipc_meta.py, and APPLY-UNKNOWN-REPORTED below).
+UNKNOWN_SNAPSHOT_CASES = [
+    case("single", "mixed", id="single"),
+    case("legacy", "mixed", id="legacy"),
+    case("shared", "mixed", id="shared-fallback"),
+    case("part0", "own-part", id="first-of-3-parts-only-extras"),
+    case("part2", "own-part", id="last-of-3-parts-only-extras"),
+    case("parts", "mixed", id="extras-spread-over-3-parts"),
+]
+
+
 @pytest.mark.rule("APPLY-UNKNOWN-IGNORED")
-@pytest.mark.parametrize(
-    "source,layout",
-    [
-        case("single", "mixed", id="single"),
-        case("legacy", "mixed", id="legacy"),
-        case("shared", "mixed", id="shared-fallback"),
-        case("part0", "own-part", id="first-of-3-parts-only-extras"),
-        case("part2", "own-part", id="last-of-3-parts-only-extras"),
-        case("parts", "mixed", id="extras-spread-over-3-parts"),
-    ],
-)
+@pytest.mark.parametrize("source,layout", UNKNOWN_SNAPSHOT_CASES)
 def test_unknown_names_are_ignored(loader, source, layout):
     want = M.state(SPEC, version=1)
     extras = M.state(EXTRAS_PICKLABLE if S.writes_pickle(source) else EXTRAS, version=5)
@@ -316,15 +317,7 @@ def test_unknown_names_are_ignored(loader, source, layout):
     check.equal(sorted(observed), sorted(want), f"{where}: parameter names after the update")
 
 
-UNKNOWN_CASES = [
-    case("single", "mixed", id="single"),
-    case("legacy", "mixed", id="legacy"),
-    case("shared", "mixed", id="shared-fallback"),
-    case("part0", "own-part", id="first-of-3-parts-only-extras"),
-    case("part2", "own-part", id="last-of-3-parts-only-extras"),
-    case("parts", "mixed", id="extras-spread-over-3-parts"),
-    pytest.param("ipc", "mixed", marks=pytest.mark.requires("ipc.meta"), id="ipc-metas"),
-]
+UNKNOWN_CASES = UNKNOWN_SNAPSHOT_CASES + [pytest.param("ipc", "mixed", marks=pytest.mark.requires("ipc.meta"), id="ipc-metas")]
 
 
 def _named(name: str, text: str) -> bool:
