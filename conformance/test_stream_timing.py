@@ -7,7 +7,7 @@ import pytest
 
 from conformance import check, harness
 from conformance.plugin import ADAPTER_KEY
-from conformance.stream_support import FAULT_TIMEOUT_S, STRATEGY_CAPS, case, open_stream, reraise
+from conformance.stream_support import STRATEGY_CAPS, case, open_stream, reraise
 from fixtures import models as M
 from fixtures import streams as S
 
@@ -18,10 +18,15 @@ TIMING_SPEC_PARAMS = (("model.layers.0.q.weight", "bfloat16", (4, 4)), ("model.l
 TIMING_PHASES = {"before-first": 0, "mid": 1, "after-last": 3}
 VERSION = "31"  # the version every timing worker asks for: a timeout's message names it
 HANG_CAP_S = 3.0  # the stand-in's session deadline: a hanging library gives up on its own after this
+# The library's per-item wait here, and the slow trainer's lateness per reply: each reply 0.28 s inside the wait
+# (a starved trainer thread on a loaded machine stays healthy), 0.48 s in all, over it (a loader that
+# bounds the whole stream by the per-item wait fails the slow case). The stalls all wait it out together.
+TIMING_WAIT_S = 0.4
+SLOW_PAUSE_S = 0.12
 TIMING_SCRIPTS = {
     **{f"stall-{p}": dict(fault=("stall", k)) for p, k in TIMING_PHASES.items()},
     **{f"hang-{p}": dict(fault=("hang", k)) for p, k in TIMING_PHASES.items()},
-    "slow-but-healthy": dict(pause_s=0.05),  # 4 replies, each 0.05 s late: 0.2 s in all, over the 0.15 s wait
+    "slow-but-healthy": dict(pause_s=SLOW_PAUSE_S),  # 4 replies, each 0.12 s late: 0.48 s in all, over the 0.4 s wait
     "gone-after-end": dict(fault=("die-after-end", 3)),
 }
 
@@ -63,7 +68,7 @@ def stream_timing(request, tmp_path_factory):
                     atomic = strategy == "rsync"  # its failures must leave version 1 whole: load it first
                     trainer.serve(*([S.stream_of(states[0])] if atomic else []), S.stream_of(states[1], **script),
                                   S.stream_of(states[2]))
-                    session, _ = open_stream(loader, trainer, spec, strategy, version=VERSION, timeout_s=FAULT_TIMEOUT_S,
+                    session, _ = open_stream(loader, trainer, spec, strategy, version=VERSION, timeout_s=TIMING_WAIT_S,
                                              session_total_timeout_s=HANG_CAP_S)
                     if atomic:
                         session.update()
@@ -107,7 +112,7 @@ PHASE_CASES = [f"{kind}-{p}" for kind in ("stall",) for p in TIMING_PHASES] + ["
 @pytest.mark.parametrize("name", PHASE_CASES)
 def test_rsync_silence_at_every_phase(stream_timing, name):
     """rsync: silent before the first item, mid-stream or after the last item; slow (each reply 0.05 s
-    late: 0.2 s in all, over the 0.15 s wait); gone right after the end."""
+    late: 0.48 s in all, over the 0.4 s wait); gone right after the end."""
     judge_timing(stream_timing[("rsync", name)], atomic=True)
 
 
@@ -123,6 +128,6 @@ def test_gdr_silence_at_every_phase(stream_timing, name):
 @pytest.mark.parametrize("name", [f"hang-{p}" for p in TIMING_PHASES])
 @pytest.mark.parametrize("strategy", [case("rsync", extra=("status",)), case("gdr", extra=("status",))])
 def test_hung_library_does_not_hang_the_update(stream_timing, strategy, name):
-    """A library that hangs (its own 0.15 s wait never fires; it gives up after 3 s) before the first item,
+    """A library that hangs (its own 0.4 s wait never fires; it gives up after 3 s) before the first item,
     mid-stream or after the last item."""
     judge_timing(stream_timing[(strategy, name)], atomic=strategy == "rsync")
