@@ -97,9 +97,9 @@ def trainer_signals(on_sigterm, parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the orchestrator died before the death signal was armed: nothing is
+        os._exit(143)                # created yet, and no exit handler of the forked parent's may run here
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-    if os.getppid() != parent_pid:  # the orchestrator died before the death signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def hold(phase: str, who: str) -> None:
