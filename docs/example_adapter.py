@@ -180,7 +180,10 @@ def read_header(path: str) -> tuple[list, tuple]:
 
 def check_against(params: dict, entries: list, path: str) -> None:
     """Dtype first (TypeError), then shape (ValueError), naming the tensor and the file. Names the
-    model does not have are ignored."""
+    model does not have are ignored, and named in a warning (a trainer's names may have drifted)."""
+    unknown = [name for name, *_ in entries if name not in params]
+    if unknown:
+        log.warning("%s: ignoring %d tensor(s) the model does not have: %s", path, len(unknown), ", ".join(unknown))
     for name, dtype, shape, _, _ in entries:
         param = params.get(name)
         if param is None:
