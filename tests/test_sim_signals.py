@@ -316,19 +316,29 @@ def test_sim_ranks_interrupted_leaves_no_process(how):
     session of its own) and the trainers gone, its directory removed. SIGKILL of the orchestrator: nothing can
     clean up for it, yet every process it started leaves within seconds (the ranks see it gone, the trainers get
     SIGTERM from the kernel) instead of polling on, re-parented to init."""
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="wrk"))
-    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, *RANKS_RUN], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
     children = []
-    try:
+    for attempt in (1, 2):
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix="wrk"))
+        env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen([sys.executable, *RANKS_RUN], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         text, deadline = "", time.monotonic() + 240
         while "bucket: cycle 1/20" not in text:
             ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
             line = proc.stdout.readline() if ready else ""
             if not line:
-                pytest.fail(f"sim.ranks never reached its first cycle:\n{text[-3000:]}")
+                break
             text += line
+        if "bucket: cycle 1/20" in text:
+            break
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        # Paddle's rendezvous can abort before any rank joins (its TCPStore's libuv server, seen once in CI): a
+        # start-up of the launcher, not this test's subject; one more start, never more.
+        if attempt == 2 or "no joined event" not in text:
+            pytest.fail(f"sim.ranks never reached its first cycle (attempt {attempt}):\n{text[-3000:]}")
+    try:
         children = psutil.Process(proc.pid).children(recursive=True)
         ranks = [c for c in children if "rank_worker.py" in " ".join(c.cmdline()) and "paddle.distributed.launch" not in c.cmdline()]
         assert len(ranks) == 2, f"expected 2 rank workers among {[c.cmdline() for c in children]}"
