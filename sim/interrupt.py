@@ -91,15 +91,43 @@ def blocked():
 
 
 def trainer_signals(on_sigterm, parent_pid: int) -> None:
-    """In a trainer: ignore SIGINT, run ``on_sigterm`` on SIGTERM, get SIGTERM when the orchestrator
-    dies, then unblock both (a SIGTERM that arrived during start-up is delivered now)."""
+    """In a trainer: ignore SIGINT, run ``on_sigterm`` on SIGTERM (once: a second SIGTERM must not interrupt the
+    first one's unwinding), get SIGTERM when the orchestrator dies, then unblock both (a SIGTERM that arrived
+    during start-up is delivered now)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, on_sigterm)
+    install_sigterm(on_sigterm)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # the orchestrator died before the death signal was armed: nothing is
         os._exit(143)                # created yet, and no exit handler of the forked parent's may run here
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+    # The death signal alone is not enough: trainers of a SIGKILLed orchestrator were seen alive, re-parented,
+    # SIGTERM caught and none pending. A watcher sends the SIGTERM itself when the parent is gone and no
+    # SIGTERM came within a second, and ends the process if the handler has not within a grace period.
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+
+
+_sigterm_seen = threading.Event()
+
+
+def install_sigterm(on_sigterm) -> None:
+    """SIGTERM runs ``on_sigterm`` the first time only (again after a library replaced the handler)."""
+    def handler(signum, frame):
+        if _sigterm_seen.is_set():
+            return
+        _sigterm_seen.set()
+        on_sigterm(signum, frame)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _watch_parent(parent_pid: int, interval_s: float = 0.2, wait_s: float = 1.0, grace_s: float = 5.0) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(interval_s)
+    if not _sigterm_seen.wait(wait_s):
+        os.kill(os.getpid(), signal.SIGTERM)  # the trainer's own handler: unlink what it made, then leave
+    time.sleep(grace_s)
+    os._exit(143)
 
 
 def hold(phase: str, who: str) -> None:

@@ -208,7 +208,7 @@ def serve(config: dict) -> None:
         from .ipc_handles import phi_dtype_codes
 
         phi_dtype_codes()  # Paddle imported now, not inside the first update
-        signal.signal(signal.SIGTERM, _on_sigterm)  # Paddle's import set a C handler that dumps a stack and dies
+        interrupt.install_sigterm(_on_sigterm)  # Paddle's import set a C handler that dumps a stack and dies
         source = MetaShard(config["shared_dir"], config["gpu"])
     else:
         source = BucketShard(config["endpoint"], config["bucket_bytes"], config["timeout_s"], config["slow_pause_s"])

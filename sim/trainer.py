@@ -270,7 +270,7 @@ def trainer_main(cfg: TrainerConfig) -> None:
             from wire.handles import phi_dtype_codes
 
             phi_dtype_codes()  # imports Paddle now rather than inside the first timed update
-            signal.signal(signal.SIGTERM, _on_sigterm)  # Paddle's import set a C handler that dumps a stack and dies
+            interrupt.install_sigterm(_on_sigterm)  # Paddle's import set a C handler that dumps a stack and dies
         for version in cfg.versions:
             state = make_state(cfg, version)
             _status(status, type="ready", rank=cfg.rank, version=version, pid=os.getpid())
