@@ -353,6 +353,10 @@ def test_unknown_names_are_reported_by_name(loader, caplog, source, layout):
     silent = [name for name in sorted(extras) if not any(_named(name, m) for m in records)]
     check.that(not silent, f"{where}: ignored tensors no record at WARNING or above names: {silent} "
                            f"(the update's records at that level: {records[:5]})")
+    files = [os.path.basename(p) for p in paths]
+    naming = [m for m in records if any(_named(name, m) for name in extras)]
+    check.that(not naming or any(f in m for m in naming for f in files),
+               f"{where}: the records naming the ignored tensors do not name the file they came from ({files}): {naming[:3]}")
 
 
 MISSING = {
