@@ -4,8 +4,11 @@
 
 Each line of LINES_FILE is ``MUTANT_NAME<TAB>KIND<TAB>REASON`` (KIND: equivalent | out-of-scope), for a
 mutant of the last ``mutmut run`` in ``mutants/``. The entry records the mutated function and the diff's
-changed lines (what ``mutation.report`` matches on), never mutmut's number. Names already justified
-with the same change are skipped.
+changed lines and the function's hash (``context``: what ``mutation.report`` matches on), never mutmut's
+number. Names already justified with the same change in the same code are skipped.
+
+KIND ``equivalent`` only with an argument a reader can check against the code; anything observable
+through the adapter is a test to write instead.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ def main(argv=None) -> int:
         return 2
     os.chdir(REPO)
     results = {r.name: r for r in load_results()}
-    have = {(e["function"], e["change"]) for e in load_justified()}
+    have = {(e["function"], e["change"], e["context"]) for e in load_justified()}
     missing = [name for name, _, _ in wanted if name not in results]
     if missing:
         print(f"not mutants of the last run: {missing[:10]}", file=sys.stderr)
@@ -42,11 +45,14 @@ def main(argv=None) -> int:
     with open(JUSTIFIED, "a", encoding="utf-8") as out:
         for name, kind, reason in wanted:
             r = results[name]
-            if (r.function, r.change) in have:
+            if not r.context:
+                print(f"{name}: mutmut recorded no hash of its function; rerun mutmut", file=sys.stderr)
+                return 2
+            if (r.function, r.change, r.context) in have:
                 continue
-            have.add((r.function, r.change))
+            have.add((r.function, r.change, r.context))
             out.write(f"\n[[mutant]]  # {name}\nfunction = {json.dumps(r.function)}\n"
-                      f"change = {_toml_string(r.change)}\nkind = {json.dumps(kind)}\n"
+                      f"change = {_toml_string(r.change)}\ncontext = {json.dumps(r.context)}\nkind = {json.dumps(kind)}\n"
                       f"reason = {json.dumps(reason.strip(), ensure_ascii=False)}\n")
             added += 1
     print(f"added {added} justification(s) to {os.path.relpath(JUSTIFIED, REPO)}")

@@ -7,11 +7,20 @@
 A survivor is a mutant that no conformance test fails: ``survived``, ``no tests`` (no test reaches the
 code) or ``suspicious``. Each must be killed by a sharper test or justified in ``justified.toml`` as
 ``equivalent`` (no behaviour changes) or ``out-of-scope`` (a behaviour the suite deliberately does not
-judge), with a one-line reason. A justification names the mutated function and the diff's changed lines,
-not mutmut's number, so it survives renumbering and goes stale, loudly, when the code it covers changes.
+judge), with a one-line reason. A justification names the mutated function, the diff's changed lines and
+``context``, mutmut's hash of the whole unmutated function (mutation/current.py), never mutmut's number:
+it survives renumbering, and it goes stale, loudly, as soon as the function it was written for changes
+in any way, so a reason written for old code never excuses a mutant of new code.
 
-Score = detected / (all - equivalent), where detected = killed, timeout, segfault. The run fails (exit 1)
-below ``--target`` (default 0.90) or with any unjustified survivor or stale justification.
+An ``equivalent`` entry claims no behaviour changes: its reason must be an argument a reader can check
+against the code. A behaviour observable through the adapter is a test to write, never an entry; one the
+adapter cannot observe (a default no caller takes, a message's prose) is ``out-of-scope``.
+
+Score = detected / (all - equivalent), where detected = killed, timeout, segfault; the report also gives
+detected / all (killed over all mutants). The run fails (exit 1) below ``--target`` (default 0.90) or
+with any unjustified survivor or stale justification. The stale check runs on every report, ``--only``
+included: every entry must match a mutant of today's code (generated in memory), and every entry in the
+report's scope must match one of its survivors.
 """
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ class Result:
     name: str  # reference.buckets.x_stage_bucket__mutmut_12
     status: str
     diff: str
+    context: str = ""  # mutmut's hash of the unmutated function (current.CurrentMutant.context)
 
     @property
     def function(self) -> str:
@@ -67,7 +77,8 @@ def load_results(with_diffs: bool = True) -> list[Result]:
         for name, code in data.exit_code_by_key.items():
             status = status_by_exit_code[code]
             diff = get_diff_for_mutant(name, path=data.path) if with_diffs and status in SURVIVOR else ""
-            out.append(Result(name, status, diff))
+            function = name.rsplit("__mutmut_", 1)[0].rpartition(".")[2]
+            out.append(Result(name, status, diff, data.hash_by_function_name.get(function, "")))
     return out
 
 
@@ -75,7 +86,7 @@ def load_justified(path: str = JUSTIFIED) -> list[dict]:
     with open(path, "rb") as f:
         entries = tomllib.load(f).get("mutant", [])
     for i, e in enumerate(entries):
-        missing = [k for k in ("function", "change", "kind", "reason") if not str(e.get(k, "")).strip()]
+        missing = [k for k in ("function", "change", "context", "kind", "reason") if not str(e.get(k, "")).strip()]
         if missing:
             raise ValueError(f"{path}: entry {i} ({e.get('function')}) lacks {missing}")
         if e["kind"] not in KINDS:
@@ -84,29 +95,33 @@ def load_justified(path: str = JUSTIFIED) -> list[dict]:
     return entries
 
 
-def judge(results: list[Result], justified: list[dict], target: float) -> dict:
+def judge(results: list[Result], justified: list[dict], target: float, in_scope=lambda e: True) -> dict:
+    """The verdict of one run. An entry in scope (all, or those of an ``--only`` run's functions) that
+    excuses none of the run's survivors is stale: its mutant is killed now, or its code changed."""
     by_key = defaultdict(list)
     for e in justified:
-        by_key[(e["function"], e["change"])].append(e)
+        by_key[(e["function"], e["change"], e["context"])].append(e)
     used: set[int] = set()
     survivors, excused = [], []
     for r in results:
         if r.status not in SURVIVOR:
             continue
-        match = by_key.get((r.function, r.change))
+        match = by_key.get((r.function, r.change, r.context))
         if match:
             used.update(id(e) for e in match)
             excused.append((r, match[0]))
         else:
             survivors.append(r)
-    stale = [e for e in justified if id(e) not in used]
+    stale = [e for e in justified if id(e) not in used and in_scope(e)]
     counts = Counter(r.status for r in results)
     equivalent = sum(1 for _, e in excused if e["kind"] == "equivalent")
     detected = sum(counts[s] for s in DETECTED)
     denominator = len(results) - equivalent - counts["skipped"]
     score = detected / denominator if denominator else 0.0
     ok = score >= target and not survivors and not stale
+    killed_over_all = detected / len(results) if results else 0.0
     return {"counts": dict(counts), "total": len(results), "detected": detected, "equivalent": equivalent,
+            "killed_over_all": killed_over_all,
             "out_of_scope": sum(1 for _, e in excused if e["kind"] == "out-of-scope"), "score": score,
             "target": target, "ok": ok, "survivors": survivors, "excused": excused, "stale": stale}
 
@@ -124,14 +139,15 @@ def write_report(verdict: dict, path: str, command: str, baseline: dict | None) 
         f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by `{command}` (mutmut {mutmut_version()}; "
         "tests: `pytest conformance --impl=reference`, configured in pyproject.toml `[tool.mutmut]`).",
         "",
-        "| | mutants | detected | equivalent | out of scope | unjustified survivors | score |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| | mutants | detected | equivalent | out of scope | unjustified survivors | detected / all | score |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     if baseline:
         lines.append(f"| before (issue 6 baseline) | {baseline['total']} | {baseline['detected']} | - | - | "
-                     f"{baseline['survivors']} | {baseline['score']:.1%} |")
+                     f"{baseline['survivors']} | {baseline['score']:.1%} | {baseline['score']:.1%} |")
     lines.append(f"| now | {verdict['total']} | {verdict['detected']} | {verdict['equivalent']} | "
-                 f"{verdict['out_of_scope']} | {len(verdict['survivors'])} | **{verdict['score']:.1%}** |")
+                 f"{verdict['out_of_scope']} | {len(verdict['survivors'])} | **{verdict['killed_over_all']:.1%}** | "
+                 f"**{verdict['score']:.1%}** |")
     perf = sum(1 for _, e in verdict["excused"] if e["kind"] == "equivalent" and "performance only" in e["reason"])
     if perf:
         strict = verdict["detected"] / max(verdict["total"] - verdict["equivalent"] + perf, 1)
@@ -145,7 +161,7 @@ def write_report(verdict: dict, path: str, command: str, baseline: dict | None) 
         for r in verdict["survivors"]:
             lines += [f"### `{r.name}` ({r.status})", "", "```diff", r.diff, "```", ""]
     if verdict["stale"]:
-        lines += ["## Stale justifications (no current mutant matches)", ""]
+        lines += ["## Stale justifications (no survivor of this run, or no mutant of today's code, matches)", ""]
         lines += [f"- `{e['function']}`: {e['change']!r}" for e in verdict["stale"]] + [""]
     if verdict["excused"]:
         lines += ["## Justified survivors", "", "| mutant | kind | change | reason |", "|---|---|---|---|"]
@@ -177,14 +193,22 @@ def main(argv=None) -> int:
         if code != 0:
             print(f"mutmut run failed (exit {code}); see mutants-run.log", file=sys.stderr)
             return 2
-    results = load_results()
-    if args.only:
-        import fnmatch
+    import fnmatch
 
+    from .current import generate, stale_entries
+
+    results = load_results()
+    in_scope = lambda e: True  # noqa: E731
+    if args.only:
         results = [r for r in results if any(fnmatch.fnmatch(r.name, g) for g in args.only)]
-    verdict = judge(results, load_justified(), args.target)
-    if args.only:  # a subset cannot judge justifications of the rest
-        verdict["stale"] = []
+        functions = {r.function for r in results}
+        in_scope = lambda e: e["function"] in functions  # noqa: E731
+    justified = load_justified()
+    verdict = judge(results, justified, args.target, in_scope)
+    # Entries outside the run's scope are still judged against today's code: none may outlive its code.
+    seen = {id(e) for e in verdict["stale"]}
+    verdict["stale"] += [e for e in stale_entries(justified, generate()) if id(e) not in seen]
+    verdict["ok"] = verdict["ok"] and not verdict["stale"]
     baseline = json.load(open(BASELINE)) if os.path.exists(BASELINE) else None
     command = "python -m mutation.report" + (" --run" if args.run else "") + "".join(f" --only {g}" for g in args.only)
     write_report(verdict, args.report, command, baseline)
@@ -194,7 +218,8 @@ def main(argv=None) -> int:
                       | {"survivors": [r.name for r in verdict["survivors"]]}, f, indent=2)
     print(f"mutants {verdict['total']}, detected {verdict['detected']}, equivalent {verdict['equivalent']}, "
           f"out of scope {verdict['out_of_scope']}, unjustified survivors {len(verdict['survivors'])}, "
-          f"stale justifications {len(verdict['stale'])}: score {verdict['score']:.1%} (target {args.target:.0%})")
+          f"stale justifications {len(verdict['stale'])}: detected over all {verdict['killed_over_all']:.1%}, "
+          f"score {verdict['score']:.1%} (target {args.target:.0%})")
     for r in verdict["survivors"]:
         print(f"  survivor {r.name} ({r.status}): {r.change!r}")
     print(f"report: {os.path.relpath(args.report, REPO)}")
