@@ -22,6 +22,16 @@ status cell, which the loop sets CLEARING before a clear and UPDATING before an 
 ``loop.runner`` is never passed either (docs/adapters.md, SPEC.md STATUS-REQUESTS-CLEARED, -COMM-GROUPS,
 -KV-CELL, -ONCE-PER-REQUEST).
 
+Serving (capability ``serve``): ``session.serve(fn)`` runs ``fn()`` as one forward pass of a request, the way
+the engine runs one, and returns what it returns. The suite calls it from threads of its own while another
+thread calls ``clear()`` and ``update()``; its ``fn`` reads every parameter of the layers handed to ``open``,
+one layer at a time, pausing between them. A pass in flight when a clear or an update begins must return
+before any byte changes (the change waits for it: drained); a pass that arrives once a change began (by the
+time ``status()`` leaves NORMAL), through CLEARED, until the update after it commits, waits and then runs on
+the new version (held), or, if that update fails, until one commits; a pass before the first load waits for
+it; otherwise a pass runs at once, beside the others. Never refuse a pass, and never run one on cleared or partly loaded parameters (SPEC.md
+SERVE-NO-MIXED-VERSIONS).
+
 Optional session methods, each behind its capability: ``digest()`` (``digest.model``: the model digest
 of the parameters as landed, ``{"model": {alg: hex}, "tensors": {name: {alg: hex}}}`` with ``xxh3`` and
 ``md5``, SPEC.md § DIGEST) and ``debug_digest(tensor)`` (``digest.debug``: FastDeploy's debug digest

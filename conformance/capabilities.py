@@ -41,6 +41,9 @@ CAPABILITIES = {
     "staged": "options['staged'] = True: nothing is adopted before the whole update is complete and agreed",
     "version": "session.version() reports the version of the last committed update (from the bucket manifests, "
     "or version.yaml's step beside the snapshot or the meta file)",
+    "serve": "session.serve(fn) runs fn() as one forward pass of a request, the way the engine runs one: a pass "
+    "in flight when a clear or an update begins returns before any byte changes (drained); one arriving from then "
+    "until the update commits waits and runs on the new version (held) (SPEC.md SERVE-NO-MIXED-VERSIONS)",
     "multirank": "sessions run one per rank under paddle.distributed (gloo on CPU): ranks agree through the "
     "default process group before CLEARED or NORMAL, each collective bounded by options['agree_timeout_s']",
 }

@@ -47,6 +47,12 @@ class ReferenceSession:
     def version(self):
         return self.manager.version
 
+    def serve(self, fn):
+        """Capability ``serve``: ``fn()`` is one forward pass, run under the request gate
+        (``reference.request_gate``: drained before a change, held from a change to the commit)."""
+        with self.manager.requests.forward():
+            return fn()
+
     def phases(self) -> dict[str, float]:
         """Seconds per span of the last clear/update cycle (``reference.phases``; benchmarks only)."""
         return dict(self.manager.phases)
@@ -89,6 +95,7 @@ class ReferenceAdapter:
             "staged",
             "version",
             "multirank",
+            "serve",
         }
     )
     session_class = ReferenceSession

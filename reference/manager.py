@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import paddle
 
 from . import apply, commit, hooks, identity, restart, transforms
+from .request_gate import RequestGate
 from . import digest as _digest
 from .agreement import Agreement
 from .phases import Phases, pulled
@@ -80,6 +81,8 @@ class WeightManager:
         self.post_load = transforms.plan(self.model_list)  # MODEL-*: declared post-load steps
         self.hooks = hooks.Hooks()  # MODEL-HOOKS: stale-state hooks an engine registers
         self.status = Status.CLEARED if not apply.still_loaded(self.params) else Status.NORMAL
+        # SERVE-NO-MIXED-VERSIONS: forward passes (the engine's requests) against clears and updates
+        self.requests = RequestGate(served=self.status == Status.NORMAL)
         self.trace: list[LoadEvent] = []
         self.last_error: BaseException | None = None
         self.commit_options = commit.CommitOptions.parse(self.options)
@@ -119,8 +122,10 @@ class WeightManager:
     def clear(self, publish: bool = True) -> None:
         """``publish=False``: write nothing to the cell (a restarted worker releasing what the cell
         already says is released, ``reference.restart``)."""
+        self.requests.shut()  # before the status says so: a forward that sees CLEARING is held
         self.status = Status.CLEARING
         self.phases = Phases()
+        self.requests.drain()  # every forward in flight returns on the weights it started with
         try:
             span = self.phases.span("clear")
             for param in self.params.values():
@@ -160,7 +165,9 @@ class WeightManager:
                 )
             if self.status != Status.CLEARED:
                 self.phases = Phases()  # no clear() started this cycle's spans
+            self.requests.shut()  # (shut since the clear, unless the update is in place)
             self.status = Status.UPDATING
+            self.requests.drain()
             self.trace = []
             self.last_error = None
             transforms.before_load(self.post_load)
@@ -243,6 +250,7 @@ class WeightManager:
         self._committed = True
         self.status = Status.NORMAL
         hooks.after_commit(self)  # after the commit, never after a failure; a failing hook leaves NORMAL
+        self.requests.open()  # the held forwards run on the new version, stale state reset
         self.cell.publish(Status.NORMAL, self.first_load)  # so the cell never says NORMAL for a failed hook
         self.first_load = False
         span.end()

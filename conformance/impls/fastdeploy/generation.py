@@ -292,4 +292,8 @@ def derive(cls) -> Generation:
         capabilities.add("multirank")
     not_claimed["ipc.meta"] = _ipc_reason(cls)
     not_claimed["ipc.buckets"] = "FastDeploy has no bucket path (fd-spec §3.7)"
+    # SERVE-NO-MIXED-VERSIONS: the manager has no request gate; the engine keeps forward passes off a change by
+    # running both in the worker's one loop (fd-spec §2.4-2.5), which is not the class's to be driven through.
+    not_claimed["serve"] = ("the manager serves no requests: the worker's loop runs forward passes and changes in "
+                            "one thread and stops its requests before a change (fd-spec §2.4-2.5), outside this class")
     return Generation(params, runner_finalizes, levels, frozenset(capabilities), not_claimed, tuple(notes))
