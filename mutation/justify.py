@@ -1,6 +1,7 @@
 """Append justifications for surviving mutants to ``mutation/justified.toml``.
 
     python -m mutation.justify LINES_FILE
+    python -m mutation.justify --reviewed FUNCTION...   # after reading each entry of FUNCTION against its new code
 
 Each line of LINES_FILE is ``MUTANT_NAME<TAB>KIND<TAB>REASON`` (KIND: equivalent | out-of-scope), for a
 mutant of the last ``mutmut run`` in ``mutants/``. The entry records the mutated function and the diff's
@@ -23,8 +24,37 @@ def _toml_string(text: str) -> str:
     return '"""\n' + text.replace("\\", "\\\\").replace('"""', '\\"""') + '\n"""'
 
 
+def reviewed(functions: list[str]) -> int:
+    """Stamp today's hash on the entries of FUNCTIONS, whose reasons a reader checked against the function
+    as it is now (it changed, so they went stale): prints each entry so the commit shows what was vouched for."""
+    from .current import function_hashes
+
+    hashes = function_hashes({f.rpartition(".")[0] for f in functions})
+    unknown = [f for f in functions if f not in hashes]
+    if unknown:
+        print(f"no such function today: {unknown}", file=sys.stderr)
+        return 2
+    with open(JUSTIFIED, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    current, stamped = None, 0
+    for i, line in enumerate(lines):
+        if line.startswith("function = "):
+            current = json.loads(line.removeprefix("function = "))
+        elif line.startswith("context = ") and current in functions:
+            if lines[i] != f"context = {json.dumps(hashes[current])}":
+                lines[i] = f"context = {json.dumps(hashes[current])}"
+                stamped += 1
+                print(f"{current}: reviewed, context {hashes[current]}")
+    with open(JUSTIFIED, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+    print(f"{stamped} entr{'y' if stamped == 1 else 'ies'} stamped with today's context")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--reviewed"]:
+        return reviewed(argv[1:])
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
