@@ -62,7 +62,7 @@ def pytest_addoption(parser):
     group.addoption("--update-expectations", default=None, metavar="PATH",
                     help="write a candidate expectations file for this run's failures to PATH")
     group.addoption("--hosts", type=int, default=1, choices=(1, 2),
-                    help="the multirank (and cycles) tier's job on this many hosts: 2 runs it as 2 hosts x 2 ranks, "
+                    help="the multi-rank job (tier multirank) on this many hosts: 2 runs it as 2 hosts x 2 ranks, "
                     "two network namespaces joined by a veth pair (needs root), one paddle.distributed.launch "
                     "--nnodes 2 on each, so that local rank != global rank on the second host; default 1")
     group.addoption("--list-rules", action="store_true", default=False,
