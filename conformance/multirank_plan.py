@@ -19,6 +19,11 @@ ver   what the trainers publish                           what it proves
 10    healthy                                              recovery
 ====  ==================================================  ===========================================
 
+On two hosts (``--hosts 2``: two network namespaces, ``sim.hosts``) the job is 2 hosts x 2 ranks: ranks 2
+and 3 on the second host are its local ranks 0 and 1, on the same physical GPUs (4, 2) as ranks 0 and 1;
+"rank 1" above is then the last rank, 3, on the second host. Before the paths, every rank also loads its
+own shard at each snapshot level from one directory holding every rank's (SNAP-RANK-OWN-SHARD).
+
 then ``CYCLES`` healthy cycles when the cycle tier is selected (resources after the first and the last),
 and last, on the bucket path, a trainer that never answers: its rank stays in its transfer past the
 agreement's deadline while the other waits at the agreement. A rank's failure must reach every rank,
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 from sim.ranks import Job, PathPlan, Step, default_params
 
-RANKS = 2
+RANKS = 2  # per host
 MODEL_MIB = 4.0  # per rank; a leak of one shard per cycle is then far beyond 2% of a rank's memory
 CYCLES = 20
 AGREE_TIMEOUT_S = 4.0
@@ -36,23 +41,30 @@ TRANSFER_TIMEOUT_S = 1.0
 STALL_TIMEOUT_S = 8.0  # the stalled rank's own transfer deadline: well past the agreement's
 PATH_CAPS = {"snapshot": "snapshot.parts", "meta": "ipc.meta", "bucket": "ipc.buckets"}
 NEEDS = ("multirank", "status.cell")
-KILL_RANK = {"snapshot": 1, "meta": 1, "bucket": 0}  # bucket: rank 1 has the long (stall) deadline
-HANG_RANK = 1
-SLOW_CLEAR_RANK = 1  # not the rank that writes the cell
+LEVEL_CAPS = {"parts": "snapshot.parts", "single": "snapshot.single", "legacy": "snapshot.legacy",
+              "shared": "snapshot.shared_fallback"}
+# The rank of each role is the last rank (1 on one host, 3 on the second of two): never rank 0, which
+# writes the cell, and on two hosts a rank whose local rank (1) is not its global one.
+KILL_FIRST = ("bucket",)  # bucket: the last rank has the long (stall) deadline, so rank 0's trainer is killed
 LAST_STEP = 10
 
 
-def steps(path: str) -> list[Step]:
+def last_rank(ranks: int = RANKS) -> int:
+    return ranks - 1
+
+
+def steps(path: str, ranks: int = RANKS) -> list[Step]:
     # The kill comes early: its trainer is replaced by a fresh process, which has published several
     # versions by the time the cycles measure it (its allocator settles after its first two).
-    return [Step(1), Step(2, slow_rank=1 if path == "bucket" else None, slow_clear_rank=SLOW_CLEAR_RANK),
-            Step(3, "kill", KILL_RANK[path]), Step(4), Step(5, "missing", 1), Step(6), Step(7, "bad-dtype", 0), Step(8),
-            Step(9, "partial", 1), Step(10)]
+    last = last_rank(ranks)
+    return [Step(1), Step(2, slow_rank=last if path == "bucket" else None, slow_clear_rank=last),
+            Step(3, "kill", 0 if path in KILL_FIRST else last), Step(4), Step(5, "missing", last), Step(6),
+            Step(7, "bad-dtype", 0), Step(8), Step(9, "partial", last), Step(10)]
 
 
-def plans(paths, cycles: int, hang: bool, staged: bool) -> list[PathPlan]:
-    return [PathPlan(path, default_params(MODEL_MIB), steps(path), cycles=cycles,
-                     hang_rank=HANG_RANK if hang and path == "bucket" else None,
+def plans(paths, cycles: int, hang: bool, staged: bool, ranks: int = RANKS) -> list[PathPlan]:
+    return [PathPlan(path, default_params(MODEL_MIB), steps(path, ranks), cycles=cycles,
+                     hang_rank=last_rank(ranks) if hang and path == "bucket" else None,
                      options={"staged": True} if staged else {})
             for path in PATH_CAPS if path in paths]
 
@@ -63,16 +75,23 @@ def run(adapter, config, selected) -> dict:
     caps = set(adapter.capabilities)
     markexpr = config.getoption("markexpr", "") or ""
     wanted = [i for i in selected if any(m.name in markexpr for m in i.iter_markers() if m.name in ("multirank", "cycles"))]
+    hosts = config.getoption("--hosts")
     paths = {i.callspec.params.get("path") for i in wanted if hasattr(i, "callspec")}
     paths = {p for p in paths if p in PATH_CAPS and PATH_CAPS[p] in caps}
-    if not paths or not set(NEEDS) <= caps:
+    # The snapshot levels every rank loads before the paths: only on two hosts (on one, local and global
+    # ranks are one, and the quick run's SNAP-RANK-OWN-SHARD covers it).
+    levels = {i.callspec.params.get("level") for i in wanted if hasattr(i, "callspec") and i.get_closest_marker("hosts")}
+    levels = [lvl for lvl in LEVEL_CAPS if lvl in levels and LEVEL_CAPS[lvl] in caps] if hosts > 1 else []
+    if not (paths or levels) or not set(NEEDS) <= caps:
         return {"skipped": "no selected test needs the job"}
     rules = {m.args[0] for i in wanted for m in i.iter_markers("rule")}
     cycles = CYCLES if any(r.startswith("CYCLE-") for r in rules) else 0
     impl = config.getoption("--impl")
     impl_opts = dict(kv.partition("=")[::2] for kv in config.getoption("--impl-opt"))
-    job = Job(impl, plans(paths, cycles, "MR-DEADLINE" in rules, "staged" in caps), ranks=RANKS, impl_opts=impl_opts,
-              agree_timeout_s=AGREE_TIMEOUT_S, transfer_timeout_s=TRANSFER_TIMEOUT_S, stall_timeout_s=STALL_TIMEOUT_S)
+    ranks = RANKS * hosts
+    job = Job(impl, plans(paths, cycles, "MR-DEADLINE" in rules, "staged" in caps, ranks), ranks=ranks, impl_opts=impl_opts,
+              agree_timeout_s=AGREE_TIMEOUT_S, transfer_timeout_s=TRANSFER_TIMEOUT_S, stall_timeout_s=STALL_TIMEOUT_S,
+              hosts=hosts, levels=levels, snapshot_formats=getattr(adapter, "snapshot_formats", None))
     result = job.run()
     result["version_claimed"] = "version" in caps  # the ranks report version() only where it is claimed
     return result

@@ -61,6 +61,10 @@ def pytest_addoption(parser):
                     "passes, or an entry that matches no test, fails the run")
     group.addoption("--update-expectations", default=None, metavar="PATH",
                     help="write a candidate expectations file for this run's failures to PATH")
+    group.addoption("--hosts", type=int, default=1, choices=(1, 2),
+                    help="the multi-rank job (tier multirank) on this many hosts: 2 runs it as 2 hosts x 2 ranks, "
+                    "two network namespaces joined by a veth pair (needs root), one paddle.distributed.launch "
+                    "--nnodes 2 on each, so that local rank != global rank on the second host; default 1")
     group.addoption("--list-rules", action="store_true", default=False,
                     help="list the rules (id, level, area, capabilities, title) of the collected tests and exit")
 
@@ -275,6 +279,9 @@ def _skip_unselected_tier(item) -> None:
     for tier in TIERS:
         if item.get_closest_marker(tier) is not None and tier not in expression:
             pytest.skip(f"tier {tier} not selected: run it with `pytest conformance --impl=NAME -m {tier}` (README)")
+    # A test only two hosts can prove (local rank != global rank) runs with --hosts 2 alone.
+    if item.get_closest_marker("hosts") is not None and item.config.getoption("--hosts") < 2:
+        pytest.skip("runs on two hosts only: `pytest conformance --impl=NAME -m multirank --hosts 2` (README)")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -5,6 +5,10 @@ Tier ``multirank``: skipped in the quick run, run with ``pytest conformance --im
 One job (``multirank_plan``: its steps, faults and deadlines) runs once per session; each test judges
 one rule on one path from what every rank reported, what every trainer sent, and the status cell's
 history (read every 0.2 ms by the orchestrator).
+
+With ``--hosts 2`` the job is 2 hosts x 2 ranks (two network namespaces joined by a veth pair, one
+``paddle.distributed.launch --nnodes 2`` on each): every test runs there, ranks 2 and 3 being local ranks 0
+and 1 of the second host, and the ``hosts`` tests (SNAP-RANK-OWN-SHARD on every snapshot level) run only there.
 """
 import pytest
 
@@ -169,3 +173,30 @@ def test_failure_on_one_rank_changes_no_rank(rank_job, path):
             loaded = sorted(n for n, d in event["digests"].items() if d is not None)
             check.that(not loaded, f"{path}: version {version} with {fault} on rank {s['rank']}: rank {r} holds "
                        f"{loaded} after the failed staged update (every parameter was cleared before it)")
+
+
+@pytest.mark.rule("SNAP-RANK-OWN-SHARD")
+@pytest.mark.hosts
+@pytest.mark.parametrize("level", [pytest.param(lvl, marks=pytest.mark.requires(*P.NEEDS, cap), id=lvl)
+                                   for lvl, cap in P.LEVEL_CAPS.items()])
+def test_every_rank_on_every_host_loads_its_own_shard(rank_job, level):
+    """2 hosts x 2 ranks, every rank's shard at ``level`` in one directory (the legacy level, keyed by the
+    GPU alone: each host's own): ranks 2 and 3 (local ranks 0 and 1, on the same physical GPUs as ranks 0
+    and 1) each end with their own shard, never the one of the rank whose number is their local rank."""
+    result = (rank_job.get("levels") or {}).get(level)
+    if result is None:
+        raise AssertionError(f"the multi-rank job has no result for level {level}: "
+                             f"{rank_job.get('error') or rank_job.get('skipped') or 'not run'}")
+    harness._calls["adapter"] += len(result["got"])  # each rank opened and updated a session
+    _every_rank(rank_job, result["got"], f"{level} on {rank_job.get('hosts', 1)} hosts")
+    per_host = rank_job["ranks"] // rank_job.get("hosts", 1)
+    sent = {int(r): d for r, d in result["sent"].items()}
+    for rank, event in sorted(result["got"].items(), key=lambda kv: int(kv[0])):
+        rank = int(rank)
+        host, local = divmod(rank, per_host)
+        at = (f"{level}: rank {rank} (host {host + 1} of {rank_job.get('hosts', 1)}, local rank {local}, physical GPU {rank_job['visible'][rank]}) "
+              f"with every rank's shard beside its own")
+        check.that(not event.get("error"), f"{at}: update() raised {event.get('error')}")
+        check.equal(event["digests"], sent[rank], f"{at}: sha256 of every parameter vs its own shard's")
+        if local != rank:
+            check.that(event["digests"] != sent[local], f"{at}: it holds rank {local}'s shard (its local rank taken for its global one)")

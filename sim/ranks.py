@@ -14,6 +14,11 @@ NORMAL that lasts a moment is still seen. Every wait has a deadline; the job's r
 (the MR and CYCLE rules, ``benchmarks/rank_cycle.py``).
 
     python -m sim.ranks --path snapshot --path meta --path bucket --ranks 2 --cycles 3
+    python -m sim.ranks --hosts 2          # two hosts x two ranks (network namespaces; root)
+
+On two hosts (``sim.hosts``) each host runs its own ``paddle.distributed.launch --nnodes 2`` in its
+network namespace, the master on the first host's address; the trainers stay in this process's
+namespace (the ranks reach them through ``ipc://`` files and ``/dev/shm``, which namespaces share).
 
 SIGINT (Ctrl-C) and SIGTERM end a job at any step with exit status 130 and 143: the launcher and the
 ranks are killed, the trainers (which ignore SIGINT, and get SIGTERM if this process dies) stopped, the
@@ -42,6 +47,7 @@ import zmq
 
 from wire import protocol
 
+from . import hosts as netns
 from . import interrupt, leftovers
 from .ipc_handles import SHM_DIR
 from .trainer import sweep_segments
@@ -52,6 +58,7 @@ STRATEGIES = {"snapshot": "ipc_snapshot", "meta": "ipc", "bucket": "ipc_bucket"}
 TERMINAL = ("left", "crashed", "watchdog", "exit")
 NORMAL, UPDATING, CLEARING, CLEARED = 0, 1, -1, -2
 HOLD_S = 0.3  # how long a step's slow_clear_rank is held inside its clear
+MASTER_PORT = 6170  # the launchers' master on the first host (a namespace of this job's own: the port is free)
 
 
 class JobError(RuntimeError):
@@ -234,11 +241,11 @@ def process_resources(pid: int) -> dict:
 
 # -- what the ranks report --------------------------------------------------------------------------
 class Events:
-    def __init__(self, run_dir: str, ranks: int, log_dir: str):
+    def __init__(self, run_dir: str, ranks: int, log_dir: str, hosts: int = 1):
         self.paths = [os.path.join(run_dir, f"rank{r}.jsonl") for r in range(ranks)]
         self.offsets = [0] * ranks
         self.pending: list[list[dict]] = [[] for _ in range(ranks)]
-        self.log_dir = log_dir
+        self.log_dir, self.per_host, self.hosts = log_dir, ranks // hosts, hosts
         self.all: list[list[dict]] = [[] for _ in range(ranks)]
 
     def _poll(self, rank: int) -> None:
@@ -269,7 +276,8 @@ class Events:
             time.sleep(0.002)
 
     def log_tail(self, rank: int, chars: int = 2500) -> str:
-        path = os.path.join(self.log_dir, f"workerlog.{rank}")
+        host, local = divmod(rank, self.per_host)  # a launcher names its ranks' logs by their local rank
+        path = os.path.join(self.log_dir, f"h{host}" if self.hosts > 1 else "", f"workerlog.{local}")
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
                 return f"--- {path} (tail) ---\n" + f.read()[-chars:]
@@ -282,16 +290,36 @@ class Job:
     def __init__(self, impl: str, plans: list[PathPlan], *, ranks: int = 2, impl_opts: dict | None = None,
                  block: bool = False, agree_timeout_s: float = 3.0, transfer_timeout_s: float = 0.5,
                  stall_timeout_s: float = 5.0, step_timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
-                 slow_pause_s: float = 0.05, keep: bool = False, progress=None, fast_fill: bool = False):
+                 slow_pause_s: float = 0.05, keep: bool = False, progress=None, fast_fill: bool = False,
+                 hosts: int = 1, levels: tuple = (), levels_params: list | None = None, start_timeout_s: float = 120.0,
+                 snapshot_formats: dict | None = None):
         self.phase = "start-up"  # what the job is doing (the last progress line): an interruption names it
         self.impl, self.plans, self.ranks = impl, plans, ranks
+        if hosts < 1 or ranks % hosts:
+            raise ValueError(f"{ranks} ranks cannot be spread evenly over {hosts} hosts")
+        # hosts > 1: one network namespace per host (sim.hosts), ranks [h * per_host, (h + 1) * per_host)
+        # on host h, local ranks 0.. there; every host has the same CUDA_VISIBLE_DEVICES.
+        self.hosts, self.per_host = hosts, ranks // hosts
+        self._netns: netns.Hosts | None = None
+        # SNAP-RANK-OWN-SHARD across the job's ranks: before the paths, every rank opens and updates one
+        # session per snapshot level on a directory holding every rank's shard at that level.
+        self.levels, self.levels_params = tuple(levels), levels_params or default_params(0.0625)
+        self.snapshot_formats = dict(snapshot_formats or {})  # the adapter's (legacy: safetensors or paddle.save)
         self.impl_opts = dict(impl_opts or {})
         self.block, self.agree_timeout_s = block, agree_timeout_s
         self.transfer_timeout_s, self.stall_timeout_s = transfer_timeout_s, stall_timeout_s
         self.step_timeout_s, self.bucket_bytes, self.slow_pause_s = step_timeout_s, bucket_bytes, slow_pause_s
+        # Every rank joined the group: four ranks importing Paddle at once on a loaded 2-core machine took 25 s.
+        self.start_timeout_s = max(start_timeout_s, step_timeout_s)
         self.keep, self.fast_fill = keep, fast_fill
         self._progress = progress or (lambda text: None)
-        self.visible = [2 + 2 * (ranks - 1 - r) for r in range(ranks)]  # physical ids: neither rank nor ordinal
+        # Physical ids: neither rank nor ordinal. Each host has the same ones (4,2 on two ranks a host), so
+        # ranks 0 and 2 both sit on physical GPU 4: their snapshot names differ by the global rank alone.
+        self.host_visible = [2 + 2 * (self.per_host - 1 - r) for r in range(self.per_host)]
+        self.visible = [self.host_visible[r % self.per_host] for r in range(ranks)]
+
+    def host_of(self, rank: int) -> int:
+        return rank // self.per_host
 
     def progress(self, text: str) -> None:
         self.phase = text
@@ -304,36 +332,77 @@ class Job:
         paths = []
         for plan in self.plans:
             base = os.path.join(run_dir, plan.path)
-            model_dir, shared_dir = os.path.join(base, "model"), os.path.join(base, "shared")
-            os.makedirs(model_dir)
-            os.makedirs(shared_dir)
+            # The model directory is one for every host (a shared file system: each rank's files are named by
+            # its global rank); the shared directory is each host's own (ipc_metas_{gpu} is keyed by the GPU,
+            # and GPU ids repeat from host to host).
+            model_dir = os.path.join(base, "model")
+            shared_dirs = [os.path.join(base, "shared" if self.hosts == 1 else f"shared.h{h}") for h in range(self.hosts)]
+            for d in [model_dir, *shared_dirs]:
+                os.makedirs(d)
+            shared_dir = shared_dirs[0]
             cell = Cell(NORMAL)
             trainers = []
             for r in range(self.ranks):
                 trainers.append(Trainer({
                     "path": plan.path, "rank": r, "gpu": self.visible[r], "params": plan.params,
-                    "model_dir": model_dir, "shared_dir": shared_dir, "control": f"ipc://{base}/ctl{r}",
+                    "model_dir": model_dir, "shared_dir": shared_dirs[self.host_of(r)], "control": f"ipc://{base}/ctl{r}",
                     "endpoint": f"ipc://{base}/bkt{r}", "bucket_bytes": self.bucket_bytes, "timeout_s": 120.0,
                     "slow_pause_s": self.slow_pause_s, "fast_fill": self.fast_fill,
                 }))
             paths.append({"plan": plan, "cell": cell, "trainers": trainers, "model_dir": model_dir,
-                          "shared_dir": shared_dir, "base": base})
+                          "shared_dir": shared_dir, "shared_dirs": shared_dirs, "base": base})
         return paths
 
-    def _worker_config(self, run_dir: str, paths: list[dict]) -> str:
+    def _setup_levels(self, run_dir: str) -> dict:
+        """Every rank's shard at each of ``self.levels``, in a directory of that level's own: the model
+        directory one for every host (parts and single files are named by the global rank), but each host's
+        own for the legacy level (``tp0{gpu}``: keyed by the GPU alone, which repeats from host to host).
+        Returns {level: {"sent": {rank: sha256 by name}, "dirs": [(model_dir, shared_dir) per host]}}."""
+        from fixtures import snapshot as S
+        from fixtures.models import spec as make_spec
+
+        from .rank_trainer import hashes, shard
+
+        spec = make_spec(*(tuple(p[:2]) + (tuple(p[2]),) for p in self.levels_params))
+        out = {}
+        before = S.legacy_format()
+        S.set_legacy_format(self.snapshot_formats.get("legacy", "safetensors"))  # the format the adapter reads
+        try:
+            for i, level in enumerate(self.levels):
+                base = os.path.join(run_dir, "levels", level)
+                dirs = [(os.path.join(base, "model" if level != "legacy" else f"model.h{h}"), os.path.join(base, "shared"))
+                        for h in range(self.hosts)]
+                for model_dir, shared_dir in dirs:
+                    os.makedirs(model_dir, exist_ok=True)
+                    os.makedirs(shared_dir, exist_ok=True)
+                sent = {}
+                for r in range(self.ranks):
+                    tensors = shard(spec, r, 100 + i, None)
+                    model_dir, shared_dir = dirs[self.host_of(r)]
+                    S.write_level(level, model_dir, shared_dir, r, self.visible[r], tensors)
+                    sent[r] = hashes(tensors)
+                out[level] = {"sent": sent, "dirs": dirs}
+        finally:
+            S.set_legacy_format(before)
+        return out
+
+    def _worker_config(self, run_dir: str, paths: list[dict], host: int = 0, levels: dict | None = None) -> str:
         jobs = []
         for p in paths:
             plan = p["plan"]
             timeouts = [self.stall_timeout_s if r == plan.hang_rank else self.transfer_timeout_s for r in range(self.ranks)]
             jobs.append({"name": plan.path, "path": plan.path, "strategy": STRATEGIES[plan.path], "params": plan.params,
-                         "model_dir": p["model_dir"], "shared_dir": p["shared_dir"], "cell": p["cell"].name,
+                         "model_dir": p["model_dir"], "shared_dir": p["shared_dirs"][host], "cell": p["cell"].name,
                          "endpoints": [f"ipc://{p['base']}/bkt{r}" for r in range(self.ranks)],
                          "transfer_timeouts": timeouts, "options": dict(plan.options)})
         config = {"impl": self.impl, "impl_opts": self.impl_opts, "run_dir": run_dir, "block": self.block,
-                  "orchestrator": os.getpid(),
-                  "agree_timeout_s": self.agree_timeout_s, "visible": ",".join(map(str, self.visible)),
-                  "life_s": 600.0, "jobs": jobs}
-        path = os.path.join(run_dir, "worker.json")
+                  "orchestrator": os.getpid(), "host": host, "start_timeout_s": self.start_timeout_s,
+                  "agree_timeout_s": self.agree_timeout_s, "visible": ",".join(map(str, self.host_visible)),
+                  "life_s": 600.0, "jobs": jobs,
+                  "levels": [{"level": level, "model_dir": v["dirs"][host][0], "shared_dir": v["dirs"][host][1]}
+                             for level, v in (levels or {}).items()],
+                  "levels_params": self.levels_params}
+        path = os.path.join(run_dir, "worker.json" if self.hosts == 1 else f"worker.h{host}.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(config, f)
         return path
@@ -361,10 +430,13 @@ class Job:
     def _revive(self, p: dict) -> dict:
         return {r: t.revive() for r, t in enumerate(p["trainers"]) if not t.alive()}
 
-    def _collect(self, events: Events, job: str | None, kinds: tuple, *, leaving_ok: bool = False) -> dict:
+    def _collect(self, events: Events, job: str | None, kinds: tuple, *, leaving_ok: bool = False,
+                 timeout_s: float | None = None) -> dict:
         """Each rank's next event of ``kinds``. A rank that left the job (or crashed) ends it at once,
         unless ``leaving_ok``: the steps after a rank is gone could only time out."""
-        got = {r: events.next(r, job, kinds, self.step_timeout_s) for r in range(self.ranks)}
+        deadline = time.monotonic() + (timeout_s or self.step_timeout_s)  # one deadline for all ranks' reports
+        got = {r: events.next(r, job, kinds, max(deadline - time.monotonic(), 0.0) if timeout_s else self.step_timeout_s)
+               for r in range(self.ranks)}
         gone = {r: e for r, e in got.items() if e["event"] in TERMINAL and e["event"] not in kinds}
         if gone and not leaving_ok:
             raise JobError(f"{job}: rank(s) {sorted(gone)} left the job while {'/'.join(kinds)} was awaited: "
@@ -448,48 +520,95 @@ class Job:
             watch.close()
         result["ended"] = self._collect(events, job, ("ended",), leaving_ok=plan.hang_rank is not None)
 
+    def _launch_commands(self, configs: list[str], log_dir: str) -> list[tuple[list[str], dict]]:
+        """One ``paddle.distributed.launch`` per host: (command, extra environment)."""
+        launch = [sys.executable, "-m", "paddle.distributed.launch"]
+        tail = ["--max_restart", "0"]
+        if self.hosts == 1:
+            return [(launch + ["--nproc_per_node", str(self.ranks)] + tail + ["--log_dir", log_dir, WORKER, configs[0]], {})]
+        hosts = self._netns
+        master = f"{hosts.addresses[0]}:{MASTER_PORT}"
+        return [(hosts.prefix(h) + launch + ["--nnodes", str(self.hosts), "--rank", str(h), "--host", hosts.addresses[h],
+                                             "--master", master, "--nproc_per_node", str(self.per_host)] + tail
+                 + ["--log_dir", os.path.join(log_dir, f"h{h}"), WORKER, configs[h]],
+                 {"GLOO_SOCKET_IFNAME": hosts.interfaces[h]})  # gloo's own sockets on the veth, not on lo
+                for h in range(self.hosts)]
+
     def run(self) -> dict:
-        run_dir = self._run_dir = tempfile.mkdtemp(prefix=leftovers.run_dir_prefix("ranks"))
+        """The job's result; raises ``sim.hosts.Unavailable`` (before anything is started) when the hosts
+        of a ``hosts > 1`` job cannot be made here."""
+        if self.hosts > 1:
+            self._netns = netns.Hosts.create(self.hosts)
+        try:
+            run_dir = self._run_dir = tempfile.mkdtemp(prefix=leftovers.run_dir_prefix("ranks"))
+        except BaseException:
+            self._remove_hosts()
+            raise
         log_dir = os.path.join(run_dir, "log")
-        paths, launch, result = [], None, {"ranks": self.ranks, "visible": self.visible, "paths": []}
+        paths, launches = [], []
+        result = {"ranks": self.ranks, "hosts": self.hosts, "visible": self.visible, "paths": []}
+        if self._netns is not None:
+            result["addresses"] = self._netns.addresses
         started = time.monotonic()
         try:
             paths = self._setup(run_dir)
-            config = self._worker_config(run_dir, paths)
+            levels = self._setup_levels(run_dir)
+            configs = [self._worker_config(run_dir, paths, h, levels) for h in range(self.hosts)]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-            cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(self.ranks),
-                   "--max_restart", "0", "--log_dir", log_dir, WORKER, config]
-            result["command"] = " ".join(cmd)
-            launch = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-            events = Events(run_dir, self.ranks, log_dir)
+            commands = self._launch_commands(configs, log_dir)
+            result["command"] = " & ".join(" ".join(cmd) for cmd, _ in commands)
+            for cmd, extra in commands:
+                launches.append(subprocess.Popen(cmd, cwd=REPO, env=dict(env, **extra), stdout=subprocess.PIPE,
+                                                 stderr=subprocess.STDOUT, start_new_session=True))
+            events = Events(run_dir, self.ranks, log_dir, self.hosts)
             for p in paths:  # while the ranks start
                 p["first_sent"] = self._publish(p, p["plan"].steps[0])
-            result["joined"] = self._collect(events, None, ("joined",))
+            result["joined"] = self._collect(events, None, ("joined",), timeout_s=self.start_timeout_s)
             result["start_s"] = time.monotonic() - started
+            result["levels"] = {}
+            for level, v in levels.items():
+                self.progress(f"every rank loads its own shard at level {level}")
+                got = self._collect(events, f"level.{level}", ("level",))
+                result["levels"][level] = {"sent": v["sent"], "got": got}
             for p in paths:
                 result["paths"].append({"path": p["plan"].path})
                 self._run_path(events, p, result["paths"][-1])
             result["exit"] = self._collect(events, None, ("exit",), leaving_ok=True)
-            out, _ = launch.communicate(timeout=self.step_timeout_s)
-            result["launch_rc"] = launch.returncode
-            result["launch_tail"] = out.decode(errors="replace")[-3000:]
+            deadline = time.monotonic() + self.step_timeout_s
+            rcs, tails = [], []
+            for launch in launches:
+                out, _ = launch.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                rcs.append(launch.returncode)
+                tails.append(out.decode(errors="replace")[-3000:])
+            result["launch_rc"] = next((rc for rc in rcs if rc != 0), 0)
+            result["launch_rcs"] = rcs
+            result["launch_tail"] = "\n".join(tails)
             result["events"] = events.all
             result["wall_s"] = time.monotonic() - started
             return result
         except JobError as e:
             result["error"] = str(e)  # what ran before it stays in the result
             return result
+        except subprocess.TimeoutExpired as e:
+            result["error"] = f"a launcher did not exit within {self.step_timeout_s:g}s after every rank left: {e}"
+            return result
         finally:
             with interrupt.shielded():  # a signal now is raised once everything is released
-                self._release(launch, paths, run_dir)
+                self._release(launches, paths, run_dir)
 
-    def _release(self, launch, paths: list[dict], run_dir: str) -> None:
-        """Kill the launcher and every rank (the launcher puts each in a session of its own, so killing its
-        group does not reach them), stop the trainers, unlink the cells, remove the run's directory."""
-        if launch is not None and launch.poll() is None:
-            os.killpg(launch.pid, signal.SIGKILL)
-            launch.wait(10)
+    def _remove_hosts(self) -> None:
+        if self._netns is not None:
+            self._netns.remove()
+            self._netns = None
+
+    def _release(self, launches: list, paths: list[dict], run_dir: str) -> None:
+        """Kill the launchers and every rank (a launcher puts each in a session of its own, so killing its
+        group does not reach them), stop the trainers, unlink the cells, remove the run's directory and
+        the hosts' namespaces."""
+        for launch in launches:
+            if launch.poll() is None:
+                os.killpg(launch.pid, signal.SIGKILL)
+                launch.wait(10)
         for pid in _rank_pids(run_dir):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -500,6 +619,7 @@ class Job:
             for t in p["trainers"]:
                 t.stop(graceful)
             p["cell"].unlink()
+        self._remove_hosts()
         if not self.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -508,11 +628,11 @@ def _rank_pids(run_dir: str) -> list[int]:
     """The live rank workers of this job: processes running the worker on this run's configuration."""
     import psutil
 
-    config = os.path.join(run_dir, "worker.json")
+    configs = {os.path.join(run_dir, "worker.json")} | {os.path.join(run_dir, f"worker.h{h}.json") for h in range(16)}
     pids = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info.get("cmdline") or []
-        if config in cmdline and WORKER in cmdline and proc.pid != os.getpid():
+        if configs & set(cmdline) and WORKER in cmdline and proc.pid != os.getpid():
             pids.append(proc.pid)
     return pids
 
@@ -532,7 +652,11 @@ def main(argv=None) -> int:
                                             "driven, 130 SIGINT, 143 SIGTERM")
     parser.add_argument("--impl", default="reference")
     parser.add_argument("--path", action="append", choices=sorted(STRATEGIES), help="repeatable; default all three")
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks per host (default 2)")
+    parser.add_argument("--hosts", type=int, default=1, choices=(1, 2),
+                        help="2: two hosts (network namespaces joined by a veth pair, root only; sim.hosts), one "
+                             "paddle.distributed.launch --nnodes 2 on each: the second host's ranks have local "
+                             "ranks 0.. and global ranks ranks..")
     parser.add_argument("--model-mib", type=float, default=4.0, help="per rank")
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--staged", action="store_true")
@@ -545,10 +669,14 @@ def main(argv=None) -> int:
     if swept:
         print(f"swept {len(swept)} leftover(s) of dead runs: {', '.join(swept[:6])}{' ...' if len(swept) > 6 else ''}",
               file=sys.stderr, flush=True)
-    job = Job(args.impl, plans, ranks=args.ranks, progress=lambda text: print(text, flush=True))
+    ranks = args.ranks * args.hosts
+    job = Job(args.impl, plans, ranks=ranks, hosts=args.hosts, progress=lambda text: print(text, flush=True))
     interrupt.install()
     try:
         result = job.run()
+    except netns.Unavailable as e:
+        print(f"sim.ranks: two hosts cannot be made here: {e}", file=sys.stderr, flush=True)
+        return 2
     except interrupt.Interrupted as e:
         print(f"sim.ranks {e} during {job.phase}: launcher, ranks and trainers stopped, status cells and the run's "
               "directory removed", file=sys.stderr, flush=True)
@@ -562,7 +690,8 @@ def main(argv=None) -> int:
             for r, e in c["update"].items():
                 good = e["event"] == "updated" and e["digests"] == c["sent"][r]
                 ok &= good
-        print(f"{path['path']}: {len(path['cycles'])} cycles on {args.ranks} ranks: "
+        where = f"{ranks} ranks" if args.hosts == 1 else f"{args.hosts} hosts x {args.ranks} ranks"
+        print(f"{path['path']}: {len(path['cycles'])} cycles on {where}: "
               f"{'every shard bit for bit' if ok else 'MISMATCH'}")
     print(f"job: {result['wall_s']:.1f}s (ranks joined after {result['start_s']:.1f}s)")
     if args.json:

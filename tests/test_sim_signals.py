@@ -6,6 +6,7 @@ status is 128 + the signal, within a few seconds (a Ctrl-C used to wait out the 
 report a failed update); no traceback, no Paddle stack dump, no failed update reported; every child
 process gone (psutil), no /dev/shm segment of the run's processes, and the run's directory removed.
 """
+import json
 import os
 import pathlib
 import select
@@ -376,3 +377,74 @@ def test_sim_ranks_help_names_the_command_and_says_what_it_does():
     assert proc.returncode == 0 and flat.startswith("usage: python -m sim.ranks "), proc.stdout
     assert "driven through the shared status cell the way the engine's API drives it." in flat, proc.stdout
     assert "130 SIGINT, 143 SIGTERM" in flat, proc.stdout
+
+
+# -- python -m sim.ranks --hosts 2 ---------------------------------------------------------------------
+def _our_namespaces(pid: int) -> list[str]:
+    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.startswith(f"wscf{pid}h")]
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    from sim.hosts import unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"two hosts need network namespaces, which cannot be made here: {reason}")
+
+
+@pytest.mark.timeout(420)  # four ranks start under two launchers: up to a minute or two on a loaded machine
+def test_sim_ranks_on_two_hosts(two_hosts, tmp_path):
+    """``python -m sim.ranks --hosts 2``: two launchers (``--nnodes 2``), each in a network namespace of its own,
+    the master on the first one's address; ranks 2 and 3 are the second host's local ranks 0 and 1, every shard
+    arrives bit for bit, and the namespaces are gone when it exits."""
+    out = tmp_path / "job.json"
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "sim.ranks", "--hosts", "2", "--path", "snapshot", "--cycles", "2",
+                             "--json", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=360)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{output[-3000:]}"
+    assert "snapshot: 2 cycles on 2 hosts x 2 ranks: every shard bit for bit" in output, output[-3000:]
+    result = json.loads(out.read_text())
+    joined = {int(r): e for r, e in result["joined"].items()}
+    addresses = result["addresses"]
+    assert sorted(joined) == [0, 1, 2, 3] and all(e["world"] == 4 for e in joined.values()), joined
+    assert [(joined[r]["host"], joined[r]["local_rank"]) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)], joined
+    assert all(e["master"].split(":")[0] == addresses[0] for e in joined.values()), (addresses, joined)
+    assert [joined[r]["endpoint"].split(":")[0] for r in range(4)] == [addresses[0]] * 2 + [addresses[1]] * 2, joined
+    assert not _our_namespaces(proc.pid), f"namespaces left: {_our_namespaces(proc.pid)}"
+    assert not list(tmp_path.glob("wscf-ranks-*")), list(tmp_path.iterdir())
+
+
+def test_hosts_of_a_dead_run_are_swept(two_hosts):
+    """A SIGKILLed run cannot remove its namespaces: the next one deletes those whose pid is dead, and no other."""
+    from sim import hosts
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = [f"wscf{dead.pid}h0", f"wscf{os.getpid()}h7"]  # a dead run's, and a live one's (this process)
+    try:
+        for name in names:
+            subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, timeout=10)
+        swept = hosts.sweep_dead()
+        assert f"netns {names[0]}" in swept and _our_namespaces(dead.pid) == [], (swept, _our_namespaces(dead.pid))
+        assert _our_namespaces(os.getpid()) == [names[1]], f"a live run's namespace was swept: {swept}"
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=10)
+
+
+def test_two_hosts_unavailable_names_why(monkeypatch):
+    """Not root: two hosts cannot be made, and the reason names the command and the uid (the tier skips with it)."""
+    from sim import hosts
+
+    monkeypatch.setattr(hosts.os, "geteuid", lambda: 1000)
+    reason = hosts.unavailable()
+    assert reason and "`ip netns add` needs root" in reason and "uid 1000" in reason, reason
