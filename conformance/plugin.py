@@ -268,10 +268,11 @@ def pytest_runtest_setup(item):
                     f"it is judged for the device {adapter.name} serves on ({serves_on}), and this run is on {run_device()}")
 
 
-# Tiers: tests too slow for the quick run (multi-rank jobs under paddle.distributed.launch, many cycles).
+# Tiers: tests too slow for the quick run (multi-rank jobs under paddle.distributed.launch, many cycles,
+# a tensor over 2 GiB).
 # They run when the -m expression names their marker (-m multirank, -m "multirank or cycles"); otherwise
 # they are reported skipped with the command that runs them, never passed.
-TIERS = ("multirank", "cycles", "restart")
+TIERS = ("multirank", "cycles", "restart", "huge")
 
 
 def _skip_unselected_tier(item) -> None:

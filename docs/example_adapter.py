@@ -121,6 +121,21 @@ def _unique(pairs):
     return dict(pairs)
 
 
+def pread_exact(fd: int, n: int, offset: int, path: str) -> bytearray:
+    """``n`` bytes of the file from ``offset``. One read may return fewer bytes than asked (POSIX; Linux
+    never returns more than 0x7ffff000 from one call, FILE-OVER-2GIB): each next read continues where the
+    last one ended; a read that returns nothing means the file ended early (it shrank)."""
+    data = bytearray(n)
+    view, done = memoryview(data), 0
+    while done < n:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise ValueError(f"{path}: the file changed during load (it shrank while being read)")
+        done += got
+    view.release()
+    return data
+
+
 def read_header(path: str) -> tuple[list, tuple]:
     """([(name, dtype, shape, begin, end)], file identity) of a safetensors file, with every check the
     safetensors library makes; offsets are from the start of the file. ValueError names the file."""
@@ -132,10 +147,10 @@ def read_header(path: str) -> tuple[list, tuple]:
             raise ValueError(f"{path}: the file is empty (0 bytes)")
         if size < 8:
             raise ValueError(f"{path}: truncated: expects at least 8 bytes (the header length), file has {size}")
-        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        n = int.from_bytes(pread_exact(fd, 8, 0, path), "little")
         if 8 + n > size:
             raise ValueError(f"{path}: truncated: the header length {n} expects {8 + n} bytes, file has {size}")
-        raw = os.pread(fd, n, 8)
+        raw = pread_exact(fd, n, 8, path)
     finally:
         os.close(fd)
     try:
@@ -204,14 +219,7 @@ def read_tensors(path: str, entries: list, ident: tuple, wanted):
     try:
         if _identity(fd) != ident:
             raise ValueError(f"{path}: the file changed after its header was checked; write it, then update again")
-        data = bytearray(ident[2])
-        view, done = memoryview(data), 0
-        while done < len(data):
-            got = os.preadv(fd, [view[done:]], done)
-            if got == 0:
-                raise ValueError(f"{path}: the file changed during load (it shrank while being read)")
-            done += got
-        view.release()
+        data = pread_exact(fd, ident[2], 0, path)
         if _identity(fd) != ident:
             raise ValueError(f"{path}: the file changed during load; write it, then update again")
     finally:

@@ -75,10 +75,17 @@ def _open_fd(path: str) -> int:
 
 
 def _read_exact(fd: int, offset: int, n: int, path: str) -> bytes:
-    data = os.pread(fd, n, offset)
-    if len(data) != n:
-        raise SnapshotFormatError(f"{path}: file changed during load: the read at offset {offset} ended early (the file shrank)")
-    return data
+    """``n`` bytes at ``offset``: one ``pread`` may return fewer than asked (POSIX; FILE-OVER-2GIB), each
+    further one continues where the last ended; none at all (end of file) means the file shrank."""
+    data = bytearray(n)
+    view = memoryview(data)
+    done = 0
+    while done < n:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise SnapshotFormatError(f"{path}: file changed during load: the read at offset {offset + done} ended early (the file shrank)")
+        done += got
+    return bytes(data)
 
 
 def _shape(path: str, name: str, value) -> tuple[int, ...]:
@@ -208,8 +215,10 @@ def read_header(path: str) -> Header:
 
 
 def _read_exactly_into(fd: int, view: np.ndarray, offset: int, path: str, name: str) -> None:
-    """Fill ``view`` from file ``offset``. One ``preadv`` returns at most about 2 GiB on Linux: a larger
-    tensor takes several, each continuing where the last one ended (FILE-LARGE)."""
+    """Fill ``view`` from file ``offset``. One ``preadv`` returns at most 0x7ffff000 bytes on Linux, and
+    any call may return fewer than asked: a larger tensor takes several, each continuing where the last
+    one ended (FILE-OVER-2GIB); a call that returns nothing (end of file: the file shrank) is an error
+    naming the file, never another turn of the loop."""
     done = 0
     while done < view.nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
