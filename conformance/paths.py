@@ -216,10 +216,18 @@ PATHS = {
 }
 
 
+#: Paths a rule names explicitly (``cases(paths=[...])``, ``Route``), left out of the default "every path".
+MORE_PATHS = {
+    "gdr_ipc": Path("gdr_ipc", ("stream.gdr_ipc",), "gdr_ipc", lambda loader: StreamFeed(loader, "gdr_ipc"),
+                    in_place=True),
+}
+ALL_PATHS = {**PATHS, **MORE_PATHS}
+
+
 def cases(*values, paths=None, extra: tuple[str, ...] = (), id_suffix: str = ""):
-    """One ``pytest.param(path, *values)`` per path (default: every path), requiring its capability
-    and ``extra``; ids ``{path}{id_suffix}``."""
-    return [pytest.param(p, *values, marks=pytest.mark.requires(*PATHS[p].capabilities, *extra), id=p + id_suffix)
+    """One ``pytest.param(path, *values)`` per path (default: every path of ``PATHS``; ``paths`` may name
+    ``MORE_PATHS`` too), requiring its capability and ``extra``; ids ``{path}{id_suffix}``."""
+    return [pytest.param(p, *values, marks=pytest.mark.requires(*ALL_PATHS[p].capabilities, *extra), id=p + id_suffix)
             for p in (paths or PATHS)]
 
 
@@ -228,7 +236,7 @@ class Route:
 
     def __init__(self, loader, path_id: str):
         self.loader = loader
-        self.path = PATHS[path_id]
+        self.path = ALL_PATHS[path_id]
         self.feed = self.path.feed(loader)
         self.sessions: dict[int, object] = {}
 
