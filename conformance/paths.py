@@ -3,7 +3,8 @@
 A rule written against :class:`Route` runs on every path in :data:`PATHS`: the snapshot levels (parts,
 single file, legacy ``tp0{id}`` file, shared ``paddle.save`` fallback), ``ipc`` metas and ``ipc_bucket``
 buckets, and the streamed ``rsync`` and ``gdr`` (a CheckpointTransfer trainer per rank; ``gdr_ipc`` differs from
-``gdr`` only in the library's configuration, GDR-IPC-MODE, and is left out to keep the default run short). A path
+``gdr`` only in the library's configuration, GDR-IPC-MODE, and is left out of the default "every path" to keep the
+run short: it is in ``MORE_PATHS``, for the rules that name it). A path
 is a :class:`Path` (its capabilities, the strategy a session is opened with, whether it updates loaded
 weights in place, and a feed: the trainer side, which publishes one rank's tensors of a version where that
 rank's session will read them). Adding a path is one line in ``PATHS`` plus its feed class; :func:`cases` turns the table into
