@@ -3,7 +3,8 @@
 A rule written against :class:`Route` runs on every path in :data:`PATHS`: the snapshot levels (parts,
 single file, legacy ``tp0{id}`` file, shared ``paddle.save`` fallback), ``ipc`` metas and ``ipc_bucket``
 buckets, and the streamed ``rsync`` and ``gdr`` (a CheckpointTransfer trainer per rank; ``gdr_ipc`` differs from
-``gdr`` only in the library's configuration, GDR-IPC-MODE, and is left out to keep the default run short). A path
+``gdr`` only in the library's configuration, GDR-IPC-MODE, and is left out of the default "every path" to keep the
+run short: it is in ``MORE_PATHS``, for the rules that name it). A path
 is a :class:`Path` (its capabilities, the strategy a session is opened with, whether it updates loaded
 weights in place, and a feed: the trainer side, which publishes one rank's tensors of a version where that
 rank's session will read them). Adding a path is one line in ``PATHS`` plus its feed class; :func:`cases` turns the table into
@@ -216,10 +217,18 @@ PATHS = {
 }
 
 
+#: Paths a rule names explicitly (``cases(paths=[...])``, ``Route``), left out of the default "every path".
+MORE_PATHS = {
+    "gdr_ipc": Path("gdr_ipc", ("stream.gdr_ipc",), "gdr_ipc", lambda loader: StreamFeed(loader, "gdr_ipc"),
+                    in_place=True),
+}
+ALL_PATHS = {**PATHS, **MORE_PATHS}
+
+
 def cases(*values, paths=None, extra: tuple[str, ...] = (), id_suffix: str = ""):
-    """One ``pytest.param(path, *values)`` per path (default: every path), requiring its capability
-    and ``extra``; ids ``{path}{id_suffix}``."""
-    return [pytest.param(p, *values, marks=pytest.mark.requires(*PATHS[p].capabilities, *extra), id=p + id_suffix)
+    """One ``pytest.param(path, *values)`` per path (default: every path of ``PATHS``; ``paths`` may name
+    ``MORE_PATHS`` too), requiring its capability and ``extra``; ids ``{path}{id_suffix}``."""
+    return [pytest.param(p, *values, marks=pytest.mark.requires(*ALL_PATHS[p].capabilities, *extra), id=p + id_suffix)
             for p in (paths or PATHS)]
 
 
@@ -228,7 +237,7 @@ class Route:
 
     def __init__(self, loader, path_id: str):
         self.loader = loader
-        self.path = PATHS[path_id]
+        self.path = ALL_PATHS[path_id]
         self.feed = self.path.feed(loader)
         self.sessions: dict[int, object] = {}
 

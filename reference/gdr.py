@@ -88,8 +88,14 @@ def _update(manager, *, ipc: bool) -> dict:
     models = live_models(manager.model_list)
     mtp_names = [n for m in models[1:] for n in m.state_dict()]
     tracked = dict(manager.params)
+
+    def handed(items):  # a loader writes each item it is handed into its parameters
+        for item in items:
+            manager.changed_since_commit = True
+            yield item
+
     with transfer_lib.receiving(manager, receiver):
-        delivery = mtp_routing.load_models(models, iter(receiver), chunk, mtp_names)
+        delivery = mtp_routing.load_models(models, handed(receiver), chunk, mtp_names)
         _incomplete(manager, delivery, step, tracked)
     manager.params = manager._capture()  # a loader may have replaced parameter objects
     total = time.perf_counter() - started

@@ -98,6 +98,11 @@ class WeightManager:
         self._stage: commit.Stage | None = None
         self._pending_version: int | None = None
         self._voted = self._committed = False
+        # Set when an update changes loaded parameters before it can still fail (GDR hands items to the models'
+        # loaders as they arrive; snapshot, ipc and buckets load into cleared parameters, rsync validates the
+        # whole step before it stores), cleared by the commit: after such a failure no digest describes the
+        # parameters (LIFE-FAILED-KEEPS-OLD).
+        self.changed_since_commit = False
         self.phases = Phases()  # of the last clear/update cycle
 
     def _capture(self) -> dict[str, paddle.Tensor]:
@@ -248,6 +253,7 @@ class WeightManager:
         if self._pending_version is not None:
             self.version = self._pending_version
         self._committed = True
+        self.changed_since_commit = False
         self.status = Status.NORMAL
         hooks.after_commit(self)  # after the commit, never after a failure; a failing hook leaves NORMAL
         self.requests.open()  # the held forwards run on the new version, stale state reset
@@ -259,5 +265,13 @@ class WeightManager:
     def digest(self, algorithms=_digest.DEFAULT_ALGORITHMS) -> _digest.ModelDigest:
         """The model digest of every parameter as it landed (SPEC DIGEST-MODEL-LANDED), computed
         afresh from the parameters' memory on every call; a parameter not loaded is a RuntimeError
-        naming it (DIGEST-MODEL-INCOMPLETE), never a digest of part of the model."""
-        return _digest.paddle_model_digest(self.params.items(), algorithms)
+        naming it (DIGEST-MODEL-INCOMPLETE), never a digest of part of the model. After a failed update
+        that wrote into loaded parameters (GDR applies items as they arrive), they hold neither the last
+        committed weights nor the failed update's: a RuntimeError says so (LIFE-FAILED-KEEPS-OLD) until an
+        update commits."""
+        digest = _digest.paddle_model_digest(self.params.items(), algorithms)
+        if self.changed_since_commit:
+            raise RuntimeError(
+                f"no model digest: the last {self.load_strategy} update changed parameters in place and did not "
+                f"commit ({self.last_error}); they hold neither version {self.version} nor the failed update's")
+        return digest
