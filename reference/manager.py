@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import apply, commit, hooks, identity, restart, transforms
+from . import apply, commit, hooks, identity, restart, storage, transforms
 from . import digest as _digest
 from .agreement import Agreement
 from .phases import Phases, pulled
@@ -95,6 +95,7 @@ class WeightManager:
         self._stage: commit.Stage | None = None
         self._pending_version: int | None = None
         self._voted = self._committed = False
+        self._storage_before = None  # MODEL-STORAGE-KEPT: where the parameters' memory was when the update began
         self.phases = Phases()  # of the last clear/update cycle
 
     def _capture(self) -> dict[str, paddle.Tensor]:
@@ -161,6 +162,7 @@ class WeightManager:
             if self.status != Status.CLEARED:
                 self.phases = Phases()  # no clear() started this cycle's spans
             self.status = Status.UPDATING
+            self._storage_before = storage.snapshot(self.params)
             self.trace = []
             self.last_error = None
             transforms.before_load(self.post_load)
@@ -238,6 +240,7 @@ class WeightManager:
             self._stage.commit(self.params)
             self._stage = None
         transforms.after_load(self.post_load)  # once, on this update's weights only (staged: once adopted)
+        storage.recapture(self)  # after the last parameter moved, before NORMAL (MODEL-STORAGE-KEPT)
         if self._pending_version is not None:
             self.version = self._pending_version
         self._committed = True
