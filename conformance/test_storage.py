@@ -13,7 +13,8 @@ only by a call that names it and saw it in the memory it ends the update in (a c
 covers nothing).
 
 Two tests, on every path: updates in place (rsync and GDR, without a clear; a strided FP8-style layout, a 0-d
-parameter, main + MTP where the loader has ``mtp``), where a loader without
+parameter, main + MTP where the loader has ``mtp``; again with a weight the model declares ``post_load``
+transposed, where the loader has ``model.post_load``), where a loader without
 ``model.recapture`` must keep every storage; and updates after ``clear()`` (every path; rsync and GDR then
 load as a bootstrap), where the storage necessarily moves and only the hook makes the graphs right
 (``model.recapture``).
@@ -45,11 +46,36 @@ LAYOUTS = {"a.scale": (1, 0), "c.experts.scale": (0, 2, 1), "z.scale": (1, 0)}
 IN_PLACE = [p for p in PATHS if PATHS[p].in_place]
 
 
-def _spec(loader, strided: bool):
+def _spec(loader, strided: bool, transposed: bool = False):
     """Main (+ MTP where the loader has ``mtp``); strided layouts only in place: a strided target after a
     clear is APPLY-STRIDED-CLEARED's, judged on the device the loader serves on."""
-    model = M.spec(*MAIN, mtp=[MTP] if "mtp" in loader.adapter.capabilities else [])
-    return ST.StridedSpec(model, LAYOUTS if strided else {})
+    model = M.spec(*MAIN, *([TRANSPOSED] if transposed else []), mtp=[MTP] if "mtp" in loader.adapter.capabilities else [])
+    spec = ST.StridedSpec(model, LAYOUTS if strided else {})
+    return TransposingSpec(spec) if transposed else spec
+
+
+TRANSPOSED = ("g.proj.weight", "float32", (4, 4))  # square: the source carries it in the served shape too
+
+
+@dataclass(frozen=True)
+class TransposingSpec:
+    """The model plus a square weight the main model declares ``post_load`` transposed (FastDeploy's
+    ``process_weight_transpose``, which swaps a new tensor in: MODEL, fd-spec §3.8)."""
+
+    model: object
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def build_models(self):
+        models = self.model.build_models()
+        models[0].post_load = {"transpose": [TRANSPOSED[0]]}
+        return models
+
+
+def _served(state: dict) -> dict:
+    """What the served model holds for a trainer's ``state``: the declared weight transposed."""
+    return {n: (a.T.copy() if n == TRANSPOSED[0] else a) for n, a in state.items()}
 
 
 def _params(models) -> dict:
@@ -151,24 +177,26 @@ def _judge(where: str, before: dict, models, rec: Recorder, built: dict, claims_
 
 
 @pytest.mark.rule("MODEL-STORAGE-KEPT")
-@pytest.mark.parametrize("path", cases(paths=IN_PLACE))
-def test_update_in_place_keeps_storage_or_recaptures(route, loader, path):
-    """Two updates without a clear after the first load: storage kept (or moved and recaptured)."""
+@pytest.mark.parametrize("path, transposed", cases(False, paths=IN_PLACE)
+                         + cases(True, paths=IN_PLACE, extra=("model.post_load",), id_suffix="-transposed"))
+def test_update_in_place_keeps_storage_or_recaptures(route, loader, path, transposed):
+    """Two updates without a clear after the first load: storage kept (or moved and recaptured); with a
+    declared transpose, the post-load step too."""
     rt = route(path)
-    spec = _spec(loader, strided=True)
+    spec = _spec(loader, strided=True, transposed=transposed)
     session, rec = _open(rt, loader, spec)
     claims = RECAPTURE in loader.adapter.capabilities
     built = {n: h.strides for n, h in hold(session.models).items()}  # as the suite built the layers
     rt.publish(0, M.state(spec, version=1), 1)
     rt.update(0)
     for version in (2, 3):
-        where = f"{path}: in-place update {version} (no clear)"
+        where = f"{path}: in-place update {version} (no clear{', a declared transpose' if transposed else ''})"
         state = M.state(spec, version=version)
         rt.publish(0, state, version)
         before = hold(session.models)
         rec.calls.clear()
         rt.update(0)
-        check.params_equal(session.observe(), state, where)
+        check.params_equal(session.observe(), _served(state), where)
         _judge(where, before, session.models, rec, built, claims)
 
 

@@ -12,6 +12,7 @@ from reference import apply as _apply
 from reference import hooks as _hooks
 from reference import manager as _manager
 from reference import storage as _storage
+from reference import transforms as _transforms
 
 from .base import Mutant
 
@@ -201,3 +202,30 @@ class GdrRestoresLoaded(Mutant):
                 _real_recapture(manager)
 
         return {"reference.mtp_routing.load_models": load_models, "reference.storage.recapture": recapture}
+
+
+class TransposeSwapsInPlace(Mutant):
+    id = "transpose_swaps_in_place"
+    bug = ("the post-load transpose swaps the transposed tensor in (`new._share_buffer_to(param)`, FastDeploy's "
+           "process_weight_transpose frees the old weight and swaps in the new one, fd-spec §3.8), and the recapture "
+           "is tied to the clear: an rsync or GDR update in place moves every transposed weight under the captured "
+           "graphs and recaptures nothing")
+    kills = frozenset({"MODEL-STORAGE-KEPT"})
+    zoo_args = ("-k", "transposed")
+
+    def patches(self):
+        def transpose(t):
+            new = None
+            if 0 not in t.served:
+                axes = list(range(len(t.loaded)))
+                new = paddle.transpose(t.param, axes[:-2] + [axes[-1], axes[-2]]).contiguous()
+            _transforms._set_shape(t.param, t.served)
+            if new is not None:
+                new._share_buffer_to(t.param)
+
+        def recapture(manager):
+            before = manager._storage_before or {}
+            if before and all(was[1] is None for was in before.values()):  # the update began from cleared weights
+                _real_recapture(manager)
+
+        return {"reference.transforms.transpose": transpose, "reference.storage.recapture": recapture}
