@@ -98,6 +98,15 @@ class LoaderSession(Protocol):
     # post-load step done), never after a failed one: an engine's stale-state hooks (reset the prefix
     # cache, recapture graphs). The suite registers its own to observe them (SPEC.md MODEL-HOOKS).
 
+    # Optional, with capability ``model.recapture``: ``options["recapture"]`` is a callable the engine hands
+    # the loader at ``open``: ``recapture(names: list[str])`` recaptures its CUDA graphs. An update that gives
+    # any parameter other memory than it had (a buffer swap such as ``_share_buffer_to`` into a loaded
+    # parameter, a new parameter object, a copy that replaces a strided parameter's storage, and always the
+    # allocation after ``clear()``) calls it, naming at least the moved parameters (``observe()``'s names),
+    # after the last one moved (post-load steps included) and before the status is NORMAL / ``update()``
+    # returns. An update that writes every parameter in place (same address, same strides) need not call
+    # it. Without the capability, an update must keep every parameter's storage (SPEC.md MODEL-STORAGE-KEPT).
+
 
 @runtime_checkable
 class LoaderAdapter(Protocol):

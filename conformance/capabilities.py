@@ -23,6 +23,9 @@ CAPABILITIES = {
     "transposes (2-D, 3-D per expert), fused and dequantised buffers, frozen models left alone (SPEC.md MODEL)",
     "model.hooks": "session.register_hook(name, fn): fn() runs once after each committed update, never after "
     "a failed one (stale-state hooks: reset the prefix cache, recapture graphs; SPEC.md MODEL-HOOKS)",
+    "model.recapture": "options['recapture'] = fn: an update that gives any parameter other memory (a buffer swap, a "
+    "new parameter object, the allocation after a clear) calls fn(names), the moved parameters' names, after the last "
+    "one moved and before the status is NORMAL (the engine recaptures its CUDA graphs; SPEC.md MODEL-STORAGE-KEPT)",
     "stream.rsync": "rsync (update_weights_by_rdma): a CheckpointTransfer handle streams a step's (name, tensor) pairs, "
     "validated whole, then applied; version from options['version'] or {model_dir}/version.yaml",
     "stream.gdr": "GDR in rsync mode (update_weights_by_gdr, GPU_DIRECT): a CheckpointTransfer stream into each model's "

@@ -245,9 +245,10 @@ class Route:
     def fp8(self) -> bool:
         return self.path.fp8()
 
-    def open(self, model, rank: int = 0):
+    def open(self, model, rank: int = 0, options=None):
+        """``options``: added to the path's own (e.g. ``recapture``, capability ``model.recapture``)."""
         session = self.loader.open(model, strategy=self.path.strategy, worker=worker(rank),
-                                   options=self.feed.options(rank))
+                                   options={**self.feed.options(rank), **(options or {})})
         self.sessions[rank] = session
         self.feed.opened(session)
         return session

@@ -85,6 +85,7 @@ class ReferenceAdapter:
             "digest.debug",
             "model.post_load",
             "model.hooks",
+            "model.recapture",
             "stream.rsync",
             "stream.gdr",
             "stream.gdr_ipc",

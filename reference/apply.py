@@ -23,20 +23,29 @@ def check_match(name: str, src_dtype: str, src_shape, dst: paddle.Tensor, source
 
 
 def adopt(name: str, new: paddle.Tensor, target: paddle.Tensor) -> None:
-    """Make ``target`` hold ``new``'s values: zero-copy (FastDeploy's ``_share_buffer_to``) when the
-    layouts agree, else a copy into the target's own layout (APPLY-STRIDED-TARGET, FastDeploy #6601): a
+    """Make ``target`` hold ``new``'s values. A target that holds memory is written in place (its address and
+    strides kept: MODEL-STORAGE-KEPT). A cleared one adopts ``new`` zero-copy (FastDeploy's
+    ``_share_buffer_to``) when the layouts agree, else gets a copy in its own layout (APPLY-STRIDED-TARGET, FastDeploy #6601): a
     target whose strides differ from the incoming tensor's (FP8 scales laid out column-major, transposed
     weights) keeps them, and sharing a row-major buffer into it would make it read the bytes in the wrong
     order. A cleared strided target is first given storage of its own layout (APPLY-STRIDED-CLEARED,
     #6722). ``name`` is kept for callers that log per tensor."""
     new = new.contiguous()  # every loader builds contiguous tensors; this makes sure
-    if list(new.stride()) == list(target.stride()):
-        new._share_buffer_to(target)
-        return
     if math.prod(target.shape) == 0:
         return  # holds no data, and its layout stays its own
-    if not target._is_initialized():
-        allocate_strided(target)
+    same_layout = list(new.stride()) == list(target.stride())
+    if target._is_initialized():
+        # Loaded (or an engine's allocated placeholder): written into its own memory, which keeps its address
+        # and strides, so a graph captured on it stays valid (MODEL-STORAGE-KEPT, FastDeploy #8085).
+        if same_layout:
+            target.set_value(new)
+        else:
+            target[...] = new
+        return
+    if same_layout:
+        new._share_buffer_to(target)
+        return
+    allocate_strided(target)
     target[...] = new
 
 

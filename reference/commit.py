@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import paddle
 
-from . import apply
+from . import apply, storage
 from .version_file import VersionError, read_version_bytes
 
 VERSION_FILE = "version.yaml"
@@ -86,6 +86,7 @@ class CommitOptions:
     agree_timeout_s: float = 60.0
     tp_size: int | None = None  # ranks per tensor-parallel group; None: the whole world
     kv_cache_cell: str | None = None  # the KV cache's status cell, which the worker loop sets CLEARING / UPDATING
+    recapture: Callable | None = None  # the engine's graph recapture, called before NORMAL when storage moved
 
     @classmethod
     def parse(cls, options: Mapping) -> "CommitOptions":
@@ -104,7 +105,7 @@ class CommitOptions:
         kv = options.get("kv_cache_cell")
         if kv is not None and not isinstance(kv, str):
             raise ValueError(f"options['kv_cache_cell'] must be a shared-memory name, got {kv!r}")
-        return cls(staged, cell, float(timeout), tp_size, kv)
+        return cls(staged, cell, float(timeout), tp_size, kv, storage.check_option(options.get("recapture")))
 
     def tp_rank(self, rank: int, world_size: int) -> int:
         return rank % (self.tp_size or world_size)

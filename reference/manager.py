@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import apply, commit, hooks, identity, restart, transforms
+from . import apply, commit, hooks, identity, restart, storage, transforms
 from .request_gate import RequestGate
 from . import digest as _digest
 from .agreement import Agreement
@@ -103,6 +103,7 @@ class WeightManager:
         # whole step before it stores), cleared by the commit: after such a failure no digest describes the
         # parameters (LIFE-FAILED-KEEPS-OLD).
         self.changed_since_commit = False
+        self._storage_before = None  # MODEL-STORAGE-KEPT: where the parameters' memory was when the update began
         self.phases = Phases()  # of the last clear/update cycle
 
     def _capture(self) -> dict[str, paddle.Tensor]:
@@ -173,6 +174,7 @@ class WeightManager:
             self.requests.shut()  # (shut since the clear, unless the update is in place)
             self.status = Status.UPDATING
             self.requests.drain()
+            self._storage_before = storage.snapshot(self.params)
             self.trace = []
             self.last_error = None
             transforms.before_load(self.post_load)
@@ -250,6 +252,7 @@ class WeightManager:
             self._stage.commit(self.params)
             self._stage = None
         transforms.after_load(self.post_load)  # once, on this update's weights only (staged: once adopted)
+        storage.recapture(self)  # after the last parameter moved, before NORMAL (MODEL-STORAGE-KEPT)
         if self._pending_version is not None:
             self.version = self._pending_version
         self._committed = True

@@ -199,8 +199,8 @@ def transpose(t: Transpose) -> None:
         axes = list(range(len(t.loaded)))
         new = paddle.transpose(t.param, axes[:-2] + [axes[-1], axes[-2]]).contiguous()
     _set_shape(t.param, t.served)
-    if new is not None:
-        new._share_buffer_to(t.param)
+    if new is not None:  # written back into the parameter's own memory: its address stays (MODEL-STORAGE-KEPT)
+        t.param.set_value(new)
 
 
 def fused(step: Fuse) -> paddle.Tensor:

@@ -94,6 +94,9 @@ for _gen, _caps in STREAM_CAPS.items():
 # Every generation has a check_model_weights_status the adapter drives (loop.py), whatever its signature.
 for _gen in FACTS:
     FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | {"status.cell", "loop.runner", "control", "multirank"}
+# The runner's capture_model(), which the adapter plays for every generation (session.py, MODEL-STORAGE-KEPT).
+for _gen in FACTS:
+    FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | {"model.recapture"}
 _TYPING_OLD = "from typing import Any, Dict"
 _BASE = {"import os", "import time", "from multiprocessing.shared_memory import SharedMemory", "import numpy as np",
          "import paddle", "from paddleformers.utils.log import logger", "from fastdeploy.config import FDConfig"}

@@ -290,6 +290,9 @@ def derive(cls) -> Generation:
         # One session per rank under paddle.distributed (the suite's rank workers): the loop's broadcast of
         # rank 0's value and FastDeploy's barriers run on the real group (world.py, loop.py).
         capabilities.add("multirank")
+    # The runner's capture_model() (fd-spec §2.7 step 3: after update_parameters, before finalize_update), which
+    # the adapter plays: options["recapture"] is called where FastDeploy's runner recaptures its CUDA graphs.
+    capabilities.add("model.recapture")
     not_claimed["ipc.meta"] = _ipc_reason(cls)
     not_claimed["ipc.buckets"] = "FastDeploy has no bucket path (fd-spec §3.7)"
     # SERVE-NO-MIXED-VERSIONS: the manager has no request gate; the engine keeps forward passes off a change by

@@ -26,6 +26,12 @@ Status: FastDeploy writes an int32 into the shared-memory cell ``model_weights_s
   FastDeploy's writes, never the adapter's: a generation that leaves the cell wrong is judged on it. A
   failed update thus leaves UPDATING. The worker of a private cell is tensor-parallel rank 0 of one.
 
+Graphs (capability ``model.recapture``): ``options["recapture"]`` stands for the runner's ``capture_model()``,
+called, with every parameter's name (the runner recaptures the whole graph), where FastDeploy's runner
+recaptures: after the startup load, and after ``update_parameters(pid)`` before ``finalize_update(pid)``
+(fd-spec §2.7 step 3); where ``update_parameters`` finalizes itself (DWM-0), after it returns, as that
+runner's capture follows the call. The streamed paths: streams.py.
+
 Trace: observed, never wrapped. Every generation ends a successful ``_update_model_from_state`` with its
 own log line ``Updated {n}/{m} parameters from {src_type} source`` (on its module's ``logger``); a handler
 on that logger, for the duration of the call and for the calling thread only, reads ``src_type`` from it.
@@ -153,6 +159,14 @@ class FastDeploySession:
         if options.get("kv_cache_cell") is not None:
             loop.check_cell(options["kv_cache_cell"], "kv_cache_cell")
             self.kv_cell_name = options["kv_cache_cell"]
+        self._recapture = options.get("recapture")
+        if self._recapture is not None and not callable(self._recapture):
+            raise ValueError(f"options['recapture'] must be a callable, got {self._recapture!r}")
+
+    def capture_model(self) -> None:
+        """The runner's CUDA graph capture over the served models (the suite's hook, when it passed one)."""
+        if self._recapture is not None:
+            self._recapture(sorted(n for model in self.models for n in model.state_dict()))
 
     # the engine's side of a private status cell (never of the suite's)
     def _write(self, value: int) -> None:
@@ -200,6 +214,7 @@ class FastDeploySession:
                     self.manager = self._construct()
             finally:
                 self._loaded_from.clear()
+            self.capture_model()  # the runner captures its graphs after the startup load
             self._write(NORMAL)  # the engine's cell reads NORMAL once the worker has started (fd-spec rule 32)
             return
         self.runner_update(self.pid, False)
@@ -221,6 +236,7 @@ class FastDeploySession:
                 self._events = []
                 flag = _flag(self.manager.update_parameters, "restart_process_group", restart)
                 self.manager.update_parameters(pid, **flag)
+                self.capture_model()  # the runner's capture_model(), before its finalize_update (fd-spec §2.7)
                 if self.generation.runner_finalizes:
                     self.manager.finalize_update(pid)
         finally:

@@ -16,7 +16,9 @@
   the session's method as the runner does: ``update_weights_by_rdma(version, verify_checksum)``, or
   ``update_weights_by_gdr(version, verify_checksum, restore_cleared_params=<cleared since>)``; a class of
   the GDR era is then finalized (``finalize_update(pid)``, as its runner does after either), an older one
-  is not (its rsync is driven only by the control API). ``update()`` returns the method's result (None
+  is not (its rsync is driven only by the control API). The graph recapture (``model.recapture``, session.py)
+  follows a GDR update, before the finalize, as the runner's ``update_parameters`` does; rsync's
+  ``update_weights`` recaptures nothing (fd-spec §3.5, open #8085). ``update()`` returns the method's result (None
   for the first load: the constructor returns nothing).
 * The device. ``Tensor.cuda()`` (the bootstrap rsync load adopts ``new.cuda()``) is the identity on this
   CPU suite, as the device stand-in of the other paths.
@@ -195,9 +197,14 @@ class StreamSession(FastDeploySession):
             self._result = None
             if self.manager is None:
                 self.manager = self._construct()
+                self.capture_model()  # the runner captures its graphs after the startup load
                 self._write(NORMAL)  # first load: finalize writes nothing (fd-spec rule 32)
             else:
                 self._result = self._entry(self.manager)()
+                if self.strategy != "rsync":
+                    # GDR runs in the runner's update_parameters (#7951), whose capture_model() precedes the
+                    # finalize; rsync's update_weights recaptures nothing (fd-spec §3.5, open #8085)
+                    self.capture_model()
                 if hasattr(self.manager, "update_weights_by_gdr") and hasattr(self.manager, "finalize_update"):
                     self.manager.finalize_update(self.pid)
                 else:
