@@ -214,12 +214,19 @@ PATHS = {
     "rsync": Path("rsync", ("stream.rsync",), "rsync", lambda loader: StreamFeed(loader, "rsync"), in_place=True),
     "gdr": Path("gdr", ("stream.gdr",), "gdr", lambda loader: StreamFeed(loader, "gdr"), in_place=True),
 }
+#: Paths a rule may name besides :data:`PATHS` (``cases(paths=[...])``, ``route(id)``), left out of the default
+#: "every path" run: ``gdr_ipc`` is GDR with the library in IPC mode (GDR-IPC-MODE).
+MORE_PATHS = {
+    "gdr_ipc": Path("gdr_ipc", ("stream.gdr_ipc",), "gdr_ipc", lambda loader: StreamFeed(loader, "gdr_ipc"),
+                    in_place=True),
+}
 
 
 def cases(*values, paths=None, extra: tuple[str, ...] = (), id_suffix: str = ""):
     """One ``pytest.param(path, *values)`` per path (default: every path), requiring its capability
     and ``extra``; ids ``{path}{id_suffix}``."""
-    return [pytest.param(p, *values, marks=pytest.mark.requires(*PATHS[p].capabilities, *extra), id=p + id_suffix)
+    every = {**PATHS, **MORE_PATHS}
+    return [pytest.param(p, *values, marks=pytest.mark.requires(*every[p].capabilities, *extra), id=p + id_suffix)
             for p in (paths or PATHS)]
 
 
@@ -228,7 +235,7 @@ class Route:
 
     def __init__(self, loader, path_id: str):
         self.loader = loader
-        self.path = PATHS[path_id]
+        self.path = PATHS[path_id] if path_id in PATHS else MORE_PATHS[path_id]
         self.feed = self.path.feed(loader)
         self.sessions: dict[int, object] = {}
 
