@@ -215,9 +215,8 @@ PATHS = {
     "rsync": Path("rsync", ("stream.rsync",), "rsync", lambda loader: StreamFeed(loader, "rsync"), in_place=True),
     "gdr": Path("gdr", ("stream.gdr",), "gdr", lambda loader: StreamFeed(loader, "gdr"), in_place=True),
 }
-
-
-#: Paths a rule names explicitly (``cases(paths=[...])``, ``Route``), left out of the default "every path".
+#: Paths a rule names explicitly (``cases(paths=[...])``, ``Route``), left out of the default "every path":
+#: ``gdr_ipc`` is GDR with the library in IPC mode (GDR-IPC-MODE).
 MORE_PATHS = {
     "gdr_ipc": Path("gdr_ipc", ("stream.gdr_ipc",), "gdr_ipc", lambda loader: StreamFeed(loader, "gdr_ipc"),
                     in_place=True),

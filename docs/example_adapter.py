@@ -188,9 +188,7 @@ def read_header(path: str) -> tuple[list, tuple]:
     if end != size:  # too short, or trailing bytes (safetensors rejects both)
         what = "truncated" if end > size else "trailing bytes"
         raise ValueError(f"{path}: {what}: expects {end} bytes, file has {size}")
-    if not entries:
-        raise ValueError(f"{path}: no parameter found: the file holds no tensors")
-    return entries, ident
+    return entries, ident  # (no entries at all: reload() refuses the file, FILE-NO-TENSORS)
 
 
 def check_against(params: dict, entries: list, path: str) -> None:
@@ -270,6 +268,9 @@ class MineLoader:
         sources = plan(self.model_dir, self.rank, self.gpu)
         headers = [read_header(path) for _, path in sources]
         for (_, path), (entries, _) in zip(sources, headers):
+            if not entries:  # an update of nothing: both counts named (APPLY-COUNT-MATCHES)
+                raise ValueError(f"{path}: no parameter found: the file holds no tensors; "
+                                 f"0 of {len(self.params)} parameter(s) landed")
             check_against(self.params, entries, path)  # every file, before any parameter changes
         loaded = set()
         for (label, path), (entries, ident) in zip(sources, headers):  # one file in memory at a time
@@ -280,7 +281,8 @@ class MineLoader:
             self.applied.append((label, path))
         missing = sorted(name for name, param in self.params.items() if id(param) not in loaded)
         if missing:
-            raise RuntimeError(f"{len(missing)} parameter(s) missing from the snapshot: {', '.join(missing)}")
+            raise RuntimeError(f"{len(self.params) - len(missing)} of {len(self.params)} parameter(s) landed; "
+                               f"{len(missing)} missing from the snapshot: {', '.join(missing)}")
         self.state = "NORMAL"
 
     def drop(self) -> None:

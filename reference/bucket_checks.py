@@ -237,7 +237,8 @@ def validate_end(message: Mapping, state: UpdateState) -> None:
     if buckets != state.next_bucket:
         raise ManifestError(f"{where}: field buckets is {buckets} but {state.next_bucket} bucket(s) arrived")
     if count != len(state.order):
-        raise ManifestError(f"{where}: field count is {count} but {len(state.order)} tensor(s) arrived")
+        raise ManifestError(f"{where}: field count is {count} but {len(state.order)} tensor(s) arrived "
+                            f"({len(state.order)} of {count} sent)")
     if digest != name_digest(state.order):
         raise ManifestError(f"{where}: field digest {digest[:16]}... does not match the sha256 of the "
                             f"{len(state.order)} names received ({name_digest(state.order)[:16]}...)")

@@ -290,7 +290,8 @@ def commit(manager, state: checks.UpdateState, staging: Staging, source: str) ->
     if missing:
         raise RuntimeError(
             f"ipc_bucket update of version {state.version} from {source} lacks {len(missing)} parameter(s): "
-            + ", ".join(missing) + "; nothing was applied"
+            + ", ".join(missing) + f"; {manager.landed_of_sent(len(manager.params) - len(missing), verb='arrived')}, "
+            "nothing was applied"
         )
     staging.drop_views()
     by_bucket: dict[int, list[str]] = defaultdict(list)

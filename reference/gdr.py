@@ -61,11 +61,16 @@ def _incomplete(manager, delivery, step: str, tracked) -> None:
     """Every tracked parameter received, by any of its names: a tied pair (one parameter object under two
     names, MODEL-TIED) is complete when the stream carries either name. ``tracked``: name -> parameter,
     as captured before the load (a loader may replace the objects)."""
-    got = {id(tracked[name]) for name in delivery.names if name in tracked}
-    missing = [name for name, param in tracked.items() if id(param) not in got]
+    missing = _missing(delivery, tracked)
     if missing:
         raise RuntimeError(f"GDR stream of step {step} ended after {delivery.update_count} item(s) without "
-                           f"{len(missing)} parameter(s) {missing}: the update is incomplete")
+                           f"{len(missing)} parameter(s) {missing}: the update is incomplete, "
+                           f"{manager.landed_of_sent(len(tracked) - len(missing), len(tracked))}")
+
+
+def _missing(delivery, tracked) -> list[str]:
+    got = {id(tracked[name]) for name in delivery.names if name in tracked}
+    return [name for name, param in tracked.items() if id(param) not in got]
 
 
 def _update(manager, *, ipc: bool) -> dict:
@@ -95,7 +100,11 @@ def _update(manager, *, ipc: bool) -> dict:
             yield item
 
     with transfer_lib.receiving(manager, receiver):
-        delivery = mtp_routing.load_models(models, handed(receiver), chunk, mtp_names)
+        try:
+            delivery = mtp_routing.load_models(models, handed(receiver), chunk, mtp_names)
+        except mtp_routing.NoMtpWeights as e:
+            landed = len(tracked) - len(_missing(e.delivery, tracked))
+            raise mtp_routing.NoMtpWeights(f"{e}; {manager.landed_of_sent(landed, len(tracked))}", e.delivery) from None
         _incomplete(manager, delivery, step, tracked)
     manager.params = manager._capture()  # a loader may have replaced parameter objects
     total = time.perf_counter() - started

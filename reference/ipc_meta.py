@@ -42,6 +42,9 @@ def worker_device(manager) -> int:
     return int(manager.env.get("FLAGS_selected_gpus", "0"))
 
 
+PADDLE_NAME_TABLE = "StructuredToParameterName@@"
+
+
 def read_metas(path: str) -> dict:
     """The stored dict of metas. Plain lists, strings and ints need no pickle global, so none is admitted."""
     if not os.path.exists(path):
@@ -49,6 +52,8 @@ def read_metas(path: str) -> dict:
     obj = load_restricted(path, allow_arrays=False)
     if not isinstance(obj, dict):
         raise MetaError(f"{path}: expected a dict of tensor name -> meta, found {type(obj).__name__}")
+    if isinstance(obj.get(PADDLE_NAME_TABLE), dict):  # paddle.save's own bookkeeping (an empty dict gets one)
+        obj = {k: v for k, v in obj.items() if k != PADDLE_NAME_TABLE}
     bad = [k for k in obj if not isinstance(k, str)]
     if bad:
         raise MetaError(f"{path}: tensor names must be str, found {bad!r}")

@@ -220,13 +220,20 @@ class WeightManager:
             self.params, tensors, source or label)
         span.end()
         if seen == 0:
-            raise ValueError(f"No parameter found in state dict from {source or label} ({label})")
+            landed = sum(event.applied for event in self.trace)
+            raise ValueError(f"No parameter found in state dict from {source or label} ({label}); "
+                             f"{self.landed_of_sent(landed)}")
         if unknown:  # ignored as the contract says (APPLY-UNKNOWN-IGNORED), never silently (APPLY-UNKNOWN-REPORTED)
             log.warning("Ignored %d tensor(s) from %s that no parameter takes: %s", len(unknown), source or label,
                         ", ".join(unknown))
         self.trace.append(LoadEvent(label, source, applied, seen))
         log.info("Updated %d/%d parameters from %s source %s", applied, seen, label, source)
         return applied
+
+    def landed_of_sent(self, landed: int, sent: int | None = None, verb: str = "landed") -> str:
+        """Both counts of a short update, ``{landed} of {sent}`` (APPLY-COUNT-MATCHES): a whole update is sent
+        every parameter (``sent`` None)."""
+        return f"{landed} of {len(self.params) if sent is None else sent} parameter(s) {verb}"
 
     def finalize(self) -> None:
         """The commit point: verify, agree with every rank, adopt the staged tensors, stamp the version,
@@ -240,8 +247,8 @@ class WeightManager:
         span.end()
         if missing:
             raise RuntimeError(
-                f"Model Parameter update verification failed: {len(missing)} parameter(s) not loaded: "
-                + ", ".join(missing)
+                f"Model Parameter update verification failed: {self.landed_of_sent(len(self.params) - len(missing))}; "
+                f"{len(missing)} parameter(s) not loaded: " + ", ".join(missing)
             )
         self._voted = True
         span = self.phases.span("update_agree")

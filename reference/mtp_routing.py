@@ -71,6 +71,14 @@ def item_name(item) -> str:
     return item[0]
 
 
+class NoMtpWeights(ValueError):
+    """FastDeploy's "No MTP weights" ValueError, with what was delivered (for the counts of its message)."""
+
+    def __init__(self, message: str, delivery):
+        super().__init__(message)
+        self.delivery = delivery
+
+
 @dataclass
 class Delivery:
     update_count: int = 0  # items the main model received
@@ -117,5 +125,5 @@ def load_models(models: Sequence, items: Iterable, chunk: int, mtp_names: Sequen
     main.load_weights(routed())
     flush()
     if out.mtp_cache_count == 0:
-        raise ValueError(f"{NO_MTP_WEIGHTS} The MTP model(s) would keep the previous version of {list(mtp_names)}")
+        raise NoMtpWeights(f"{NO_MTP_WEIGHTS} The MTP model(s) would keep the previous version of {list(mtp_names)}", out)
     return out

@@ -19,7 +19,7 @@ import time
 
 import paddle
 
-from . import apply, prefetch, stream_config, transfer_lib, transforms
+from . import apply, prefetch, stream_config, ties, transfer_lib, transforms
 from .dtypes import dtype_name
 
 log = logging.getLogger("reference.rsync")
@@ -64,7 +64,7 @@ def store(received, params, bootstrap: bool) -> None:
     with paddle.no_grad():
         for key, new in received.items():
             target = params[key]
-            if bootstrap and not target._is_initialized():
+            if not target._is_initialized():  # a bootstrap load, or the first update after a clear
                 # fresh from the library (materialized), contiguous: shared, or copied into a strided target
                 apply.adopt(key, new, target)
             else:
@@ -86,8 +86,16 @@ def update_from_rsync(manager) -> dict:
     received = receive(manager, handle, version, verify, wait_s)
     synced = time.perf_counter()
     found = problems(received, manager.params, manager.model_list)
+    # A cleared parameter (a bootstrap load, an update after clear()) is owed by the step: RSYNC-SUBSET lets
+    # only loaded ones keep their values.
+    # (A tied pair, MODEL-TIED, is covered by either name.)
+    cleared = [name for name in ties.missing(manager.params, received) if not manager.params[name]._is_initialized()]
+    found += [f"Missing parameter: {name} is cleared and not in the step" for name in cleared]
     if found:  # (logged at ERROR, every problem, with the update's failure)
-        raise ValueError(f"{INVALID}: {len(found)} problem(s): {found}")
+        short = ""
+        if cleared or any(p.startswith("Stale model") for p in found):  # a step owing every parameter
+            short = f"; {manager.landed_of_sent(len(set(received) & set(manager.params)))} (none was applied)"
+        raise ValueError(f"{INVALID}: {len(found)} problem(s): {found}{short}")
     store(received, manager.params, bootstrap)
     done = time.perf_counter()
     log.info("rsync version %s: %d tensor(s) in %.3fs", version, len(received), done - started)

@@ -32,7 +32,8 @@ def update_from_snapshot(manager) -> None:
             continue
         infos = headers[src.path] = read_header(src.path)
         if not infos:
-            raise ValueError(f"No parameter found in state dict from {src.path} ({src.label}): file holds no tensors")
+            raise ValueError(f"No parameter found in state dict from {src.path} ({src.label}): file holds no tensors; "
+                             f"{manager.landed_of_sent(0)}")
         for info in infos:
             target = manager.params.get(info.name)
             if target is not None:
