@@ -200,7 +200,7 @@ CORRUPTIONS = [
 ]
 # Malformed entries, checked on the single file only (the position of a bad file is covered above).
 MALFORMED = [
-    "negative-dims", "float-dim", "offsets-not-a-pair", "offsets-reversed", "entry-missing-offsets",
+    "negative-dims", "float-dim", "offsets-not-a-pair", "offsets-reversed", "float-offsets", "entry-missing-offsets",
     "entry-not-an-object", "metadata-not-strings", "duplicate-name",
 ]
 # Well-formed variations every loader must accept (the inside of each boundary).
