@@ -446,6 +446,30 @@ def test_split_chunks_contiguous_in_order(loader, publisher, case):
               where=f"chunks of c.big: {case}")
 
 
+@pytest.mark.rule("BKT-CHUNKS")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("chunks", [2, 3], ids=["two-chunks-one-bucket", "three-chunks-one-bucket"])
+def test_consecutive_chunks_in_one_bucket_load(loader, publisher, chunks):
+    """Contiguity and order are judged by ``chunk_offset``, whatever bucket carries a chunk: a bucket holding
+    consecutive chunks of one tensor (c.big, 768 bytes, re-announced as ``chunks`` entries) loads bit-exact."""
+    model = M.spec(("a.small", "float16", (8,)), ("c.big", "float32", (192,)))
+    cuts = {2: [0, 512, 768], 3: [0, 256, 512, 768]}[chunks]  # each chunk starts at a 256-byte aligned offset
+
+    def tamper(update):
+        whole = update.entry("c.big")
+        entries = update.buckets[0]["entries"]
+        at = entries.index(whole)
+        entries[at:at + 1] = [{**whole, "offset": whole["offset"] + a, "nbytes": b - a, "chunk_offset": a,
+                               "total_nbytes": 768} for a, b in zip(cuts, cuts[1:])]
+
+    state = M.state(model, version=VERSION)
+    pub, session, updates = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=1024, tamper=tamper)
+    check.equal([e["chunk_offset"] for e in updates[0].buckets[0]["entries"] if e["name"] == "c.big"],
+                cuts[:-1], "fixture precondition: c.big's chunks all in bucket 0")
+    session.update()
+    check.params_equal(session.observe(), state, f"{pub.endpoint}: {chunks} consecutive chunks of c.big in bucket 0")
+
+
 def _end_tamper(field: str, case: str):
     def tamper(update):
         end = update.end
@@ -1127,12 +1151,33 @@ FIELD_CASES = {  # case -> (where: "manifest" or "entry", field, new value; DELE
     "entry-nbytes-str": ("entry", "nbytes", "256"),
     "entry-nbytes-negative": ("entry", "nbytes", -256),
     "entry-chunk_offset-negative": ("entry", "chunk_offset", -1),
+    "entry-chunk_offset-str": ("entry", "chunk_offset", "0"),
     "entry-total_nbytes-str": ("entry", "total_nbytes", "256"),
 }
 FIELD_DEFAULTS = {  # optional fields given alone, at their default value: must load
     "entry-chunk_offset-0-alone-loads": ("entry", "chunk_offset", 0),
     "entry-total_nbytes-alone-loads": ("entry", "total_nbytes", 256),
 }
+
+
+@pytest.mark.rule("BKT-FIELDS")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("field", ["total_nbytes", "chunk_offset"])
+def test_optional_field_alone_at_zero_on_an_empty_tensor(loader, publisher, field):
+    """An empty tensor's defaults are 0 for both optional fields: either given alone at 0 loads (``total_nbytes``
+    0 is its default there, nbytes 0, not a missing size)."""
+    model = M.spec(("a.w_empty", "float32", (0, 4)), ("embed.weight", "bfloat16", (8, 16)))
+
+    def tamper(update):
+        update.entry("a.w_empty")[field] = 0
+
+    state = M.state(model, version=VERSION)
+    pub, session, updates = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=512, tamper=tamper)
+    e = updates[0].entry("a.w_empty")
+    check.equal((e["nbytes"], e.get(field), "total_nbytes" in e and "chunk_offset" in e), (0, 0, False),
+                "fixture precondition: the empty entry carries one optional field, at 0")
+    session.update()
+    check.params_equal(session.observe(), state, f"{pub.endpoint}: empty tensor with {field} 0 alone")
 
 
 @pytest.mark.rule("BKT-FIELDS")

@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 
-from conformance import check
+from conformance import check, harness
 from conformance.harness import Worker
 from fixtures import ipc as I
 from fixtures import models as M
@@ -167,6 +167,30 @@ def test_trainer_device_id_is_replaced(loader, trainer, visible, selected, train
     session.update()
     check.params_equal(session.observe(), want, f"{path}: metas from device {trainer_device}, worker "
                        f"CUDA_VISIBLE_DEVICES={visible} FLAGS_selected_gpus={selected} (handles open on ordinal {selected})")
+
+
+@pytest.mark.rule("IPC-DEVICE-ID-REPLACED")
+@pytest.mark.requires("ipc.meta")
+@pytest.mark.parametrize("visible", ["5,3,7", None], ids=["selection-unset-physical5", "both-unset"])
+def test_unset_selection_opens_ordinal_0(loader, trainer, monkeypatch, visible):
+    """``FLAGS_selected_gpus`` left unset reads as "0" (SNAP-GPU-ID-INVALID, fd-spec §1.4): the worker reads
+    ``ipc_metas_{first entry}`` and opens the handles on ordinal 0, never failing on the missing variable."""
+    unset = ["FLAGS_selected_gpus"] + (["CUDA_VISIBLE_DEVICES"] if visible is None else [])
+    real_set = harness.set_worker_env
+
+    def set_env_then_unset(environ, *args):  # the harness always sets both; drop what the case leaves unset
+        real_set(environ, *args)
+        for var in unset:
+            environ.pop(var, None)
+
+    monkeypatch.setattr(harness, "set_worker_env", set_env_then_unset)
+    worker = Worker(0, visible or "0", "0")  # ordinal 0 is the device stand-in's current device
+    want = M.state(SPEC)
+    _, path = _publish(loader, trainer, want, gpu_id=worker.gpu_id, device_id=3)
+    session = loader.open(SPEC, strategy="ipc", worker=worker)
+    session.update()
+    check.params_equal(session.observe(), want, f"{path}: metas from device 3, worker CUDA_VISIBLE_DEVICES="
+                       f"{visible!r} FLAGS_selected_gpus unset (handles open on ordinal 0)")
 
 
 def _open_tampered(loader, export, tamper, spec=SPEC, pickle_writer=False):

@@ -200,7 +200,7 @@ CORRUPTIONS = [
 ]
 # Malformed entries, checked on the single file only (the position of a bad file is covered above).
 MALFORMED = [
-    "negative-dims", "float-dim", "offsets-not-a-pair", "offsets-reversed", "entry-missing-offsets",
+    "negative-dims", "float-dim", "offsets-not-a-pair", "offsets-reversed", "float-offsets", "entry-missing-offsets",
     "entry-not-an-object", "metadata-not-strings", "duplicate-name",
 ]
 # Well-formed variations every loader must accept (the inside of each boundary).
@@ -266,6 +266,31 @@ def test_corrupt_header_is_value_error(loader, where, kind):
         check.params_equal(session.observe(), v1, f"well-formed file with {kind} at {path}")
         return
     _rejects_then_recovers(loader, where, bad, names=names, what=f"a corrupt header ({kind})")
+
+
+# safetensors' own limit on the JSON header (MAX_HEADER_SIZE, refused only when the length is over it).
+HEADER_LIMIT = 100_000_000
+
+
+@pytest.mark.rule("FILE-CORRUPT-HEADER")
+@pytest.mark.parametrize("where", [SINGLE])
+def test_header_exactly_at_the_size_limit_loads(loader, where):
+    """A header of exactly 100 000 000 bytes (safetensors' limit: a longer one is refused, `huge-length`), its
+    JSON padded with spaces as safetensors pads it, is a valid file: it loads bit for bit."""
+    v1 = _state(SPEC, 1)
+
+    def at_limit(path, tensors, _pickled):
+        _good(path, tensors, False)
+        header, data = F.split_file(path)
+        body = json.dumps(header, separators=(",", ":")).encode()
+        F.write_raw(path, body + b" " * (HEADER_LIMIT - len(body)), data)
+
+    path, _, _ = _write(loader, where, v1, at_limit)
+    check.equal(F.header_length(path), HEADER_LIMIT, f"fixture precondition: the header length of {path}")
+    session = loader.open(SPEC)
+    session.update()
+    check.params_equal(session.observe(), v1, f"header of exactly {HEADER_LIMIT} bytes at {path}")
+    os.unlink(path)  # 100 MB: not kept until the session's tmp_path is cleaned
 
 
 # -- FILE-PICKLE-NO-EXEC -----------------------------------------------------------------------

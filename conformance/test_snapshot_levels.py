@@ -195,6 +195,7 @@ _POSITIONS = {
     "legacy": (("snapshot.legacy", "snapshot.shared_fallback"), "shared"),
     "part1-of-0-1-2": (("snapshot.parts", "snapshot.single"), "single"),
     "only-part": (("snapshot.parts", "snapshot.single"), "single"),
+    "shared": (("snapshot.shared_fallback",), None),  # the lowest level: nothing to fall through to
 }
 
 
@@ -207,6 +208,8 @@ def _candidate(loader, position, want):
         return S.legacy_path(loader.model_dir, GPU), want
     if position == "only-part":
         return S.part_path(loader.model_dir, RANK, GPU, 0), want
+    if position == "shared":
+        return S.fallback_path(loader.shared_dir, RANK, GPU), want
     first, middle, last = S.split(want, 3)
     S.write_parts(loader.model_dir, RANK, GPU, {0: first, 2: last})
     return S.part_path(loader.model_dir, RANK, GPU, 1), middle
@@ -285,6 +288,7 @@ _BAD_KINDS = {
     "legacy": ("directory", "dangling-symlink", "fifo"),
     "part1-of-0-1-2": ("directory", "dangling-symlink", "fifo"),
     "only-part": ("directory", "symlink-to-dev-null"),
+    "shared": ("directory", "fifo"),
 }
 
 
@@ -305,10 +309,12 @@ def test_candidate_that_is_not_a_regular_file_is_an_error(loader, tmp_path, posi
     want = M.state(SPEC, version=1)
     path, content = _candidate(loader, position, want)
     lower = _POSITIONS[position][1]
-    S.write_level(lower, loader.model_dir, loader.shared_dir, RANK, GPU, M.state(SPEC, version=7))  # stale
-    where = f"{path} is a {kind}, stale {lower} level beside it"
+    if lower:
+        S.write_level(lower, loader.model_dir, loader.shared_dir, RANK, GPU, M.state(SPEC, version=7))  # stale
+    where = f"{path} is a {kind}, stale {lower} level beside it" if lower else f"{path} (the lowest level) is a {kind}"
     if kind == "symlink-to-regular-file":
-        target = S.write_safetensors(os.path.join(str(tmp_path), "store", "real.safetensors"), content)
+        write = S.write_pickle_fallback if position == "shared" else S.write_safetensors
+        target = write(os.path.join(str(tmp_path), "store", "real.pdparams"), content)
         os.symlink(target, path)
         session = loader.open(SPEC, worker=WORKER)
         session.update()
@@ -350,7 +356,7 @@ def _rejects_candidate_then_loads_it(loader, path, content, want, where):
     if "status" in loader.adapter.capabilities:
         check.status_not(session, "NORMAL", where)
     _remove(path)
-    S.write_safetensors(path, content)
+    (S.write_pickle_fallback if os.path.dirname(path) == loader.shared_dir else S.write_safetensors)(path, content)
     session.clear()
     session.update()
     check.params_equal(session.observe(), want, f"{where}: after replacing it with a regular file, clear() and update()")

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conformance import check
+from conformance import check, harness
 from conformance.harness import Worker
 from conformance.stream_support import ct_trainer, open_stream  # noqa: F401 - ct_trainer is a fixture
 from fixtures import models as M
@@ -290,6 +290,25 @@ def test_rsync_handle_created_with_rank_and_world_size(loader, ct_trainer, monke
     want = (2, 4) if world > 1 else (0, 1)
     check.equal((register["config"]["global_rank"], register["config"]["group_size"]), want,
                 f"rsync worker {worker}, world size {world}: (local_rank, group_size) the handle was created with")
+
+
+@pytest.mark.rule("RSYNC-HANDLE-CONFIG")
+@pytest.mark.requires("stream.rsync")
+def test_rsync_handle_local_rank_0_when_selection_unset(loader, ct_trainer, monkeypatch):
+    """``FLAGS_selected_gpus`` left unset reads as "0" (SNAP-GPU-ID-INVALID): the handle is created with
+    local_rank 0, and the update never fails on the missing variable."""
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "1")
+    real_set = harness.set_worker_env
+
+    def set_env_then_unset(environ, *args):  # the harness always sets it; this case leaves it unset
+        real_set(environ, *args)
+        environ.pop("FLAGS_selected_gpus", None)
+
+    monkeypatch.setattr(harness, "set_worker_env", set_env_then_unset)
+    _loaded(loader, ct_trainer, SPEC, worker=Worker(rank=0, visible="5", selected="0"))
+    [register] = ct_trainer.of("register")
+    check.equal((register["config"]["global_rank"], register["config"]["group_size"]), (0, 1),
+                "rsync worker on physical GPU 5, FLAGS_selected_gpus unset: (local_rank, group_size) of the handle")
 
 
 # -- RSYNC-CHECKSUM --------------------------------------------------------------------------------

@@ -87,6 +87,8 @@ def function_hashes(module_names) -> dict[str, str]:
     out = {}
     for module in module_names:
         path = os.path.join(REPO, *module.split(".")) + ".py"
+        if not os.path.exists(path):  # a package's own functions (reference.x___getattr__): its __init__.py
+            path = os.path.join(REPO, *module.split("."), "__init__.py")
         if not os.path.exists(path):
             continue
         with open(path, encoding="utf-8") as f:
