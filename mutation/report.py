@@ -126,6 +126,15 @@ def judge(results: list[Result], justified: list[dict], target: float, in_scope=
             "target": target, "ok": ok, "survivors": survivors, "excused": excused, "stale": stale}
 
 
+def tree() -> str:
+    """The commit the run's code came from, ``+changes`` when reference/ differed from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--", "reference") else "")
+
+
 def mutmut_version() -> str:
     import importlib.metadata as md
 
@@ -136,7 +145,7 @@ def write_report(verdict: dict, path: str, command: str, baseline: dict | None) 
     lines = [
         "# Mutation testing of `reference/`",
         "",
-        f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by `{command}` (mutmut {mutmut_version()}; "
+        f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on tree {tree()} by `{command}` (mutmut {mutmut_version()}; "
         "tests: `pytest conformance --impl=reference`, configured in pyproject.toml `[tool.mutmut]`).",
         "",
         "| | mutants | detected | equivalent | out of scope | unjustified survivors | detected / all | score |",
