@@ -71,6 +71,9 @@ def _cleared_after_every_rank(rank_job, path, s):
     _every_rank(rank_job, s["clear"], f"{where}: the clear")
     check.that(all(e["event"] == "cleared" for e in s["clear"].values()),
                f"{where}: what each rank reported: {[(r, e['event'], e.get('error')) for r, e in s['clear'].items()]}")
+    held = {r: sorted(n for n, d in e.get("digests", {}).items() if d is not None) for r, e in s["clear"].items()}
+    check.that(not any(held.values()), f"{where}: parameters each rank still holds after it reported its clear "
+               f"(a rank that says it cleared must hold none): {held}")
     history = _cell(s["cell_clear"])
     check.that(history[-1:] == ["CLEARED"], f"{where}: the cell after every rank reported: {history}")
     slow = s.get("slow_clear_rank")
@@ -79,7 +82,8 @@ def _cleared_after_every_rank(rank_job, path, s):
     event = s["clear"].get(slow, s["clear"].get(str(slow)))
     released = P.held_until(event, s["version"])
     check.that(released is not None, f"{where}: rank {slow} was to be held {HOLD_S:g}s inside its clear, but its "
-               "status() never read CLEARING during the iteration that cleared")
+               "status() never read CLEARING while one of its parameters was released, during the iteration that "
+               "cleared")
     t_cleared = min(t for t, v in s["cell_clear"] if v == CLEARED)
     check.that(t_cleared >= released,
                f"{where}: the cell read CLEARED {released - t_cleared:.3f}s before rank {slow} could have cleared "
