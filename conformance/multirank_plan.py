@@ -17,6 +17,8 @@ ver   what the trainers publish                           what it proves
 8     healthy                                              recovery
 9     rank 1's shard lacks its last tensor (well formed)   an incomplete rank that nothing else fails
 10    healthy                                              recovery
+11    rank 0's shard lacks its last tensor (well formed)   the same on the rank that writes the cell
+12    healthy                                              recovery
 ====  ==================================================  ===========================================
 
 then ``CYCLES`` healthy cycles when the cycle tier is selected (resources after the first and the last),
@@ -39,7 +41,7 @@ NEEDS = ("multirank", "status.cell")
 KILL_RANK = {"snapshot": 1, "meta": 1, "bucket": 0}  # bucket: rank 1 has the long (stall) deadline
 HANG_RANK = 1
 SLOW_CLEAR_RANK = 1  # not the rank that writes the cell
-LAST_STEP = 10
+LAST_STEP = 12
 
 
 def steps(path: str) -> list[Step]:
@@ -47,7 +49,7 @@ def steps(path: str) -> list[Step]:
     # versions by the time the cycles measure it (its allocator settles after its first two).
     return [Step(1), Step(2, slow_rank=1 if path == "bucket" else None, slow_clear_rank=SLOW_CLEAR_RANK),
             Step(3, "kill", KILL_RANK[path]), Step(4), Step(5, "missing", 1), Step(6), Step(7, "bad-dtype", 0), Step(8),
-            Step(9, "partial", 1), Step(10)]
+            Step(9, "partial", 1), Step(10), Step(11, "partial", 0), Step(12)]
 
 
 def plans(paths, cycles: int, hang: bool, staged: bool) -> list[PathPlan]:

@@ -14,7 +14,8 @@ from sim.ranks import CLEARED, HOLD_S, NORMAL, UPDATING
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]  # the job runs in the first test's setup
 NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", -1: "CLEARING", -2: "CLEARED"}
-FAILURE_STEPS = [(3, "kill", None), (5, "missing", 1), (7, "bad-dtype", 0), (9, "partial", 1)]
+FAILURE_STEPS = [(3, "kill", None), (5, "missing", 1), (7, "bad-dtype", 0), (9, "partial", 1), (11, "partial", 0)]
+FAILURE_IDS = ["kill", "missing", "bad-dtype", "partial", "partial-rank0"]
 SLACK_S = 20.0  # a failure must reach every rank well within this after the UPDATING (loaded machine)
 
 
@@ -117,7 +118,7 @@ def test_normal_only_after_every_rank(rank_job, path):
 
 @pytest.mark.rule("MR-FAILURE-EVERY-RANK")
 @pytest.mark.parametrize("path", _paths())
-@pytest.mark.parametrize("version,fault,rank", FAILURE_STEPS, ids=[f[1] for f in FAILURE_STEPS])
+@pytest.mark.parametrize("version,fault,rank", FAILURE_STEPS, ids=FAILURE_IDS)
 def test_failure_reaches_every_rank(rank_job, path, version, fault, rank):
     p = _path(rank_job, path)
     s = P.step(rank_job, p, version)

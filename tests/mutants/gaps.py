@@ -205,3 +205,30 @@ class FollowerKeepsWeightsAtClear(Mutant):
 
     def patches(self):
         return _manager_patch(_FollowerKeepsWeightsManager)
+
+
+# -- ranks: a rank voting before it checked that every parameter arrived (multirank tier) -----------
+class _WriterChecksAtPublishManager(_manager.WeightManager):
+    def finalize(self):
+        writer = self.commit_options.tp_rank(self.rank, self.agreement.declared_world_size()) == 0
+        if not writer or self._committed or self._voted:
+            return super().finalize()
+        self._voted = True
+        self.agreement.require_all("update")  # the writer votes first: it checks when it is about to write NORMAL
+        self.agreement.require_all = lambda what: None  # (the vote is cast)
+        try:
+            return super().finalize()
+        finally:
+            del self.agreement.require_all
+
+
+class WriterChecksAtPublish(Mutant):
+    id = "gaps_writer_votes_before_checking"
+    bug = ("every rank checks that each of its parameters arrived before it votes, except the one that writes the cell, "
+           "which checks right before it writes NORMAL, after the agreement: when its own well-formed shard lacks a "
+           "tensor, the other ranks commit (NORMAL, the new version) and only the writer fails")
+    kills = frozenset({"MR-FAILURE-EVERY-RANK"})
+    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+
+    def patches(self):
+        return _manager_patch(_WriterChecksAtPublishManager)
