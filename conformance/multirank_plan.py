@@ -17,6 +17,8 @@ ver   what the trainers publish                           what it proves
 8     healthy                                              recovery
 9     rank 1's shard lacks its last tensor (well formed)   an incomplete rank that nothing else fails
 10    healthy                                              recovery
+11    rank 0's shard lacks its last tensor (well formed)   the same on the rank that writes the cell
+12    healthy                                              recovery
 ====  ==================================================  ===========================================
 
 On two hosts (``--hosts 2``: two network namespaces, ``sim.hosts``) the job is 2 hosts x 2 ranks: ranks 2
@@ -46,7 +48,7 @@ LEVEL_CAPS = {"parts": "snapshot.parts", "single": "snapshot.single", "legacy": 
 # The rank of each role is the last rank (1 on one host, 3 on the second of two): never rank 0, which
 # writes the cell, and on two hosts a rank whose local rank (1) is not its global one.
 KILL_FIRST = ("bucket",)  # bucket: the last rank has the long (stall) deadline, so rank 0's trainer is killed
-LAST_STEP = 10
+LAST_STEP = 12
 
 
 def last_rank(ranks: int = RANKS) -> int:
@@ -59,7 +61,8 @@ def steps(path: str, ranks: int = RANKS) -> list[Step]:
     last = last_rank(ranks)
     return [Step(1), Step(2, slow_rank=last if path == "bucket" else None, slow_clear_rank=last),
             Step(3, "kill", 0 if path in KILL_FIRST else last), Step(4), Step(5, "missing", last), Step(6),
-            Step(7, "bad-dtype", 0), Step(8), Step(9, "partial", last), Step(10)]
+            Step(7, "bad-dtype", 0), Step(8), Step(9, "partial", last), Step(10),
+            Step(11, "partial", 0), Step(12)]
 
 
 def plans(paths, cycles: int, hang: bool, staged: bool, ranks: int = RANKS) -> list[PathPlan]:

@@ -81,15 +81,19 @@ RUN, WAIT, STOP = 0, 1, 2
 class ClearHold:
     """The orchestrator's order to hold this rank inside its clear (``hold.{job}``: rank, version, hold_s):
     a profile function, set around the worker loop's iterations until it fires, sleeps ``hold_s`` at the
-    first Python call after the session's ``status()`` reads CLEARING, i.e. inside the implementation's
-    clear, before this rank can tell a peer it has cleared. It writes nothing and replaces nothing: a peer
-    that publishes CLEARED before this rank's clear ended did not wait for it. ``armed.{job}`` tells the
-    orchestrator the order was taken (it writes CLEARING only then: no iteration can slip past it)."""
+    first Python call after the session's ``status()`` reads CLEARING and one of the rank's parameters
+    has been released, i.e. inside the implementation's clear, after it began to release the weights and
+    before it can have released them all and told a peer so (a rank that tells its peers first, then
+    releases, is held after telling them). It writes nothing and replaces nothing: a peer that publishes
+    CLEARED before this rank's clear ended did not wait for it. ``armed.{job}`` tells the orchestrator the
+    order was taken (it writes CLEARING only then: no iteration can slip past it)."""
 
-    def __init__(self, run_dir: str, job: str, rank: int, session):
+    def __init__(self, run_dir: str, job: str, rank: int, session, params=()):
         self.order_path = os.path.join(run_dir, f"hold.{job}")
         self.armed_path = os.path.join(run_dir, f"armed.{job}")
         self.rank, self.session = rank, session
+        # the rank's parameters that hold data when loaded (a zero-element one never does)
+        self.params = [p for p in params if int(p.numel()) > 0]
         self.held: dict[int, float] = {}  # version -> when the hold ended (wall clock)
         self.armed: set[int] = set()
 
@@ -114,13 +118,17 @@ class ClearHold:
                 return
             busy[0] = True
             try:
-                if self.session.status() == "CLEARING":
+                if self.session.status() == "CLEARING" and self.releasing():
                     time.sleep(order["hold_s"])
                     self.held[order["version"]] = time.time()
             finally:
                 busy[0] = False
 
         return probe
+
+    def releasing(self) -> bool:
+        """One of the rank's parameters holds no data any more (its clear has begun to release them)."""
+        return any(not p._is_initialized() for p in self.params)
 
     def held_until(self, version) -> float | None:
         return self.held.get(version)
@@ -192,7 +200,8 @@ def run_path(job: dict, config: dict, adapter, rank: int, report: Reporter, coll
     except Exception as e:  # noqa: BLE001 (reported; the orchestrator judges)
         report("failed", **state(error=f"{type(e).__name__}: {e}", step="first"))
     runs = [0]
-    hold = ClearHold(config["run_dir"], name, rank, session)
+    hold = ClearHold(config["run_dir"], name, rank, session,
+                     [p for model in models for p in model.state_dict().values()])
 
     def run_model() -> None:
         runs[0] += 1

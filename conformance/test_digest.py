@@ -241,32 +241,39 @@ def test_one_change_changes_exactly_that_tensors_digest(loader):
         _only_changed(base, _update(other, publish, st), D.model(st), name, f"{name}: {case}")
 
 
-# Above 1 MiB a "fast" digest may sample (the first and last half MiB, a stride): one byte changed in the middle
-# of a tensor of 1 MiB + 1 byte, and of a larger one (2 MiB + 2 KiB), must change its digest.
+# Above 1 MiB a "fast" digest may sample (the first and last half MiB, a stride), or sample only above a larger
+# size. One byte changed in the middle must change the tensor's digest: the middle byte of tensors of 1 MiB + 1
+# byte and 2 MiB + 2 KiB; and a tensor of 8 MiB + 1 byte (zeros, in a model of its own, loaded twice: cost)
+# digests exactly, before and after a byte just past its middle, at an odd offset (on no power-of-two stride), changes.
 LARGE = (("big.odd", "uint8", ((1 << 20) + 1,)), ("big.bf16", "bfloat16", (1024, 1025)))
 SPEC_LARGE = M.spec(*LARGE)
+SPEC_HUGE = M.spec(("big.8mib", "uint8", ((8 << 20) + 1,)))
+MIDDLE_BYTES = {"middle byte": lambda size: size // 2, "odd byte past the middle": lambda size: size // 2 + 1027}
 
 
-def _flip_middle_byte(name):
+def _flip_byte(name, offset):
     def edit(st):
         raw = st[name].reshape(-1).view(np.uint8)
-        raw[raw.size // 2] ^= 0x10  # one bit of the byte at the middle: neither an element's first nor last byte
+        raw[offset] ^= 0x10  # one bit of one byte
     return edit
 
 
 @pytest.mark.rule("DIGEST-MODEL-SENSITIVE")
 @pytest.mark.requires("snapshot.single", "digest.model")
 def test_one_middle_byte_of_a_large_tensor_changes_its_digest(loader):
-    base_state = M.state(SPEC_LARGE)
-    session, publish = _open(loader, SPEC_LARGE, "single", None, [])
-    base = _update(session, publish, base_state)
-    _compare(base, D.model(base_state), "base model of tensors over 1 MiB")
-    for name, dtype, shape in LARGE:
-        st = {n: a.copy() for n, a in base_state.items()}
-        _flip_middle_byte(name)(st)
-        nbytes = st[name].nbytes
-        _only_changed(base, _update(session, publish, st), D.model(st), name,
-                      f"byte {nbytes // 2} of {nbytes} ({dtype} {list(shape)}) changed in {name}")
+    for spec, offsets in ((SPEC_LARGE, {"middle byte": MIDDLE_BYTES["middle byte"]}),
+                          (SPEC_HUGE, {"odd byte past the middle": MIDDLE_BYTES["odd byte past the middle"]})):
+        base_state = M.state(spec) if spec is SPEC_LARGE else {p.name: np.zeros(p.shape, np.uint8) for p in spec.main}
+        session, publish = _open(loader, spec, "single", None, [])
+        base = _update(session, publish, base_state)
+        _compare(base, D.model(base_state), f"base model of tensors over 1 MiB {[p.name for p in spec.main]}")
+        for param in spec.main:
+            for where, at in offsets.items():
+                st = {n: a.copy() for n, a in base_state.items()}
+                nbytes = st[param.name].nbytes
+                _flip_byte(param.name, at(nbytes))(st)
+                _only_changed(base, _update(session, publish, st), D.model(st), param.name,
+                              f"byte {at(nbytes)} of {nbytes} ({where}; {param.dtype} {list(param.shape)}) changed in {param.name}")
 
 
 @pytest.mark.rule("DIGEST-MODEL-INCOMPLETE")

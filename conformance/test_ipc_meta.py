@@ -249,23 +249,34 @@ def test_meta_of_wrong_length_is_a_clear_error(loader, trainer, bad):
 
 
 # (worker, the trainer's device_id): ordinal 0 from device 0, and ordinal 1 (physical 3) from device 0 and 5:
-# a tuple's device_id must be replaced like a list's (IPC-DEVICE-ID-REPLACED), not kept because it is immutable.
+# a tuple's device_id must be replaced like a list's (IPC-DEVICE-ID-REPLACED), not kept because it is immutable;
+# and by the device the worker was opened on (IPC-IDENTITY-AT-OPEN), not one the environment names at the update.
 TUPLE_WORKERS = {"ordinal0-from-dev0": (Worker(0, "0", "0"), 0), "ordinal1-physical3-from-dev0": (PHYSICAL, 0),
-                 "ordinal1-physical3-from-dev5": (PHYSICAL, 5)}
+                 "ordinal1-physical3-from-dev5": (PHYSICAL, 5),
+                 "ordinal1-physical3-from-dev5-environment-changed-after-open": (PHYSICAL, 5)}
 
 
 @pytest.mark.rule("IPC-META-TUPLE")
 @pytest.mark.requires("ipc.meta")
 @pytest.mark.parametrize("case", list(TUPLE_WORKERS))
-def test_meta_stored_as_tuple_is_accepted(loader, trainer, case):
+def test_meta_stored_as_tuple_is_accepted(loader, trainer, case, monkeypatch):
     worker, trainer_device = TUPLE_WORKERS[case]
     want = M.state(SPEC)
     export = trainer(want, device_id=trainer_device)
     path = I.write_metas(_meta_file(loader, worker.gpu_id), {n: tuple(m) for n, m in export.metas.items()})
     session = loader.open(SPEC, strategy="ipc", worker=worker)
+    where = (f"{path}: every meta a tuple with device_id {trainer_device}, worker "
+             f"CUDA_VISIBLE_DEVICES={worker.visible} FLAGS_selected_gpus={worker.selected}")
+    if case.endswith("environment-changed-after-open"):
+        # ordinal 2 is physical 9 now, whose tuples (another version) lie beside: the worker still loads
+        # ipc_metas_3 and opens its handles on ordinal 1, the device it started on
+        decoy = trainer(M.state(SPEC, version=9), device_id=trainer_device)
+        I.write_metas(_meta_file(loader, 9), {n: tuple(m) for n, m in decoy.metas.items()})
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,6,9")
+        monkeypatch.setenv("FLAGS_selected_gpus", "2")
+        where += ", updated after the environment changed to CUDA_VISIBLE_DEVICES=2,6,9 FLAGS_selected_gpus=2"
     session.update()
-    check.params_equal(session.observe(), want, f"{path}: every meta a tuple with device_id {trainer_device}, worker "
-                       f"CUDA_VISIBLE_DEVICES={worker.visible} FLAGS_selected_gpus={worker.selected}")
+    check.params_equal(session.observe(), want, where)
 
 
 BAD_HANDLES = {

@@ -18,7 +18,8 @@ from sim.ranks import CLEARED, HOLD_S, NORMAL, UPDATING
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]  # the job runs in the first test's setup
 NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", -1: "CLEARING", -2: "CLEARED"}
-FAILURE_STEPS = [(3, "kill", None), (5, "missing", 1), (7, "bad-dtype", 0), (9, "partial", 1)]
+FAILURE_STEPS = [(3, "kill", None), (5, "missing", 1), (7, "bad-dtype", 0), (9, "partial", 1), (11, "partial", 0)]
+FAILURE_IDS = ["kill", "missing", "bad-dtype", "partial", "partial-rank0"]
 SLACK_S = 20.0  # a failure must reach every rank well within this after the UPDATING (loaded machine)
 
 
@@ -75,6 +76,9 @@ def _cleared_after_every_rank(rank_job, path, s):
     _every_rank(rank_job, s["clear"], f"{where}: the clear")
     check.that(all(e["event"] == "cleared" for e in s["clear"].values()),
                f"{where}: what each rank reported: {[(r, e['event'], e.get('error')) for r, e in s['clear'].items()]}")
+    held = {r: sorted(n for n, d in e.get("digests", {}).items() if d is not None) for r, e in s["clear"].items()}
+    check.that(not any(held.values()), f"{where}: parameters each rank still holds after it reported its clear "
+               f"(a rank that says it cleared must hold none): {held}")
     history = _cell(s["cell_clear"])
     check.that(history[-1:] == ["CLEARED"], f"{where}: the cell after every rank reported: {history}")
     slow = s.get("slow_clear_rank")
@@ -83,7 +87,8 @@ def _cleared_after_every_rank(rank_job, path, s):
     event = s["clear"].get(slow, s["clear"].get(str(slow)))
     released = P.held_until(event, s["version"])
     check.that(released is not None, f"{where}: rank {slow} was to be held {HOLD_S:g}s inside its clear, but its "
-               "status() never read CLEARING during the iteration that cleared")
+               "status() never read CLEARING while one of its parameters was released, during the iteration that "
+               "cleared")
     t_cleared = min(t for t, v in s["cell_clear"] if v == CLEARED)
     check.that(t_cleared >= released,
                f"{where}: the cell read CLEARED {released - t_cleared:.3f}s before rank {slow} could have cleared "
@@ -117,7 +122,7 @@ def test_normal_only_after_every_rank(rank_job, path):
 
 @pytest.mark.rule("MR-FAILURE-EVERY-RANK")
 @pytest.mark.parametrize("path", _paths())
-@pytest.mark.parametrize("version,fault,rank", FAILURE_STEPS, ids=[f[1] for f in FAILURE_STEPS])
+@pytest.mark.parametrize("version,fault,rank", FAILURE_STEPS, ids=FAILURE_IDS)
 def test_failure_reaches_every_rank(rank_job, path, version, fault, rank):
     p = _path(rank_job, path)
     s = P.step(rank_job, p, version)

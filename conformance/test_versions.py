@@ -130,6 +130,28 @@ def test_failed_update_keeps_version(loader, sources, kind, fault):
     check.equal((session.status(), session.version()), ("NORMAL", 5), f"{where}: (status, version)")
 
 
+@pytest.mark.rule("VER-FAILED-KEEPS")
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=_needs(k), id=k) for k in KINDS if k != "bucket"])
+def test_refused_version_is_never_stamped_later(loader, sources, kind):
+    """An update refused for its version (older than the one reported: VER-MONOTONIC) is a failed update too:
+    the version it carried is never stamped later, by an update that carries none (the version would go back)."""
+    src = sources(kind)
+    session = _load(src, SPEC, 5)
+    session.clear()
+    src.publish(SPEC, 3)
+    with check.raises(ValueError, match=r"older", names=["3", "5"], where=f"{kind}: update of {src.where} to version 3 after 5"):
+        session.update()
+    src.settle()
+    check.equal(session.version(), 5, f"{kind}: version() after the update to version 3 was refused")
+    session.clear()
+    src.publish(SPEC, 7, write_version=False)
+    session.update()
+    src.settle()
+    where = f"{kind}: the update of {src.where} without version.yaml after the update to version 3 was refused"
+    check.params_equal(session.observe(), M.state(SPEC, version=7), where)
+    check.equal((session.status(), session.version()), ("NORMAL", 5), f"{where}: (status, version)")
+
+
 @pytest.mark.rule("VER-MONOTONIC")
 @pytest.mark.parametrize("kind,staged", [pytest.param(k, s, marks=_needs(k, *(("staged",) if s else ())),
                                                       id=f"{k}{':staged' if s else ''}")
