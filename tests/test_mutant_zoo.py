@@ -11,7 +11,7 @@ from tests.mutants import all_mutants
 
 MUTANTS = all_mutants()
 # The whole zoo runs once per session in a fork server; its share of the 120 s per-test budget is
-# not enough on a loaded 2-core machine (the last CI ran about 300 mutants in 659 s; 345 now): it bounds a hang.
+# not enough on a loaded 2-core machine (the last CI ran 308 mutants in 659 s; 345 now): it bounds a hang.
 ZOO_TIMEOUT_S = 1800
 
 
