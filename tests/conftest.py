@@ -1,11 +1,19 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sigint_at_default() -> None:
+    """``preexec_fn`` for a child a test sends SIGINT: the signal at its default disposition, as a terminal's
+    child has it. A run started in the background by a non-interactive shell inherits SIGINT ignored, and
+    Python leaves an ignored SIGINT ignored (no KeyboardInterrupt), so the test would measure the shell."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_conformance(impl_args: list[str], report_path, extra: list[str] = (), timeout: int = 300):

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from conformance import harness
+from tests.conftest import sigint_at_default
 
 pytestmark = pytest.mark.timeout(600)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +89,8 @@ def test_ctrl_c_ends_a_run_blocked_inside_the_implementation(whom):
     30 s; the process's own exit takes seconds on a loaded machine), interrupted in the wait for the
     case's child, and the blocked child does not outlive it."""
     proc = subprocess.Popen(_suite("HoldingAdapter", "--rule", RULE, "-k", "single and fifo"), cwd=REPO, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=sigint_at_default)
     try:
         child = _blocked_child(proc, time.monotonic() + OUTER_TIMEOUT_S)
         assert child is not None, f"no case was seen blocked (exit {proc.poll()})"

@@ -23,7 +23,7 @@ import pytest
 
 from conformance.history import cli, runs, verdicts
 from conformance.history.versions import HistoryError, Version, from_folder, from_git
-from tests.conftest import REPO
+from tests.conftest import REPO, sigint_at_default
 from tests.test_matrix import Dom
 
 STANDINS = os.path.join(REPO, "tests", "fd_standins")
@@ -123,7 +123,8 @@ def interrupted(work, bisected):
     before = cache_entries(work)
     command = [sys.executable, "-m", "conformance.history", "--repo", str(work["repo"]), "--path", FILE,
                "-o", str(work["out"]), "--cache", str(work["out"] / ".history-cache"), "--jobs", "1", *NARROW]
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_at_default)
     parent = psutil.Process(proc.pid)
     deadline = time.monotonic() + 120
     tree = []
