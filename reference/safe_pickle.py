@@ -7,7 +7,7 @@ callable it names is ever looked up, let alone called.
 """
 from __future__ import annotations
 
-import io
+import os
 import pickle
 
 from .errors import SnapshotFormatError, SnapshotPermissionError, UnsafePickleError
@@ -43,20 +43,22 @@ class _Restricted(pickle.Unpickler):
 
 
 def load_restricted(path: str, *, allow_arrays: bool):
-    """Unpickle ``path`` admitting only array-reconstruction globals (or none at all)."""
+    """Unpickle ``path`` admitting only array-reconstruction globals (or none at all). The pickle is read
+    from the file as it is parsed, never whole into memory first: a state dict's bytes are held once (as its
+    arrays), not twice (MEM-SNAPSHOT-PEAK on the shared fallback)."""
     allowed = ARRAY_GLOBALS if allow_arrays else frozenset()
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        f = open(path, "rb")
     except PermissionError as e:
         raise SnapshotPermissionError(
             f"{path}: permission denied: cannot open the file for reading ({e.strerror}); the file itself may be intact: fix its mode or owner"
         ) from None
-    if not data:
-        raise SnapshotFormatError(f"{path}: file is empty (0 bytes)")
-    try:
-        return _Restricted(io.BytesIO(data), path, allowed).load()
-    except UnsafePickleError:
-        raise
-    except Exception as e:  # truncated or garbage pickles raise many types
-        raise SnapshotFormatError(f"{path}: not a readable pickle ({e!r})") from None
+    with f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise SnapshotFormatError(f"{path}: file is empty (0 bytes)")
+        try:
+            return _Restricted(f, path, allowed).load()
+        except UnsafePickleError:
+            raise
+        except Exception as e:  # truncated or garbage pickles raise many types
+            raise SnapshotFormatError(f"{path}: not a readable pickle ({e!r})") from None

@@ -45,7 +45,7 @@ def update_from_snapshot(manager) -> None:
         if src.fmt == "safetensors":  # read only if it is still the file whose header was checked (parsed once)
             tensors = iter_safetensors(src.path, expect=headers[src.path])
         else:
-            tensors = load_pickle_state_dict(src.path).items()
+            tensors = load_pickle_state_dict(src.path)
         manager.apply(tensors, src.label, src.path)
         # Only one file's tensors may be alive at once (FastDeploy #6852, host-memory peak). They were
         # read into memory the parameters now own, and what was not adopted (a name the model lacks, a

@@ -270,18 +270,22 @@ def iter_safetensors(path: str, expect=None) -> Iterator[tuple[str, paddle.Tenso
     yield from tensors
 
 
-def load_pickle_state_dict(path: str) -> dict[str, paddle.Tensor]:
-    """Read a ``paddle.save`` state dict without executing anything but array reconstruction."""
+def load_pickle_state_dict(path: str) -> Iterator[tuple[str, paddle.Tensor]]:
+    """Yield (name, tensor) from a ``paddle.save`` state dict, read without executing anything but array
+    reconstruction. Every entry is checked before the first is yielded; each array is dropped as its tensor
+    is made, so the file's bytes are held about once, not as arrays and tensors both."""
     obj = load_restricted(path, allow_arrays=True)
     if not isinstance(obj, dict):
         raise SnapshotFormatError(f"{path}: expected a dict of arrays, found {obj!r:.80}")
-    out = {}
+    obj.pop(PADDLE_NAME_TABLE, None)
     for name, value in obj.items():
-        if name == PADDLE_NAME_TABLE:
-            continue
         if not isinstance(value, np.ndarray):
             raise SnapshotFormatError(f"{path}: entry {name!r} is {value!r:.80}, expected an array")
-        # paddle.save stores bfloat16 as uint16 bits; paddle.to_tensor maps uint16 back to bfloat16,
-        # exactly as paddle.load does.
-        out[name] = paddle.to_tensor(value)
-    return out
+    return _tensors_from(obj)
+
+
+def _tensors_from(arrays: dict) -> Iterator[tuple[str, paddle.Tensor]]:
+    # paddle.save stores bfloat16 as uint16 bits; paddle.to_tensor maps uint16 back to bfloat16, exactly
+    # as paddle.load does.
+    for name in list(arrays):
+        yield name, paddle.to_tensor(arrays.pop(name))

@@ -327,7 +327,7 @@ class EmptyFileUnnamed(Mutant):
             return infos
 
         def load_pickle_state_dict(path):
-            sd = _real_load_pickle(path)
+            sd = list(_real_load_pickle(path))
             if not sd:
                 raise ValueError(f"No parameter found in state dict {sd}")
             return sd
@@ -347,7 +347,7 @@ class PaddleLoadFallback(Mutant):
 
             sd = paddle.load(path)
             sd.pop(snapshot_load.PADDLE_NAME_TABLE, None)
-            return sd
+            return sd.items()
 
         return {"reference.snapshot.load_pickle_state_dict": load_pickle_state_dict}
 
@@ -545,7 +545,7 @@ class MemoisedFiles(Mutant):
 
         def load_pickle_state_dict(path):
             if path not in cache:
-                cache[path] = _real_load_pickle(path)
+                cache[path] = list(_real_load_pickle(path))
             return cache[path]
 
         return {"reference.snapshot.iter_safetensors": iter_safetensors, "reference.snapshot.load_pickle_state_dict": load_pickle_state_dict}
