@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -59,6 +61,37 @@ def conformance_args(name: str, report: str) -> list[str]:
 # starts only when a selected test needs it). A mutant's ``zoo_args`` narrow the run (``-k bucket``: one
 # path of the multi-rank job, enough to kill it, instead of all three).
 TIERS_AND_THE_REST = "multirank or cycles or not (multirank or cycles)"
+TIERS = ("multirank", "cycles", "restart", "hosts")
+
+
+class SkipOnceFailed:
+    """A pytest plugin for one mutant's run: once a test of a rule the mutant must fail has failed, that
+    rule is killed, and its remaining tests are skipped before their fixtures are set up (a skip never
+    outranks a failure in the rule's status; tests/test_mutant_zoo.py asks each rule in ``kills`` for
+    "failed"). Most mutants fail their rule's first few tests, so the run stops paying for the rest: the
+    kill matrix's share of ``pytest tests``."""
+
+    def __init__(self, kills):
+        self.kills, self.killed, self.rule_of = frozenset(kills), set(), {}
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        from conformance.plugin import rule_of
+
+        # The tiers' tests last: a rule that fails in-process never starts the ranks (20 s and more).
+        items.sort(key=lambda item: any(item.get_closest_marker(t) for t in TIERS))
+        self.rule_of = {item.nodeid: rule_of(item) for item in items}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        rule = self.rule_of.get(item.nodeid)
+        if rule in self.killed:
+            pytest.skip(f"zoo: rule {rule} already failed for this mutant")
+
+    def pytest_runtest_logreport(self, report):
+        rule = self.rule_of.get(report.nodeid)
+        if report.when == "call" and report.failed and rule in self.kills:
+            self.killed.add(rule)
 
 
 def _child(name: str, out_dir: str) -> None:
@@ -67,9 +100,10 @@ def _child(name: str, out_dir: str) -> None:
         log = os.open(os.path.join(out_dir, f"{name}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        import pytest
+        from tests.mutants import all_mutants
 
-        code = int(pytest.main(conformance_args(name, os.path.join(out_dir, f"{name}.json"))))
+        plugin = SkipOnceFailed(all_mutants()[name].kills)
+        code = int(pytest.main(conformance_args(name, os.path.join(out_dir, f"{name}.json")), plugins=[plugin]))
     except BaseException as e:  # report, never fall back into the parent's loop
         print(f"zoo child {name} crashed: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
