@@ -50,6 +50,9 @@ def pytest_addoption(parser):
                     help="keyword argument for the adapter factory (repeatable)")
     group.addoption("--conformance-report", default=None, metavar="PATH", help="write a JSON report to PATH "
                     "(schema: conformance/report.schema.json)")
+    group.addoption("--project-tests-count", action="store_true", default=False,
+                    help="a run that selects no conformance test but runs plain project tests is not 'nothing "
+                    "tested' (mutmut runs only the tests that reach a mutant; some are the project's own)")
     group.addoption("--rule", action="append", default=[], metavar="ID",
                     help="run only the tests of this SPEC.md rule, or of every rule under an id prefix such as "
                     "an area (--rule BKT, --rule SNAP-GPU); repeatable")
@@ -89,6 +92,7 @@ def pytest_configure(config):
     config.stash[EXPECT_KEY] = []
     _STATE["config"] = config
     _STATE["other_failures"] = 0
+    _STATE["plain_tests_run"] = 0
     path = config.getoption("--expectations")
     if path:
         try:
@@ -443,6 +447,8 @@ def pytest_runtest_logreport(report):
     if props is None:
         if report.failed:
             _STATE["other_failures"] = _STATE.get("other_failures", 0) + 1  # a plain test in the same run
+        if report.when == "call":
+            _STATE["plain_tests_run"] = _STATE.get("plain_tests_run", 0) + 1
         return
     results = config.stash[RESULTS_KEY]
     info = results.get(report.nodeid)
@@ -499,6 +505,8 @@ def nothing_tested(config, results=None) -> str | None:
     results = config.stash.get(RESULTS_KEY, {}) if results is None else results
     impl = config.getoption("--impl")
     if not results:
+        if config.getoption("--project-tests-count") and _STATE.get("plain_tests_run"):
+            return None  # the project's own tests ran, and the caller (mutmut) asked that they count
         return (f"no conformance test was collected for {adapter.name} (--impl={impl}): the paths, -k/-m "
                 "expressions or --rule selection matched none; nothing was tested")
     counts = Counter(r["actual"] for r in results.values())

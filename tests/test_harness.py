@@ -254,6 +254,10 @@ def runs(sandbox, tmp_path_factory):
                      "LEVEL-SHARED-LAST"], sandbox, [sandbox], out / "nocaps.json"),
         "k_plain": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "-k", "plain"], sandbox, [sandbox], out / "kplain.json"),
         "k_none": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "-k", "nosuchtest"], sandbox, [sandbox], out / "knone.json"),
+        "k_plain_counted": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "-k", "plain", "--project-tests-count"],
+                            sandbox, [sandbox], out / "kplaincounted.json"),
+        "k_none_counted": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "-k", "nosuchtest", "--project-tests-count"],
+                           sandbox, [sandbox], out / "knonecounted.json"),
         # The real suite against a loader claiming nothing: every test must declare what it needs.
         "nocaps_suite": (["conformance", "--impl=fake_adapter:NoCapsAdapter"], REPO, [sandbox], out / "nocaps_suite.json"),
         # The real suite: by built-in name from conformance/, and (the docs example) from the root.
@@ -481,6 +485,17 @@ def test_no_conformance_test_collected_with_impl_fails(runs, form):
     assert run.report["summary"]["nothing_tested"] == expected and run.report["tests"] == [], run.report
     if form == "k_plain":  # the plain test ran and passed; still nothing of the implementation was tested
         assert re.search(r"\b1 passed\b", run.output), run.output[-1500:]
+
+
+def test_project_tests_count_only_when_asked_and_only_when_they_ran(runs):
+    """mutmut runs only the tests reaching a mutant: for some mutants that is a project test alone, which
+    --project-tests-count lets count; a run where nothing at all ran is still nothing tested."""
+    run = runs["k_plain_counted"]
+    assert run.code == 0 and "NOTHING TESTED" not in run.output, f"exit {run.code}:\n{run.output[-3000:]}"
+    assert re.search(r"\b1 passed\b", run.output), run.output[-1500:]
+    run = runs["k_none_counted"]
+    assert run.code == NOTHING_TESTED and "NOTHING TESTED: no conformance test was collected" in run.output, \
+        f"exit {run.code}:\n{run.output[-3000:]}"
 
 
 def test_a_run_that_tested_something_is_not_flagged(runs):
