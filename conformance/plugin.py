@@ -531,13 +531,13 @@ def pytest_sessionfinish(session, exitstatus):
     if session.exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
         return  # interrupted, internal or usage error: it stands
     results = config.stash.get(RESULTS_KEY, {})
-    if nothing_tested(config):
+    other = _STATE.get("other_failures", 0)
+    if nothing_tested(config) and not other:  # a failed project test or collection fails the run instead
         session.exitstatus = NOTHING_TESTED_EXIT
         return
     # The verdicts decide, not pytest's count: an expected failure passes the gate, an unexpected
     # pass fails it, and under --fail-on=contract a hardening failure is reported but does not fail.
     failing = rep.failing_tests(results, config.getoption("--fail-on"))
-    other = _STATE.get("other_failures", 0)
     not_run = [r for r in results.values() if r["actual"] is None]
     failed = bool(failing or other or not_run)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED if failed else pytest.ExitCode.OK

@@ -218,6 +218,7 @@ def sandbox(tmp_path_factory):
     (root / "fake_adapter.py").write_text(FAKE_ADAPTER)
     (root / "broken_adapter.py").write_text(BROKEN_ADAPTER)
     (root / "test_sandbox.py").write_text(SANDBOX_TESTS)
+    (root / "test_project_first.py").write_text("def test_project_check_that_fails():\n    assert 1 == 2\n")
     bad = root / "bad"
     bad.mkdir()
     (bad / "test_bad_markers.py").write_text(BAD_MARKER_TESTS)
@@ -258,6 +259,9 @@ def runs(sandbox, tmp_path_factory):
                             sandbox, [sandbox], out / "kplaincounted.json"),
         "k_none_counted": (["test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "-k", "nosuchtest", "--project-tests-count"],
                            sandbox, [sandbox], out / "knonecounted.json"),
+        # A project test failing first under -x (as mutmut runs): no conformance test reaches a verdict.
+        "plain_fails_first": (["test_project_first.py", "test_sandbox.py", "--impl=fake_adapter:FakeAdapter", "-x",
+                               "-k", "fails or test_passes"], sandbox, [sandbox], out / "plainfailsfirst.json"),
         # The real suite against a loader claiming nothing: every test must declare what it needs.
         "nocaps_suite": (["conformance", "--impl=fake_adapter:NoCapsAdapter"], REPO, [sandbox], out / "nocaps_suite.json"),
         # The real suite: by built-in name from conformance/, and (the docs example) from the root.
@@ -496,6 +500,14 @@ def test_project_tests_count_only_when_asked_and_only_when_they_ran(runs):
     run = runs["k_none_counted"]
     assert run.code == NOTHING_TESTED and "NOTHING TESTED: no conformance test was collected" in run.output, \
         f"exit {run.code}:\n{run.output[-3000:]}"
+
+
+def test_a_failed_project_test_fails_the_run_even_when_nothing_else_was_tested(runs):
+    """Under -x a failing project test stops the run before any conformance test: the run failed (1), it
+    did not test nothing (5, which mutmut reads as 'no tests' and would record a killed mutant as a survivor)."""
+    run = runs["plain_fails_first"]
+    assert run.code == 1, f"exit {run.code}:\n{run.output[-3000:]}"
+    assert re.search(r"\b1 failed\b", run.output), run.output[-1500:]
 
 
 def test_a_run_that_tested_something_is_not_flagged(runs):
