@@ -61,7 +61,6 @@ def conformance_args(name: str, report: str) -> list[str]:
 # starts only when a selected test needs it). A mutant's ``zoo_args`` narrow the run (``-k bucket``: one
 # path of the multi-rank job, enough to kill it, instead of all three).
 TIERS_AND_THE_REST = "multirank or cycles or not (multirank or cycles)"
-TIERS = ("multirank", "cycles", "restart", "hosts")
 
 
 class SkipOnceFailed:
@@ -76,9 +75,10 @@ class SkipOnceFailed:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items):
-        from conformance.plugin import rule_of
+        from conformance.plugin import TIERS, rule_of
 
-        # The tiers' tests last: a rule that fails in-process never starts the ranks (20 s and more).
+        # The tiers' tests last (the two-host ones carry multirank): a rule that fails in-process never
+        # starts the ranks (20 s and more).
         items.sort(key=lambda item: any(item.get_closest_marker(t) for t in TIERS))
         self.rule_of = {item.nodeid: rule_of(item) for item in items}
 
