@@ -42,7 +42,11 @@ PHASES = {
     ("UPDATING", "after-commit"): "after the commit, in a stale-state hook, before the cell's NORMAL",
     ("CLEARED", "update-during-restart"): ("idle at CLEARED after its clear; the trainer publishes version 2 and the API "
                                            "asks for it after B's startup load, before B's loop looked at the cell"),
+    ("CLEARED", "update-while-recovering"): ("idle at CLEARED after its clear; the API asks for version 2 just after B's "
+                                             "loop read CLEARED, while B releases its startup load"),
 }
+# What worker_iteration returns (docs/adapters.md, capability status.cell).
+RESULTS = ("ran", "cleared", "updated", "idle")
 
 
 def _digests(version: int) -> dict[str, str]:
@@ -67,7 +71,8 @@ class Child:
     ``stop_at``: an event (``("sync", value)``, ``("run",)``, ``("hook",)``) at which it reports and then
     waits forever (the test kills it there)."""
 
-    def __init__(self, loader, route, cell, *, stop_at=None, hook_after: int = 1, hold_loop: bool = False):
+    def __init__(self, loader, route, cell, *, stop_at=None, hook_after: int = 1, hold_loop: bool = False,
+                 hold_first_sync: bool = False):
         self.events: list[dict] = []
         options = {**route.feed.options(0), "status_cell": cell.name}  # the trainer side exists in this process
         if route.path.id == "rsync":  # every load a bootstrap load (version.yaml), so one fills cleared weights
@@ -82,7 +87,7 @@ class Child:
             try:
                 os.close(ev_r)
                 os.close(ctl_w)
-                self._run(loader, route, options, stop_at, hook_after, hold_loop, ev_w, ctl_r)
+                self._run(loader, route, options, stop_at, hook_after, hold_loop, hold_first_sync, ev_w, ctl_r)
             except BaseException:  # noqa: BLE001
                 code = 70
             finally:
@@ -93,7 +98,7 @@ class Child:
 
     # -- in the child ---------------------------------------------------------------------------------
     @staticmethod
-    def _run(loader, route, options, stop_at, hook_after, hold_loop, ev_w, ctl_r) -> None:
+    def _run(loader, route, options, stop_at, hook_after, hold_loop, hold_first_sync, ev_w, ctl_r) -> None:
         def emit(**event):
             os.write(ev_w, (json.dumps(event) + "\n").encode())
 
@@ -121,10 +126,15 @@ class Child:
             if hold_loop:
                 os.read(ctl_r, 1)  # the parent's go: the loop starts
 
+            held = [hold_first_sync]
+
             def sync(value):
                 if stop_at == ("sync", value):
                     halt(kind="sync", value=value)
                 emit(kind="sync", value=value)
+                if held[0]:  # the loop has read the cell; the parent's go once the API wrote its request
+                    held[0] = False
+                    os.read(ctl_r, 1)
                 return value
 
             def run_model():
@@ -235,7 +245,7 @@ def _kill_a(loader, impl, path_id, cell, left, phase):
     where = f"{path_id}: worker A, {PHASES[(left, phase)]}"
     route.publish(0, M.state(SPEC, version=1), 1)
     stop_at = {"model-run": ("run",), "before-clear": ("sync", C.CLEARING), "after-clear": ("sync", C.CLEARED),
-               "update-during-restart": ("sync", C.CLEARED),
+               "update-during-restart": ("sync", C.CLEARED), "update-while-recovering": ("sync", C.CLEARED),
                "before-first-byte": ("sync", C.UPDATING), "after-commit": ("hook",)}.get(phase)
     a = Child(loader, route, cell, stop_at=stop_at)
     pending, version = None, 1
@@ -273,6 +283,19 @@ def _kill_a(loader, impl, path_id, cell, left, phase):
     return route, pending, version
 
 
+def _publish_held(route, late: bool):
+    """Version 2 for the new worker. On the bucket path of the late case, its trainer holds before bucket 1
+    (returned: ``holding`` once there, ``release`` to go on), so the cell can be read while B reloads."""
+    if late and route.path.id == "bucket":
+        from fixtures import buckets as B
+
+        publisher = route.feed._publisher(0)
+        publisher.serve(B.pack(M.state(SPEC, version=2), 2, route.feed.BUCKET_BYTES), hold_before=1)
+        return publisher
+    route.publish(0, M.state(SPEC, version=2), 2)
+    return None
+
+
 def _restart_case(loader, impl, path_id, left, phase):
     where = f"{path_id}: worker B restarted after worker A died {PHASES[(left, phase)]}"
     with C.Cell(C.NORMAL) as cell:
@@ -284,15 +307,23 @@ def _restart_case(loader, impl, path_id, left, phase):
                 routes.append(route)
                 route.publish(0, M.state(SPEC, version=version), version)
             late = phase == "update-during-restart"
-            b = Child(loader, route, cell, hold_loop=late)
+            racing = phase == "update-while-recovering"
+            b = Child(loader, route, cell, hold_loop=late, hold_first_sync=racing)
             try:
                 b.wait_for("loaded", f"{where}: startup load")
                 route.feed.settle(0)
-                if late:  # a new version and the API's request for it, after B loaded, before its loop looks
-                    route.publish(0, M.state(SPEC, version=2), 2)
+                if late or racing:  # a new version and the API's request for it, after B loaded
+                    held = _publish_held(route, late)
+                    if racing:  # B's loop has read CLEARED; the request lands before B acts on it
+                        b.wait_for("sync", f"{where}: B's first pass", value=C.CLEARED)
                     pending, left = Api(impl.control(cell.name), "update_model_weight"), "UPDATING"
                     check.that(_until(lambda: cell.read() == C.UPDATING, EVENT_S), f"{where}: the API never wrote UPDATING")
                     os.write(b._ctl, b"g")
+                    if held is not None:  # B reloads; mid-transfer the cell still says what the API asked
+                        check.that(held.holding.wait(EVENT_S), f"{where}: B never reached bucket 1 of version 2")
+                        check.equal(C.name_of(cell.read()), "UPDATING",
+                                    f"{where}: the cell while B reloads (bucket 0 of version 2 acknowledged)")
+                        held.release.set()
                     b.wait_for("end", f"{where}: B holding version 2, the one asked for after its startup load",
                                RECOVER_S, model=_version_digest(2))
                 want = {"UPDATING": "NORMAL", "CLEARING": "CLEARED", "CLEARED": "CLEARED", "NORMAL": "NORMAL"}[left]
@@ -319,6 +350,8 @@ def _restart_case(loader, impl, path_id, left, phase):
             finally:
                 b.kill()
             check.equal(report["digests"], _digests(3), f"{where}: B's parameters after the next update (sha256)")
+            odd = [e["result"] for e in b.events if e["kind"] == "end" and e["result"] not in RESULTS]
+            check.equal(odd, [], f"{where}: worker_iteration results outside {RESULTS}")
             check.equal((report["status"], C.name_of(cell.read())), ("NORMAL", "NORMAL"), f"{where}: B's status and the cell")
         finally:
             for r in routes:

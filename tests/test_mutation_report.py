@@ -100,3 +100,103 @@ def test_a_justification_for_another_change_is_stale_and_excuses_nothing():
 def test_timeouts_count_as_detected():
     v = judge([_r(1, "killed"), _r(2, "timeout")], [], target=0.9)
     assert v["detected"] == 2 and v["ok"]
+
+
+# conformance.mutmut_hits, driven the way mutmut's stats run drives pytest: MUTANT_UNDER_TEST=stats, a plugin
+# filing state()._stats under each test at its teardown (mutmut's StatsCollector), the trampoline's record call.
+_HITS_TESTS = '''
+import os, select, time
+import pytest
+from mutmut.mutation import trampoline
+
+def _in_child(names):
+    pid = os.fork()
+    if pid == 0:
+        for name in names:
+            trampoline.record_trampoline_hit(name)
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+@pytest.fixture(scope="module")
+def long_lived():
+    """A child forked once that reaches ref.f_long whenever told (a fork server, a rank)."""
+    r, w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        while os.read(r, 1) == b"g":
+            trampoline.record_trampoline_hit("ref.f_long")
+            os.write(done_w, b"d")
+        os._exit(0)
+    yield lambda: (os.write(w, b"g"), os.read(done_r, 1))
+    os.write(w, b"q")
+    os.waitpid(pid, 0)
+
+def test_child():
+    _in_child(["ref.f_child", "ref.f_child"])
+
+def test_parent():
+    trampoline.record_trampoline_hit("ref.f_parent")
+
+def test_nothing():
+    _in_child([])
+
+def test_long_1(long_lived):
+    long_lived()
+
+def test_long_2(long_lived):
+    long_lived()
+'''
+
+_HITS_DRIVER = '''
+import json, sys
+from collections import defaultdict
+import pytest
+from mutmut.mutation.trampoline import set_mutant_under_test
+from mutmut.state import state
+
+set_mutant_under_test("stats")
+filed = defaultdict(set)
+
+class StatsCollector:  # mutmut.runners.harness's, reduced to what it files
+    def pytest_runtest_teardown(self, item, nextitem):
+        for function in state()._stats:
+            filed[function].add(item.name)
+        state()._stats.clear()
+
+code = pytest.main([sys.argv[1], "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *sys.argv[3:]],
+                   plugins=[StatsCollector()])
+json.dump({"code": int(code), "filed": {k: sorted(v) for k, v in filed.items()}}, open(sys.argv[2], "w"))
+'''
+
+
+def _hits_run(tmp_path, *plugin_args):
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    (tmp_path / "test_hits.py").write_text(_HITS_TESTS)
+    (tmp_path / "driver.py").write_text(_HITS_DRIVER)
+    out = tmp_path / "filed.json"
+    # From the repo root: mutmut's config (pyproject.toml's [tool.mutmut]) is read from the working directory.
+    proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "test_hits.py"), str(out),
+                           *plugin_args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.exists(), proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["code"] == 0, proc.stdout + proc.stderr
+    return result["filed"]
+
+
+def test_a_function_reached_in_a_forked_child_is_filed_under_the_test_that_forked_it(tmp_path):
+    """Without conformance.mutmut_hits mutmut never runs a test whose kill happens in a child (the bounded
+    harness, the read-cap and memory measurements, the restart tier's workers); with it, each reach is filed
+    under the test during which it was made, a long-lived child's for every test that made it reach."""
+    assert _hits_run(tmp_path, "-p", "conformance.mutmut_hits") == {
+        "ref.f_child": ["test_child"], "ref.f_parent": ["test_parent"], "ref.f_long": ["test_long_1", "test_long_2"]}
+
+
+def test_without_the_plugin_a_childs_reach_is_lost(tmp_path):
+    """The premise of the test above (it can fail): mutmut alone files only the pytest process's reaches."""
+    assert _hits_run(tmp_path) == {"ref.f_parent": ["test_parent"]}
