@@ -200,12 +200,24 @@ def test_update_in_place_keeps_storage_or_recaptures(route, loader, path, transp
         _judge(where, before, session.models, rec, built, claims)
 
 
+ZERO = ("a.empty", "float32", (0, 3))  # zero-element, first of all: it holds no memory, the parameters after it do
+
+
+def _with_zero_first(spec):
+    return ST.StridedSpec(M.ModelSpec((M.ParamSpec(*ZERO), *spec.main), spec.mtp), {})
+
+
 @pytest.mark.rule("MODEL-STORAGE-KEPT")
-@pytest.mark.parametrize("path", cases(extra=(RECAPTURE,)))
-def test_update_after_clear_recaptures_before_normal(route, loader, path):
-    """clear() then update, twice: every parameter's memory is new, so the hook must cover it before NORMAL."""
+@pytest.mark.parametrize("path, zero_first", cases(False, extra=(RECAPTURE,))
+                         + cases(True, paths=("single",), extra=(RECAPTURE,), id_suffix="-zero-element-first"))
+def test_update_after_clear_recaptures_before_normal(route, loader, path, zero_first):
+    """clear() then update, twice: every parameter's memory is new, so the hook must cover it before NORMAL.
+    ``-zero-element-first``: the model's first parameter holds no memory (zero elements), which needs no
+    recapture; every parameter after it still does (a loader that stops looking at it covers none)."""
     rt = route(path)
     spec = _spec(loader, strided=False)
+    if zero_first:
+        spec = _with_zero_first(spec)
     # the streamed paths load cleared parameters as a bootstrap: the version from version.yaml
     session, rec = _open(rt, loader, spec, {"version": None} if PATHS[path].in_place else None)
     built = {n: h.strides for n, h in hold(session.models).items()}  # as the suite built the layers

@@ -365,6 +365,10 @@ def test_gdr_transfer_config(loader, ct_trainer, monkeypatch):
         check.equal(step, "11", f"GDR step asked with version 11 ({settings})")
     S.write_version_file(loader.model_dir, "step: 23\n")  # no version argument: version.yaml's step, as rsync
     check.equal(_configured(loader, ct_trainer, "gdr", {}, worker)[1], "23", "GDR step asked without a version argument")
+    # The argument wins over a version.yaml naming another step (judged on the update after the first load:
+    # FastDeploy's first load is its constructor's, which passes no version).
+    step = _configured(loader, ct_trainer, "gdr", {}, worker, version="11", updates=2)[1]
+    check.equal(step, "11", "GDR step asked with version 11 while version.yaml names step 23")
 
 
 @pytest.mark.rule("GDR-IPC-MODE")
