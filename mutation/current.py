@@ -59,8 +59,11 @@ def generate() -> list[CurrentMutant]:
             for short in mutated.mutant_names:
                 func = mangled_name_from_mutant_name(short)
                 name = get_mutant_name(Path(path), short)
-                orig = _function_text(lines, spans[func + "__mutmut_orig"], func + "__mutmut_orig", func)
-                mut = _function_text(lines, spans[short], short, func)
+                # mutmut's diff names the function as written (x_f -> f, xǁCǁm -> m): a mutant of the def line
+                # (a default argument) reads the same here as in the report's diff.
+                plain = func.rpartition("ǁ")[2] if "ǁ" in func else func.removeprefix("x_")
+                orig = _function_text(lines, spans[func + "__mutmut_orig"], func + "__mutmut_orig", plain)
+                mut = _function_text(lines, spans[short], short, plain)
                 out.append(CurrentMutant(name, name.rsplit("__mutmut_", 1)[0], change_between(orig, mut),
                                          mutated.hash_by_function_name[func.rpartition(".")[2]]))
         return out
