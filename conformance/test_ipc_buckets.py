@@ -3,7 +3,8 @@
 The trainer is fixtures.buckets.Publisher, serving from a thread on a private ipc:// endpoint; tests
 tamper with its manifests (plain dicts) before serving them. Buckets are tiny (256-2048 bytes) except in
 the large cases (>= 8 MiB, so that a loader switching to a threaded or chunked copy for large buffers
-runs that copy too), and the frame-limit cases, whose manifest is padded to 64 MiB. Fault tests use timeout_s 0.2 s.
+runs that copy too), and the frame-limit cases, whose manifest is padded to 64 MiB. Fault tests use timeout_s 0.2 s,
+except where the point is that nothing waits it out (BKT-FRAME-REFUSED, BKT-IDLE-WAIT: 5 s).
 """
 import functools
 import os
