@@ -3,10 +3,12 @@
 The trainer is fixtures.buckets.Publisher, serving from a thread on a private ipc:// endpoint; tests
 tamper with its manifests (plain dicts) before serving them. Buckets are tiny (256-2048 bytes) except in
 the large cases (>= 8 MiB, so that a loader switching to a threaded or chunked copy for large buffers
-runs that copy too), and the frame-limit cases, whose manifest is padded to 64 MiB. Fault tests use timeout_s 0.2 s.
+runs that copy too), and the frame-limit cases, whose manifest is padded to 64 MiB. Fault tests use timeout_s 0.2 s,
+except where the point is that nothing waits it out (BKT-FRAME-REFUSED, BKT-IDLE-WAIT: 5 s).
 """
 import functools
 import os
+import re
 import threading
 import time
 
@@ -898,6 +900,78 @@ def test_frame_size_limit(loader, publisher, case):
     check.that(not missing, f"{where}: error {str(error)!r} does not name {missing}")
     check.not_loaded(session.observe(), NAMES, where)
     check.status_not(session, "NORMAL", where)
+
+
+_MIB_FIGURE = re.compile(r"(\d+(?:\.\d+)?(?:e[+-]?\d+)?)\s*MiB")
+_BYTE_FIGURE = re.compile(r"(\d+)(?:-byte|\s*bytes?\b)")
+
+
+@pytest.mark.rule("BKT-FRAME-REFUSED")
+@pytest.mark.requires("ipc.buckets", "status")
+def test_refused_frame_reported_at_once(loader, publisher):
+    """A frame of 64 MiB + 1 byte answering hello, with timeout_s 5: the trainer is alive and waiting, so the
+    worker must say the frame was refused (ValueError) well before timeout_s, not time out as if the trainer
+    were silent (a transport that drops the frame with the connection, as ZMQ's MAXMSGSIZE does, still shows
+    the drop); its message states the limit, and no figure of it in MiB or bytes misstates it."""
+    size, timeout_s, bound = MAX_FRAME + 1, 5.0, 2.5
+    state = M.state(SPEC, version=VERSION)
+
+    def tamper(update):
+        update.frame_bytes[0] = size
+
+    pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=512, tamper=tamper,
+                             timeout_s=timeout_s, wait_s=3.0 + timeout_s)
+    where = f"{pub.endpoint}: bucket 0 sent as a frame of {size} bytes (limit {MAX_FRAME}, timeout_s {timeout_s:g})"
+    finished, error, elapsed = _bounded(session.update, 4.0 + timeout_s)
+    check.that(finished, f"{where}: update() still blocked after {elapsed:.1f}s")
+    check.that(isinstance(error, ValueError),
+               f"{where}: expected ValueError (the frame refused), got {type(error).__name__ if error else 'no error'}"
+               f" after {elapsed:.2f}s: {error}")
+    check.that(elapsed <= bound, f"{where}: refused after {elapsed:.2f}s, expected within {bound}s (timeout_s "
+                                 f"{timeout_s:g}): the refusal waited for the trainer's silence")
+    text = str(error)
+    missing = [w for w in ("bucket 0", f"version {VERSION}") if w not in text]
+    check.that(not missing, f"{where}: error {text!r} does not name {missing}")
+    check.that("64 MiB" in text or str(MAX_FRAME) in text,
+               f"{where}: error {text!r} states the limit neither as 64 MiB nor as {MAX_FRAME} bytes")
+    wrong = [f"{m} MiB" for m in _MIB_FIGURE.findall(text) if abs(float(m) - 64) > 0.01]
+    wrong += [f"{m} bytes" for m in _BYTE_FIGURE.findall(text) if int(m) not in (MAX_FRAME, size)]
+    check.that(not wrong, f"{where}: error {text!r} misstates the 64 MiB ({MAX_FRAME}-byte) limit as {wrong}")
+    check.not_loaded(session.observe(), NAMES, where)
+    check.status_not(session, "NORMAL", where)
+
+
+IDLE_HOLD_S = 0.6  # the trainer's pause before bucket 1
+IDLE_CPU_S = 0.1  # CPU the worker's process may spend in it (a spinning wait takes most of a core)
+
+
+@pytest.mark.rule("BKT-IDLE-WAIT")
+@pytest.mark.requires("ipc.buckets")
+def test_waiting_for_a_slow_trainer_burns_no_cpu(loader, publisher):
+    """A healthy trainer holding bucket 1 for 0.6 s (timeout_s 5): the worker's process uses at most 0.1 s of CPU
+    (user + system, every thread) over the hold, so it blocks on the transport instead of polling it in a loop;
+    after the release the update loads."""
+    state = M.state(SPEC, version=VERSION)
+    pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=256, hold_before=1,
+                             timeout_s=5.0)
+    where = f"{pub.endpoint}: the trainer holds bucket 1 for {IDLE_HOLD_S:g}s (timeout_s 5)"
+    out = {}
+    runner = threading.Thread(target=lambda: out.update(done=_bounded(session.update, 8.0)), daemon=True)
+    runner.start()
+    try:
+        check.that(pub.holding.wait(5.0), f"{where}: the worker never acknowledged bucket 0")
+        time.sleep(0.05)  # the worker is past its ack, waiting for bucket 1
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(IDLE_HOLD_S)
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    finally:
+        pub.release.set()
+    runner.join(9.0)
+    finished, error, _ = out.get("done", (False, None, 0))
+    check.that(finished and error is None, f"{where}: after the release the update must succeed, got {error!r}")
+    check.params_equal(session.observe(), state, where)
+    check.that(cpu <= IDLE_CPU_S, f"{where}: the worker's process used {cpu:.2f}s of CPU in {wall:.2f}s of waiting "
+                                  f"(at most {IDLE_CPU_S:g}s allowed): it spins instead of blocking on the transport")
 
 
 def _mapped(names) -> list[str]:

@@ -941,3 +941,68 @@ class FrameLimitInclusive(Mutant):
             max_frame = (64 << 20) - 1
 
         return {"reference.buckets.Link": Inclusive}
+
+
+class RefusedFrameReadAsSilence(Mutant):
+    id = "bkt_refused_frame_read_as_silence"
+    bug = ("the receiver polls only its socket, not the connection's state: ZMQ drops a frame over MAXMSGSIZE with "
+           "the connection, and the worker waits out timeout_s and reports a dead trainer that is alive and waiting")
+    kills = frozenset({"BKT-FRAME-REFUSED"})
+
+    def patches(self):
+        class SocketOnly(_Link):
+            def receive(self, where):
+                if not self.sock.poll(int(self.timeout_s * 1000), 1):
+                    raise protocol.TransferTimeout(f"ipc_bucket: no message from the trainer at {self.endpoint} within "
+                                                   f"{self.timeout_s:g}s while waiting for {where}")
+                frame = self.sock.recv(copy=False).bytes
+                self.can_send = True
+                return self.parse(frame, f"message from {self.endpoint} for {where}")
+
+        return {"reference.buckets.Link": SocketOnly}
+
+
+class FrameLimitMisstated(Mutant):
+    id = "bkt_frame_limit_misstated"
+    bug = ("the refused frame's error gives the limit in MiB as max_frame >> 21 (a shift of 21 for 20): "
+           "'67108864-byte (32 MiB) frame limit' tells the trainer's author to halve buckets that are not too large")
+    kills = frozenset({"BKT-FRAME-REFUSED"})
+
+    def patches(self):
+        class Misstated(_Link):
+            def receive(self, where):
+                try:
+                    return super().receive(where)
+                except protocol.ManifestError as e:
+                    right = f"({self.max_frame / (1 << 20):g} MiB)"
+                    if right not in str(e):
+                        raise
+                    raise protocol.ManifestError(str(e).replace(right, f"({self.max_frame >> 21} MiB)")) from None
+
+        return {"reference.buckets.Link": Misstated}
+
+
+class SpinningWait(Mutant):
+    id = "bkt_spinning_wait"
+    bug = ("the receiver waits with non-blocking recv() in a loop until a reply or its deadline (zmq.Again "
+           "retried at once): it burns a core of the inference host while a healthy trainer packs its next bucket")
+    kills = frozenset({"BKT-IDLE-WAIT"})
+
+    def patches(self):
+        import zmq
+
+        class Spinning(_Link):
+            def receive(self, where):
+                deadline = time.monotonic() + self.timeout_s
+                while True:
+                    try:
+                        frame = self.sock.recv(zmq.NOBLOCK)
+                        break
+                    except zmq.Again:
+                        if time.monotonic() >= deadline:
+                            raise protocol.TransferTimeout(f"ipc_bucket: no message from the trainer at {self.endpoint} "
+                                                           f"within {self.timeout_s:g}s while waiting for {where}") from None
+                self.can_send = True
+                return self.parse(frame, f"message from {self.endpoint} for {where}")
+
+        return {"reference.buckets.Link": Spinning}
