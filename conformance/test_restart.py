@@ -264,10 +264,7 @@ def _kill_a(loader, impl, path_id, cell, left, phase):
             else:
                 version = 2
                 if phase == "mid-transfer":  # the trainer sends bucket 0, then holds before bucket 1
-                    from fixtures import buckets as B
-
-                    publisher = route.feed._publisher(0)
-                    publisher.serve(B.pack(M.state(SPEC, version=2), 2, route.feed.BUCKET_BYTES), hold_before=1)
+                    publisher = _serve_held(route, 2)
                 else:
                     route.publish(0, M.state(SPEC, version=2), 2)
                 pending = Api(control, "update_model_weight")
@@ -283,15 +280,21 @@ def _kill_a(loader, impl, path_id, cell, left, phase):
     return route, pending, version
 
 
+def _serve_held(route, version: int):
+    """The bucket trainer serves ``version``, holding before bucket 1: returned, ``holding`` is set once it is
+    there and ``release`` lets it go on."""
+    from fixtures import buckets as B
+
+    publisher = route.feed._publisher(0)
+    publisher.serve(B.pack(M.state(SPEC, version=version), version, route.feed.BUCKET_BYTES), hold_before=1)
+    return publisher
+
+
 def _publish_held(route, late: bool):
     """Version 2 for the new worker. On the bucket path of the late case, its trainer holds before bucket 1
-    (returned: ``holding`` once there, ``release`` to go on), so the cell can be read while B reloads."""
+    (returned), so the cell can be read while B reloads."""
     if late and route.path.id == "bucket":
-        from fixtures import buckets as B
-
-        publisher = route.feed._publisher(0)
-        publisher.serve(B.pack(M.state(SPEC, version=2), 2, route.feed.BUCKET_BYTES), hold_before=1)
-        return publisher
+        return _serve_held(route, 2)
     route.publish(0, M.state(SPEC, version=2), 2)
     return None
 

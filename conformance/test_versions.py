@@ -12,6 +12,7 @@ from conformance import check
 from conformance.path_sources import CAPS, FAULTS, KINDS, Sources
 from fixtures import models as M
 from fixtures import status_cell as C
+from fixtures.version_entries import make_entry as _make_entry
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
 
@@ -215,39 +216,7 @@ def test_unreadable_version_file_is_refused(loader, sources, kind, text):
 
 
 # -- VER-FILE-SAFE: what a version.yaml may be ----------------------------------------------------------
-VERSION_FILE_LIMIT = 64 * 1024  # bytes (SPEC VER-FILE-SAFE)
 FILE_BOUND_S = 20.0  # each path's child: a blocked read (a FIFO) or an unbounded one (/dev/zero) ends here
-
-
-def _padded(step: int, size: int) -> bytes:
-    """A valid version file of exactly ``size`` bytes: ``step: N`` and a comment filling the rest."""
-    head = f"step: {step}\n#".encode()
-    return head + b"x" * (size - len(head) - 1) + b"\n"
-
-
-def _make_entry(path: str, kind: str, step: int) -> None:
-    """Replace the version file at ``path`` by an entry of ``kind``."""
-    import os
-
-    if os.path.isdir(path) and not os.path.islink(path):
-        os.rmdir(path)
-    elif os.path.lexists(path):
-        os.remove(path)
-    if kind == "fifo":
-        os.mkfifo(path)  # opened for reading without a writer: blocks forever
-    elif kind == "directory":
-        os.mkdir(path)
-    elif kind == "dangling-link":
-        os.symlink(path + ".gone", path)
-    elif kind in ("link-to-dev-zero", "link-to-dev-null"):
-        os.symlink("/dev/zero" if kind == "link-to-dev-zero" else "/dev/null", path)  # character devices
-    elif kind == "sparse-1GiB":
-        with open(path, "wb") as f:  # "step: N" then a hole: read in full, 1 GiB of zeros
-            f.write(f"step: {step}\n".encode())
-            f.truncate(1 << 30)
-    else:  # "at-limit", "one-past"
-        with open(path, "wb") as f:
-            f.write(_padded(step, VERSION_FILE_LIMIT + (kind == "one-past")))
 
 
 # kind -> accepted (a regular file of at most the limit); refused ones name the file and load nothing

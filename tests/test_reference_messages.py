@@ -531,86 +531,49 @@ def test_package_exports_and_unknown_names():
            "module 'reference' has no attribute 'no_such_name'")
 
 
+
 # -- reference.snapshot_load: a safetensors header naming a tensor twice ---------------------------------------
 def test_duplicate_header_names_are_each_named_once(tmp_path):
     """Names repeated (b and a, twice each) among one that is not (c): the error lists exactly the repeated
     ones, sorted."""
-    import json
-    import struct
-
+    from fixtures.files import write_raw
     from reference.errors import SnapshotFormatError
     from reference.snapshot_load import read_header
 
-    info = lambda begin: '{"dtype": "F32", "shape": [1], "data_offsets": [%d, %d]}' % (begin, begin + 4)  # noqa: E731
-    pairs = [("b", 0), ("a", 4), ("c", 8), ("b", 0), ("a", 4)]
-    header = ("{" + ", ".join(f"{json.dumps(n)}: {info(b)}" for n, b in pairs) + "}").encode()
-    path = tmp_path / "model.safetensors"
-    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 12)
-    with pytest.raises(SnapshotFormatError) as e:
-        read_header(str(path))
-    assert str(e.value) == f"{path}: not a valid safetensors file: header names ['a', 'b'] more than once"
+    info = '{"dtype": "F32", "shape": [1], "data_offsets": [%d, %d]}'
+    header = "{" + ", ".join(f'"{n}": ' + info % (b, b + 4) for n, b in [("b", 0), ("a", 4), ("c", 8), ("b", 0), ("a", 4)]) + "}"
+    path = write_raw(tmp_path / "model.safetensors", header.encode(), b"\0" * 12)
+    raises(SnapshotFormatError, lambda: read_header(path),
+           f"{path}: not a valid safetensors file: header names ['a', 'b'] more than once")
 
 
 # -- reference.version_file: a version.yaml that is not a small regular file ------------------------------------
-def _version_entry(tmp_path, kind: str) -> str:
-    """``tmp_path/version.yaml`` made into ``kind``."""
+@pytest.mark.parametrize("entry, expected", [
+    ("fifo", "is a FIFO, not a regular file"),
+    ("directory", "is a directory, not a regular file"),
+    ("link-to-dev-null", "is a character device, not a regular file"),  # a symlink is followed
+    ("socket", "is a socket, not a regular file"),
+    ("dangling-link", "is a dangling symlink, not a regular file"),
+    ("one-past", "is over the 65536-byte limit (65537 bytes); it holds one small mapping (step: N)"),
+])
+def test_version_file_refused(tmp_path, entry, expected):
+    from fixtures.version_entries import make_entry
+    from reference.version_file import VersionError, read_version_bytes
+
     path = str(tmp_path / "version.yaml")
-    if kind == "FIFO":
-        os.mkfifo(path)
-    elif kind == "directory":
-        os.mkdir(path)
-    elif kind == "character device":
-        os.symlink("/dev/null", path)  # a symlink is followed: what it names is judged
-    elif kind == "socket":
-        sock = socket.socket(socket.AF_UNIX)
-        sock.bind(path)
-        sock.close()
-    elif kind == "dangling symlink":
-        os.symlink(str(tmp_path / "gone.yaml"), path)
-    return path
+    make_entry(path, entry, 3)
+    raises(VersionError, lambda: read_version_bytes(path), f"{path}: the version file {expected}")
 
 
-@pytest.mark.parametrize("kind", ["FIFO", "directory", "character device", "socket"])
-def test_version_file_of_another_kind(tmp_path, kind):
+def test_version_file_at_the_limit_absent_and_unexaminable(tmp_path):
+    """Exactly 64 KiB is read whole; no entry is None (the update carries no version); a path under a file is
+    refused with the OS's reason, naming the file."""
+    from fixtures.version_entries import LIMIT, make_entry, padded
     from reference.version_file import VersionError, read_version_bytes
 
-    path = _version_entry(tmp_path, kind)
-    with pytest.raises(VersionError) as e:
-        read_version_bytes(path)
-    assert str(e.value) == f"{path}: the version file is a {kind}, not a regular file"
-
-
-def test_version_file_dangling_symlink(tmp_path):
-    from reference.version_file import VersionError, read_version_bytes
-
-    path = _version_entry(tmp_path, "dangling symlink")
-    with pytest.raises(VersionError) as e:
-        read_version_bytes(path)
-    assert str(e.value) == f"{path}: the version file is a dangling symlink, not a regular file"
-
-
-def test_version_file_over_the_limit_and_at_it(tmp_path):
-    """One byte over 64 KiB is refused naming the file's size; exactly 64 KiB is read whole."""
-    from reference.version_file import VERSION_FILE_MAX_BYTES, VersionError, read_version_bytes
-
-    path = tmp_path / "version.yaml"
-    path.write_bytes(b"#" * (VERSION_FILE_MAX_BYTES + 1))
-    with pytest.raises(VersionError) as e:
-        read_version_bytes(str(path))
-    assert str(e.value) == (f"{path}: the version file is over the 65536-byte limit (65537 bytes); "
-                            "it holds one small mapping (step: N)")
-    path.write_bytes(b"#" * VERSION_FILE_MAX_BYTES)
-    assert read_version_bytes(str(path)) == b"#" * VERSION_FILE_MAX_BYTES
-
-
-def test_version_file_absent_is_none_and_unexaminable_is_named(tmp_path):
-    """No entry: None (the update carries no version). An entry under a path that is not a directory:
-    the OS's reason, in the refusal naming the file."""
-    from reference.version_file import VersionError, read_version_bytes
-
-    assert read_version_bytes(str(tmp_path / "version.yaml")) is None
-    (tmp_path / "plain").write_text("x")
-    path = str(tmp_path / "plain" / "version.yaml")
-    with pytest.raises(VersionError) as e:
-        read_version_bytes(path)
-    assert str(e.value) == f"{path}: the version file cannot be examined (Not a directory)"
+    path = str(tmp_path / "version.yaml")
+    assert read_version_bytes(path) is None
+    make_entry(path, "at-limit", 3)
+    assert read_version_bytes(path) == padded(3, LIMIT)
+    under = os.path.join(path, "version.yaml")
+    raises(VersionError, lambda: read_version_bytes(under), f"{under}: the version file cannot be examined (Not a directory)")

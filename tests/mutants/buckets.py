@@ -943,6 +943,18 @@ class FrameLimitInclusive(Mutant):
         return {"reference.buckets.Link": Inclusive}
 
 
+def _silent(link, where) -> Exception:
+    """The reference receiver's timeout, as a receiver without its drop detection raises it."""
+    return protocol.TransferTimeout(f"ipc_bucket: no message from the trainer at {link.endpoint} within "
+                                    f"{link.timeout_s:g}s while waiting for {where}")
+
+
+def _parsed(link, frame, where):
+    """The reference receiver's tail: the REQ socket may send again, the frame decoded."""
+    link.can_send = True
+    return link.parse(frame, f"message from {link.endpoint} for {where}")
+
+
 class RefusedFrameReadAsSilence(Mutant):
     id = "bkt_refused_frame_read_as_silence"
     bug = ("the receiver polls only its socket, not the connection's state: ZMQ drops a frame over MAXMSGSIZE with "
@@ -953,11 +965,8 @@ class RefusedFrameReadAsSilence(Mutant):
         class SocketOnly(_Link):
             def receive(self, where):
                 if not self.sock.poll(int(self.timeout_s * 1000), 1):
-                    raise protocol.TransferTimeout(f"ipc_bucket: no message from the trainer at {self.endpoint} within "
-                                                   f"{self.timeout_s:g}s while waiting for {where}")
-                frame = self.sock.recv(copy=False).bytes
-                self.can_send = True
-                return self.parse(frame, f"message from {self.endpoint} for {where}")
+                    raise _silent(self, where)
+                return _parsed(self, self.sock.recv(copy=False).bytes, where)
 
         return {"reference.buckets.Link": SocketOnly}
 
@@ -1000,9 +1009,7 @@ class SpinningWait(Mutant):
                         break
                     except zmq.Again:
                         if time.monotonic() >= deadline:
-                            raise protocol.TransferTimeout(f"ipc_bucket: no message from the trainer at {self.endpoint} "
-                                                           f"within {self.timeout_s:g}s while waiting for {where}") from None
-                self.can_send = True
-                return self.parse(frame, f"message from {self.endpoint} for {where}")
+                            raise _silent(self, where) from None
+                return _parsed(self, frame, where)
 
         return {"reference.buckets.Link": Spinning}
