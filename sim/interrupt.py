@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ import time
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 HOLD_S = 120.0  # a --hold-at pause ends by itself after this long
+UNWIND_S = 5  # a trainer told to stop is ended by the kernel (SIGALRM) if it is still running this long after
 PR_SET_PDEATHSIG = 1
 
 
@@ -93,8 +95,11 @@ def blocked():
 def trainer_signals(on_sigterm, parent_pid: int) -> None:
     """In a trainer: ignore SIGINT, run ``on_sigterm`` on SIGTERM (once: a second SIGTERM must not interrupt the
     first one's unwinding), get SIGTERM when the orchestrator dies, then unblock both (a SIGTERM that arrived
-    during start-up is delivered now)."""
+    during start-up is delivered now). SIGUSR1 dumps every thread's stack to stderr (how a test shows where a
+    trainer that outlived its orchestrator was)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the stop's deadline: terminates, whatever Python is doing
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     install_sigterm(on_sigterm)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -103,7 +108,9 @@ def trainer_signals(on_sigterm, parent_pid: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     # The death signal alone is not enough: trainers of a SIGKILLed orchestrator were seen alive, re-parented,
     # SIGTERM caught and none pending. A watcher sends the SIGTERM itself when the parent is gone and no
-    # SIGTERM came within a second, and ends the process if the handler has not within a grace period.
+    # SIGTERM came within a second. Neither the handler nor the watcher can end a process whose unwinding
+    # hangs where no Python code runs (interpreter finalization stops daemon threads), so each arms a kernel
+    # timer first: SIGALRM, left at its default action, ends the process UNWIND_S later.
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
 
 
@@ -116,14 +123,23 @@ def install_sigterm(on_sigterm) -> None:
         if _sigterm_seen.is_set():
             return
         _sigterm_seen.set()
+        _deadline()
         on_sigterm(signum, frame)
 
     signal.signal(signal.SIGTERM, handler)
 
 
+def _deadline(seconds: int = UNWIND_S) -> None:
+    """End this process ``seconds`` from now unless it exits first (an earlier deadline is kept)."""
+    left = signal.alarm(seconds)
+    if left and left < seconds:
+        signal.alarm(left)
+
+
 def _watch_parent(parent_pid: int, interval_s: float = 0.2, wait_s: float = 1.0, grace_s: float = 5.0) -> None:
     while os.getppid() == parent_pid:
         time.sleep(interval_s)
+    _deadline(int(wait_s + grace_s) + 1)
     if not _sigterm_seen.wait(wait_s):
         os.kill(os.getpid(), signal.SIGTERM)  # the trainer's own handler: unlink what it made, then leave
     time.sleep(grace_s)

@@ -6,6 +6,7 @@ status is 128 + the signal, within a few seconds (a Ctrl-C used to wait out the 
 report a failed update); no traceback, no Paddle stack dump, no failed update reported; every child
 process gone (psutil), no /dev/shm segment of the run's processes, and the run's directory removed.
 """
+import contextlib
 import json
 import os
 import pathlib
@@ -96,6 +97,30 @@ class Run:
                 child.kill()
 
 
+def _killed(run: Run) -> str:
+    """SIGKILL the CLI and collect its output. Reading to the end waits for every process holding its pipes,
+    the trainers included: bounded, and a trainer still there is named, with its stacks (SIGUSR1 makes
+    a trainer's faulthandler print them), instead of hanging the test."""
+    run.proc.kill()
+    run.proc.wait(timeout=30)
+    try:
+        out, err = run.proc.communicate(timeout=30)
+        return err + out
+    except subprocess.TimeoutExpired:
+        where = {}
+        for c in run.children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if c.status() != psutil.STATUS_ZOMBIE:
+                    where[c.pid] = (c.status(), " ".join(c.cmdline())[-120:])
+                    c.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        for c in run.children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                c.kill()
+        out, err = run.proc.communicate(timeout=30)
+        pytest.fail(f"30 s after the CLI was killed, its output was still held open by {where}:\n{err[-6000:]}")
+
+
 def _pid(segment: str) -> int | None:
     try:
         return int(segment.split("_")[1])
@@ -165,11 +190,47 @@ def test_trainers_die_with_a_killed_cli(held):
     parent dies) and unlink their own buffers, instead of running on until their timeout."""
     run = held(PHASES["mid-transfer"])
     trainers = [c for c in run.children if "spawn_main" in " ".join(c.cmdline())]
-    run.proc.kill()
-    run.proc.communicate()
+    _killed(run)
     gone, alive = psutil.wait_procs(trainers, timeout=10)
     assert not alive, f"trainers still running after the CLI was killed: {[p.pid for p in alive]}"
     assert not run.segments(), f"segments left by the trainers: {run.segments()}"
+
+
+_STOP_HANGS = """
+import os, signal, sys, time
+from sim import interrupt
+signal.pthread_sigmask(signal.SIG_BLOCK, interrupt.SIGNALS)  # as a trainer is spawned
+def stuck(signum, frame):
+    print("stopping", flush=True)
+    while True:
+        time.sleep(1)  # an unwinding that never ends
+interrupt.trainer_signals(stuck, os.getppid())
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_whose_stop_hangs_is_ended_by_the_kernel():
+    """A trainer told to stop that never finishes unwinding (the way trainers of a killed CLI once held its
+    output open for minutes) is ended by SIGALRM UNWIND_S after the SIGTERM, not left to run."""
+    from sim.interrupt import UNWIND_S
+
+    proc = subprocess.Popen([sys.executable, "-c", _STOP_HANGS], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n", "the stand-in trainer did not start"
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline() == "stopping\n", "its SIGTERM handler did not run"
+        try:
+            code = proc.wait(timeout=UNWIND_S + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"a trainer whose stop hangs still runs {UNWIND_S + 30} s after its SIGTERM")
+        elapsed = time.monotonic() - start
+        assert code == -signal.SIGALRM, f"exit {code}, expected death by SIGALRM ({-signal.SIGALRM})"
+        assert elapsed >= UNWIND_S - 1, f"ended {elapsed:.1f}s after SIGTERM, before its {UNWIND_S}s to unwind"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_the_next_run_sweeps_what_a_killed_cli_left(held):
@@ -177,8 +238,7 @@ def test_the_next_run_sweeps_what_a_killed_cli_left(held):
     had in /dev/shm when nobody could unlink it; the next run removes both, since their owner is dead."""
     run = held(PHASES["mid-transfer"])
     cli = run.proc.pid
-    run.proc.kill()
-    run.proc.communicate()
+    _killed(run)
     psutil.wait_procs(run.children, timeout=10)
     left = [p.name for p in run.tmp.iterdir()]
     assert left and all(n.startswith(f"wscf-sim-{cli}-") for n in left), f"the killed run's directory: {left}"
