@@ -91,18 +91,26 @@ class Run:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.communicate()
-        for child in self.children:
-            if child.is_running():
+        for child in self.children:  # before reading: a child holding the pipes would keep the read waiting
+            with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
+        if not self.proc.stdout.closed:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.communicate(timeout=30)
+        self.proc.wait(timeout=30)
 
 
-def _killed(run: Run) -> str:
+def _killed(run: Run, read_output: bool = True) -> str:
     """SIGKILL the CLI and collect its output. Reading to the end waits for every process holding its pipes,
     the trainers included: bounded, and a trainer still there is named, with its stacks (SIGUSR1 makes
-    a trainer's faulthandler print them), instead of hanging the test."""
+    a trainer's faulthandler print them), instead of hanging the test. ``read_output=False``: the CLI's
+    death alone, its pipes closed unread (for a test about what the dead CLI left, not its trainers)."""
     run.proc.kill()
     run.proc.wait(timeout=30)
+    if not read_output:
+        run.proc.stdout.close()
+        run.proc.stderr.close()
+        return ""
     try:
         out, err = run.proc.communicate(timeout=30)
         return err + out
@@ -238,7 +246,7 @@ def test_the_next_run_sweeps_what_a_killed_cli_left(held):
     had in /dev/shm when nobody could unlink it; the next run removes both, since their owner is dead."""
     run = held(PHASES["mid-transfer"])
     cli = run.proc.pid
-    _killed(run)
+    _killed(run, read_output=False)
     psutil.wait_procs(run.children, timeout=10)
     left = [p.name for p in run.tmp.iterdir()]
     assert left and all(n.startswith(f"wscf-sim-{cli}-") for n in left), f"the killed run's directory: {left}"
