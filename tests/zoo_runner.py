@@ -12,7 +12,6 @@ writes DIR/MUTANT.json (the conformance report) and DIR/MUTANT.log (the child's 
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import os
 import sys
@@ -46,11 +45,11 @@ def warm_imports() -> None:
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         os.close(devnull)
-    # Everything imported so far lives as long as the server: out of the collector's reach, each child's
-    # collections (pytest runs two full ones as it ends, ~0.2 s each over Paddle's heap) skip it, and do not
-    # touch, hence copy, the pages it shares with the server.
-    gc.collect()
-    gc.freeze()
+    # Everything imported so far lives as long as the server: frozen, each child's collections (pytest runs
+    # two full ones as it ends, ~0.2 s each over Paddle's heap) skip it.
+    from tests.gc_frozen import freeze_heap
+
+    freeze_heap()
 
 
 def conformance_args(name: str, report: str) -> list[str]:
