@@ -555,6 +555,7 @@ def test_duplicate_header_names_are_each_named_once(tmp_path):
     ("socket", "is a socket, not a regular file"),
     ("dangling-link", "is a dangling symlink, not a regular file"),
     ("one-past", "is over the 65536-byte limit (65537 bytes); it holds one small mapping (step: N)"),
+    ("link-to-proc-self-mem", "cannot be read (Input/output error)"),  # a regular file whose read fails
 ])
 def test_version_file_refused(tmp_path, entry, expected):
     from fixtures.version_entries import make_entry
