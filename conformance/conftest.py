@@ -20,3 +20,29 @@ def rank_job(request):
         pytest.skip(f"--hosts 2 needs two network namespaces, which cannot be made here: {e}")
     except Exception as e:  # noqa: BLE001 (each test reports it)
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+@pytest.fixture(scope="session")
+def read_cap_library(tmp_path_factory):
+    """The read-capping library (conformance.read_cap), built once per run with the machine's C compiler;
+    the capped-read cases skip, saying why, where it cannot be built."""
+    from conformance import read_cap
+
+    try:
+        return read_cap.build(str(tmp_path_factory.mktemp("read_cap")))
+    except read_cap.Unavailable as e:
+        pytest.skip(f"the capped-read cases (FILE-OVER-2GIB, VER-FILE-SAFE) cannot run on this machine: {e}")
+
+
+@pytest.fixture(scope="module")
+def read_capper(read_cap_library):
+    """A ``read_cap.Capped`` for this module's tests: the objects loaded in this process scanned once
+    (``prepare()`` writes nothing); a forked child calls ``install()`` to cap its own reads."""
+    from conformance import read_cap
+
+    try:
+        capper = read_cap.Capped(read_cap_library)
+        capper.prepare()
+    except read_cap.Unavailable as e:
+        pytest.skip(f"the capped-read cases (FILE-OVER-2GIB, VER-FILE-SAFE) cannot run on this machine: {e}")
+    return capper

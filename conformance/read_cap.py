@@ -235,17 +235,19 @@ class Capped:
             raise Unavailable("the read-capping library found no C library read functions to wrap")
         return slots
 
-    def install(self) -> int:
-        slots = self.lib.read_cap_install(self.cap)
+    def install(self, cap: int | None = None) -> int:
+        """Cap every read of this process at ``cap`` bytes (default: the one given at construction)."""
+        cap = self.cap if cap is None else cap
+        slots = self.lib.read_cap_install(cap)
         if slots < 0:
             raise Unavailable("the read-capping library found no C library read functions to wrap")
         # Proof that the seam is in: a read of more than the cap through the interpreter returns the cap.
         with tempfile.TemporaryFile() as f:
-            f.write(b"\x5a" * (3 * self.cap))
+            f.write(b"\x5a" * (3 * cap))
             f.flush()
-            got = len(os.pread(f.fileno(), 3 * self.cap, 0))
-        if got != self.cap:
-            raise Unavailable(f"the read cap is not in: os.pread of {3 * self.cap} bytes returned {got}, expected {self.cap}")
+            got = len(os.pread(f.fileno(), 3 * cap, 0))
+        if got != cap:
+            raise Unavailable(f"the read cap is not in: os.pread of {3 * cap} bytes returned {got}, expected {cap}")
         return slots
 
     def shortened(self) -> int:

@@ -70,18 +70,6 @@ def _write_level(loader, level, state) -> list[str]:
     return [S.write_pickle_fallback(S.fallback_path(loader.shared_dir, 0, 0), state)]
 
 
-@pytest.fixture(scope="module")
-def read_capper(tmp_path_factory):
-    """The read-capping library, built once per module run with the machine's C compiler, the objects
-    loaded in this process scanned (its forked children then only write the slots)."""
-    try:
-        capper = read_cap.Capped(read_cap.build(str(tmp_path_factory.mktemp("read_cap"))))
-        capper.prepare()
-    except read_cap.Unavailable as e:
-        pytest.skip(f"FILE-OVER-2GIB's capped-read case cannot run on this machine: {e}")
-    return capper
-
-
 def _differences(observed, expected) -> list[str]:
     out = []
     for name, want in expected.items():

@@ -222,7 +222,12 @@ FILE_BOUND_S = 20.0  # each path's child: a blocked read (a FIFO) or an unbounde
 # kind -> accepted (a regular file of at most the limit); refused ones name the file and load nothing
 # (in this order: an implementation that reads without a bound fails at "one-past", before /dev/zero)
 VERSION_ENTRIES = {"at-limit": True, "one-past": False, "sparse-1GiB": False, "directory": False,
-                   "dangling-link": False, "link-to-dev-null": False, "link-to-dev-zero": False, "fifo": False}
+                   "dangling-link": False, "link-to-dev-null": False, "link-to-proc-self-mem": False,
+                   "link-to-dev-zero": False, "fifo": False}
+# The capped case's cap: it divides the 64 KiB limit, so a reader that counts its pieces lands exactly on the
+# limit after 16 of them (where "< limit" and "<= limit" part), and it cuts the at-limit file's step line
+# (fixtures.version_entries.STEP_AT) in two.
+VERSION_CAP = 4096
 FILE_PATHS = [pytest.param(k, marks=_needs(k, "status"), id=k) for k in ("snapshot", "ipc")] + [
     pytest.param(s, marks=pytest.mark.requires(c), id=s) for s, c in (("rsync", "stream.rsync"), ("gdr", "stream.gdr"))]
 
@@ -239,12 +244,21 @@ def _at(loader, where: str) -> None:
         f.write(where)
 
 
-def _entries_on_snapshot_or_ipc(loader, kind):
+def _capped(capped) -> str:
+    """In the child: cap every read of this process (when asked); what the cases' messages add."""
+    if capped is None:
+        return ""
+    capped.install(VERSION_CAP)
+    return f", every read of the loading process capped at {VERSION_CAP} bytes"
+
+
+def _entries_on_snapshot_or_ipc(loader, kind, capped=None):
     """In the child: version 2 loaded, version 3 published, its version.yaml replaced by each entry in
     turn (cleared before each update); each refused (at the limit: version 3 loaded), then a fixed file
     loads version 3."""
     import os
 
+    cap = _capped(capped)
     src = Sources(loader, kind, timeout_s=2.0)
     try:
         session = _load(src, SPEC, 2)
@@ -253,7 +267,7 @@ def _entries_on_snapshot_or_ipc(loader, kind):
         for entry, accepted in VERSION_ENTRIES.items():
             session.clear()
             _make_entry(path, entry, 3)
-            where = f"{kind}: update with {path} a {entry}"
+            where = f"{kind}: update with {path} a {entry}{cap}"
             _at(loader, where)
             if accepted:
                 session.update()
@@ -268,14 +282,14 @@ def _entries_on_snapshot_or_ipc(loader, kind):
         _make_entry(path, "at-limit", 4)  # the trainer fixes it: the next cycle loads
         session.clear()
         session.update()
-        check.params_equal(session.observe(), M.state(SPEC, version=3), f"{kind}: after the refusals, a fixed {path}")
-        check.equal(session.version(), 4, f"{kind}: version() after a fixed {path} (step 4)")
+        check.params_equal(session.observe(), M.state(SPEC, version=3), f"{kind}: after the refusals, a fixed {path}{cap}")
+        check.equal(session.version(), 4, f"{kind}: version() after a fixed {path} (step 4){cap}")
     finally:
         src.close()
     return True
 
 
-def _entries_on_stream(loader, strategy):
+def _entries_on_stream(loader, strategy, capped=None):
     """In the child: a bootstrap load (no version argument) reads version.yaml; each refused entry is
     an error naming the file, raised before the trainer is asked for anything, nothing loaded."""
     import os
@@ -283,13 +297,14 @@ def _entries_on_stream(loader, strategy):
     from conformance.stream_support import open_stream
     from fixtures import streams as ST
 
+    cap = _capped(capped)
     state = M.state(SPEC, version=3)
     path = os.path.join(loader.model_dir, "version.yaml")
     with ST.trainer() as trainer:
         for entry, accepted in VERSION_ENTRIES.items():
             session, _ = open_stream(loader, trainer, SPEC, strategy, version=None)
             _make_entry(path, entry, 3)
-            where = f"{strategy}: bootstrap load with {path} a {entry}"
+            where = f"{strategy}: bootstrap load with {path} a {entry}{cap}"
             _at(loader, where)
             hellos = len(trainer.of("hello"))
             if accepted:
@@ -306,18 +321,12 @@ def _entries_on_stream(loader, strategy):
     return True
 
 
-@pytest.mark.rule("VER-FILE-SAFE")
-@pytest.mark.parametrize("path_id", FILE_PATHS)
-def test_version_file_is_a_small_regular_file(loader, path_id):
-    """Every entry at once, in a forked child with a deadline: an implementation that blocks on the FIFO
-    or reads /dev/zero without end fails here, naming the path, instead of hanging the run."""
-    from conformance.harness import in_child
-
-    from conformance.harness import ChildFailed
+def _judge_entries(loader, path_id, capped=None) -> None:
+    from conformance.harness import ChildFailed, in_child
 
     fn = _entries_on_stream if path_id in ("rsync", "gdr") else _entries_on_snapshot_or_ipc
     try:
-        done = in_child(fn, loader, path_id, timeout_s=FILE_BOUND_S)
+        done = in_child(fn, loader, path_id, capped, timeout_s=FILE_BOUND_S)
     except ChildFailed as e:
         try:
             with open(_progress(loader), encoding="utf-8") as f:
@@ -326,3 +335,21 @@ def test_version_file_is_a_small_regular_file(loader, path_id):
             case = "before the first case"
         raise AssertionError(f"{path_id}: at {case}: {e}") from None
     check.that(done, f"{path_id}: the version file cases did not complete")
+
+
+@pytest.mark.rule("VER-FILE-SAFE")
+@pytest.mark.parametrize("path_id", FILE_PATHS)
+def test_version_file_is_a_small_regular_file(loader, path_id):
+    """Every entry at once, in a forked child with a deadline: an implementation that blocks on the FIFO
+    or reads /dev/zero without end fails here, naming the path, instead of hanging the run."""
+    _judge_entries(loader, path_id)
+
+
+@pytest.mark.rule("VER-FILE-SAFE")
+@pytest.mark.parametrize("path_id", FILE_PATHS)
+def test_version_file_read_in_pieces_is_judged_the_same(loader, path_id, read_capper):
+    """Every entry again, every read of the child capped at 4096 bytes (``conformance.read_cap``; POSIX
+    lets any read return fewer bytes than asked): the file at the limit, its step line cut by the 4096th
+    byte, loads that step; the one a byte past the limit is refused though no single read saw more than
+    the limit; the rest as before."""
+    _judge_entries(loader, path_id, read_capper)

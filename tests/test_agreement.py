@@ -133,7 +133,12 @@ def test_failures_are_the_failed_votes():
 
 
 def test_one_rank_is_local(monkeypatch):
+    from paddle.distributed import parallel
+
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")  # a job of 4 as launched, but no group joined here
+    # Paddle reads the job's size once per process, at its first get_world_size(): a manager made by an
+    # earlier test (tests/test_reference_messages.py) must not decide this test's verdict.
+    monkeypatch.setattr(parallel, "_global_parallel_env", None)
     agreement = A.Agreement(DEADLINE_S)
     assert agreement.world_size() == 1 and agreement.declared_world_size() == 4
     assert agreement.vote("update", False, "e") == [A.Vote(agreement.rank(), 1, "update", False, "e")]
@@ -356,3 +361,85 @@ def test_every_rank_reports_the_failure_of_one(tmp_path):
     assert zero["clear"].startswith("RankFailure: rank 0: clear failed on 1 other rank(s): rank 1: RuntimeError: Model "
                                     "Parameter clearance verification failed"), zero["clear"]
     assert zero["after_clear"] == ["CLEARING", 7], f"rank 0 must not write CLEARED after rank 1's clear failed: {zero}"
+
+
+# -- a restarted worker's first pass on a rank that does not write the cell (STATUS-RESTART-RECOVERS) -------
+HOLD_S = 1.0  # rank 0 holds its NORMAL this long, or until rank 1's first pass has returned
+ANSWERED_S = 10.0  # the agreement's timeout when rank 0 answers (rank 1 waits HOLD_S of it)
+UNANSWERED_S = 1.0  # and when it never does: rank 1 gives up after this
+
+
+def _restarted_ranks(rank, agreement, shared, rank0_answers: bool):
+    """Both ranks restarted against a cell left at UPDATING: each loads at startup (the update asked for,
+    answered by that load), then runs the loop's first pass. Rank 0 writes NORMAL after it held
+    HOLD_S (or saw rank 1's first pass return); with ``rank0_answers`` False it never does. Rank 1, which
+    does not write the cell, must return from its first pass only once the cell has left UPDATING (the
+    request is answered: reading it again would repeat it), and after the agreement's timeout raise
+    LoopTimeout naming the cell and why it waited."""
+    from fixtures import models as M
+    from fixtures import snapshot as S
+    from fixtures.status_cell import Cell, write_version
+    from reference import worker_loop
+    from reference.manager import WeightManager
+
+    os.environ.update(CUDA_VISIBLE_DEVICES="4,2", FLAGS_selected_gpus=str(rank))
+    spec, gpu = M.spec(*SPEC), (4, 2)[rank]
+    cell = Cell.existing(shared["cell"])
+    world = agreement.world_size()
+    S.write_safetensors(S.single_path(shared["dir"], rank, gpu), M.state(spec, seed=rank, version=1))
+    if rank == 0:
+        write_version(shared["dir"], 1)
+    agreement.broadcast(0)  # both published before either loads
+    manager = WeightManager(M.build_models(spec), load_strategy="ipc_snapshot", model_dir=shared["dir"],
+                            shared_dir=shared["dir"], options={"status_cell": cell.name, "staged": True,
+                                                               "agree_timeout_s": ANSWERED_S if rank0_answers else UNANSWERED_S})
+    manager.update()  # the startup load, with the cell at UPDATING
+    marker = os.path.join(shared["dir"], "rank1-returned")
+
+    def hold(value):
+        value = manager.agreement.broadcast(value)
+        deadline = time.monotonic() + (HOLD_S if world > 1 else 0)
+        while time.monotonic() < deadline and not os.path.exists(marker):
+            time.sleep(0.01)
+        return value
+
+    out = {"rank1_returned_first": os.path.exists(marker)}
+    if rank == 0 and not rank0_answers:
+        manager.agreement.broadcast(cell.read())  # rank 0's part in the first pass's broadcast, then nothing
+        time.sleep(UNANSWERED_S + 2.0 if world > 1 else 0)
+        return out
+    try:
+        out["result"] = worker_loop.iteration(manager, lambda: None, block=False, sync=hold if rank == 0 else None)
+    except Exception as e:  # noqa: BLE001
+        out["result"] = f"{type(e).__name__}: {e}"
+    out["cell_at_return"] = cell.read()
+    if rank == 1:
+        with open(marker, "w"):
+            pass
+    else:
+        out["rank1_returned_first"] = os.path.exists(marker)
+    return out
+
+
+@pytest.mark.parametrize("rank0_answers", [True, False], ids=["rank0-writes-normal", "rank0-never-writes"])
+def test_a_restarted_rank_that_does_not_write_waits_for_rank_0(tmp_path, rank0_answers):
+    from fixtures.status_cell import Cell
+    from reference.status import Status
+
+    for directory in ("one", "two"):
+        (tmp_path / directory).mkdir()
+    with Cell(Status.UPDATING) as cell:  # one rank alone (in this process): it writes NORMAL itself
+        alone = _restarted_ranks(0, A.Agreement(DEADLINE_S), {"dir": str(tmp_path / "one"), "cell": cell.name}, True)
+    assert alone["result"] == "updated" and alone["cell_at_return"] == Status.NORMAL, alone
+    with Cell(Status.UPDATING) as cell:
+        shared = {"dir": str(tmp_path / "two"), "cell": cell.name}
+        zero, one = two_ranks(lambda rank, agreement: _restarted_ranks(rank, agreement, shared, rank0_answers),
+                              in_process=False)
+    if rank0_answers:
+        assert zero["result"] == one["result"] == "updated", (zero, one)
+        assert not zero["rank1_returned_first"], f"rank 1's first pass returned before rank 0 wrote NORMAL: {one}"
+        assert one["cell_at_return"] == Status.NORMAL, f"rank 1 returned with the cell at {one['cell_at_return']}"
+    else:
+        assert one["result"] == (f"LoopTimeout: status cell {cell.name!r} still reads UPDATING 1s after rank 1 "
+                                 "answered the update left in the cell"), one
+        assert one["cell_at_return"] == Status.UPDATING, one

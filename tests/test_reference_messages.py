@@ -555,6 +555,7 @@ def test_duplicate_header_names_are_each_named_once(tmp_path):
     ("socket", "is a socket, not a regular file"),
     ("dangling-link", "is a dangling symlink, not a regular file"),
     ("one-past", "is over the 65536-byte limit (65537 bytes); it holds one small mapping (step: N)"),
+    ("link-to-proc-self-mem", "cannot be read (Input/output error)"),  # a regular file whose read fails
 ])
 def test_version_file_refused(tmp_path, entry, expected):
     from fixtures.version_entries import make_entry
@@ -577,3 +578,92 @@ def test_version_file_at_the_limit_absent_and_unexaminable(tmp_path):
     assert read_version_bytes(path) == padded(3, LIMIT)
     under = os.path.join(path, "version.yaml")
     raises(VersionError, lambda: read_version_bytes(under), f"{under}: the version file cannot be examined (Not a directory)")
+
+
+# -- reference.snapshot_load: a file that shrinks or is replaced while it is read -------------------------------
+def _bounded(call, timeout_s: float = 10.0):
+    """``call()`` in a daemon thread: its result, or AssertionError if it has not ended within ``timeout_s``
+    (a read loop that takes end of file for a short read turns forever)."""
+    import threading
+
+    box = {}
+
+    def run():
+        try:
+            box["value"] = call()
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"{call} did not end within {timeout_s:g} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_a_header_read_that_meets_the_end_of_the_file_names_where(tmp_path):
+    """50 bytes on disk: 100 asked from offset 8 get 42, then nothing (the file shrank): the error names the
+    offset the read had reached; a read of exactly the last byte is a read, not an end."""
+    from reference.errors import SnapshotFormatError
+    from reference.snapshot_load import _read_exact
+
+    path = str(tmp_path / "model.safetensors")
+    with open(path, "wb") as f:
+        f.write(bytes(range(50)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        raises(SnapshotFormatError, lambda: _bounded(lambda: _read_exact(fd, 8, 100, path)),
+               f"{path}: file changed during load: the read at offset 50 ended early (the file shrank)")
+        assert _bounded(lambda: _read_exact(fd, 49, 1, path)) == bytes([49])
+        assert _bounded(lambda: _read_exact(fd, 40, 10, path)) == bytes(range(40, 50))
+    finally:
+        os.close(fd)
+
+
+def _two_tensor_file(path, extra: bool = False) -> str:
+    import numpy as np
+
+    from fixtures.snapshot import write_safetensors
+
+    tensors = {"a": np.arange(4, dtype=np.float32), "b": np.arange(64, dtype=np.float32)}
+    if extra:
+        tensors["c"] = np.ones(8, dtype=np.float32)
+    return write_safetensors(path, tensors)
+
+
+def test_a_file_replaced_after_its_header_was_checked_is_named_before_any_read(tmp_path):
+    """``read_header``'s result handed to the load, the file rewritten meanwhile (another layout): the load
+    parses the file it has, finds it is not the one checked, and says so with both identities."""
+    from reference.errors import SnapshotFormatError
+    from reference.snapshot_load import _identity, iter_safetensors, read_header
+
+    path = _two_tensor_file(str(tmp_path / "model.safetensors"))
+    checked = read_header(path)
+    assert [n for n, _ in iter_safetensors(path, expect=checked)] == ["a", "b"]  # unchanged: loads
+    os.remove(path)
+    _two_tensor_file(path, extra=True)
+    now = _identity(os.stat(path))
+    raises(SnapshotFormatError, lambda: list(iter_safetensors(path, expect=checked)),
+           f"{path}: file changed during load: it is not the file whose header was checked before loading "
+           f"(device, inode, size, mtime, ctime {checked.identity} then {now})")
+
+
+def test_a_tensor_read_that_meets_the_end_of_the_file_names_the_tensor(tmp_path, monkeypatch):
+    """The file cut inside tensor ``b``'s bytes once its header was read and checked: the error names ``b``."""
+    from reference import snapshot_load as SL
+    from reference.errors import SnapshotFormatError
+
+    path = _two_tensor_file(str(tmp_path / "model.safetensors"))
+    size = os.path.getsize(path)
+    validated = SL._validated
+
+    def then_cut(fd, at, expect):
+        checked = validated(fd, at, expect)
+        os.truncate(at, size - 100)  # inside b's 256 bytes, the last tensor
+        return checked
+
+    monkeypatch.setattr(SL, "_validated", then_cut)
+    raises(SnapshotFormatError, lambda: _bounded(lambda: list(SL.iter_safetensors(path))),
+           f"{path}: file changed during load: the read of tensor 'b' ended early (the file shrank)")
