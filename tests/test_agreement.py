@@ -443,3 +443,35 @@ def test_a_restarted_rank_that_does_not_write_waits_for_rank_0(tmp_path, rank0_a
         assert one["result"] == (f"LoopTimeout: status cell {cell.name!r} still reads UPDATING 1s after rank 1 "
                                  "answered the update left in the cell"), one
         assert one["cell_at_return"] == Status.UPDATING, one
+
+
+def _three_ranks(monkeypatch, raws_of):
+    """An agreement that believes it is rank 0 of three and whose all-gather hands back ``raws_of(own)``
+    (the vote's own checks run on them; no group is joined)."""
+    agreement = A.Agreement(DEADLINE_S)
+    monkeypatch.setattr(agreement, "world_size", lambda: 3)
+    monkeypatch.setattr(agreement, "_bounded", lambda what, fn: raws_of(agreement.epoch))
+    return agreement
+
+
+def test_every_rank_out_of_step_is_named_in_one_message(monkeypatch):
+    def raws(epoch):
+        return [A.encode_vote(v) for v in (A.Vote(0, epoch, "update", True), A.Vote(1, epoch, "clear", True),
+                                          A.Vote(2, epoch + 1, "update", True))]
+
+    agreement = _three_ranks(monkeypatch, raws)
+    with pytest.raises(A.AgreementError) as info:
+        agreement.vote("update", True)
+    assert str(info.value) == ("rank 0: update (epoch 1) is out of step with rank 1 at clear (epoch 1), "
+                               "rank 2 at update (epoch 2)"), str(info.value)
+    assert agreement.broken == "votes out of step at epoch 1"
+
+
+def test_an_unreadable_vote_in_a_gather_names_its_rank(monkeypatch):
+    def raws(epoch):
+        out = [A.encode_vote(A.Vote(r, epoch, "clear", True)) for r in range(3)]
+        out[2][4:12] = 0xC1  # msgpack's never-used byte
+        return out
+
+    with pytest.raises(A.AgreementError, match=r"^vote from rank 2 is not readable \("):
+        _three_ranks(monkeypatch, raws).vote("clear", True)

@@ -22,3 +22,34 @@ def test_a_strided_target_gets_storage_up_to_its_last_element(shape, stride, ele
     assert (list(target.shape), list(target.stride())) == (shape, stride)
     assert target._holder_size() == elements * 4, (
         f"shape {shape} stride {stride}: storage of {target._holder_size()} bytes, expected {elements * 4}")
+
+
+def test_a_model_loaded_at_start_up_is_served_and_digested_before_any_update():
+    """A manager over parameters that already hold weights (the engine loaded them at start-up) starts NORMAL:
+    a forward pass runs at once (the request gate starts open, SERVE-NO-MIXED-VERSIONS: "a pass that arrives
+    while nothing changes runs at once") and ``digest()`` describes those weights (no update has changed
+    anything in place yet)."""
+    import threading
+
+    import numpy as np
+    import paddle
+
+    from fixtures import digests
+    from reference.manager import WeightManager
+    from reference.status import Status
+
+    model = paddle.nn.Linear(3, 2)
+    manager = WeightManager(model, load_strategy="ipc_snapshot")
+    assert manager.status == Status.NORMAL, manager.status
+    ran = threading.Event()
+
+    def forward():
+        with manager.requests.forward():
+            ran.set()
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+    assert ran.wait(5.0), "a forward pass on the weights loaded at start-up waited for an update"
+    thread.join(5.0)
+    oracle = digests.model({name: np.asarray(p.numpy()) for name, p in model.state_dict().items()})
+    assert manager.digest().as_dict() == oracle, (manager.digest().as_dict(), oracle)
