@@ -4,9 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
+@pytest.mark.timeout(330)  # the job's own 300 s bound below names the command; the default 120 s would cut it first
 def test_rank_cycle_benchmark_smoke(tmp_path):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "benchmarks.rank_cycle", "--model-mib", "8", "--cycles", "2", "--path", "bucket",
