@@ -16,9 +16,12 @@ reports and leaves, so its peers see the connection drop instead of waiting.
 """
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import hashlib
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -73,6 +76,21 @@ def wait_for_master(deadline: float) -> None:
         except OSError:
             time.sleep(0.01)
     raise TimeoutError(f"rendezvous store at {host}:{port} not listening")
+
+
+def stall_join(config: dict, rank: int) -> None:
+    """The harness's own fault (``sim.ranks.Job(stall_join_rank=R)``), never the implementation's: rank R
+    never joins on the job's first start, so its peers wait in Paddle's rendezvous, as they do when it
+    fails; it waits holding the GIL, as a rank inside the rendezvous does (``PyDLL`` keeps it across the C
+    call), so that no Python thread of it runs either. A marker in the run's directory lets the second start
+    go on."""
+    if config.get("stall_join_rank") != rank:
+        return
+    marker = os.path.join(config["run_dir"], f"stalled-join.{rank}")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        while True:
+            ctypes.PyDLL(None).sleep(3600)  # a signal's handler (faulthandler's) ends it early
 
 
 RUN, WAIT, STOP = 0, 1, 2
@@ -265,10 +283,19 @@ def run_levels(config: dict, adapter, rank: int, report: Reporter) -> None:
             session.close()
 
 
+PR_SET_PDEATHSIG = 1
+
+
 def leave_when_orphaned(orchestrator: int | None, rank: int, interval_s: float = 0.2) -> None:
     """Leave (exit 4) as soon as the launcher (this process's parent) or the orchestrator is gone: a job
-    whose driver was killed must not leave its ranks polling the cell, re-parented to init."""
+    whose driver was killed must not leave its ranks polling the cell, re-parented to init. The kernel
+    also kills the rank when its launcher dies: Paddle's rendezvous holds the GIL while it waits for a
+    peer that never comes, so no Python thread of a rank stuck there can leave."""
     launcher = os.getppid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before the death signal was armed
+            os._exit(4)
 
     def alive(pid: int) -> bool:
         try:
@@ -301,6 +328,9 @@ def main(config_path: str) -> int:
     os.environ["CUDA_VISIBLE_DEVICES"] = config["visible"]
     os.environ["FLAGS_selected_gpus"] = str(local)
     report = Reporter(config["run_dir"], rank)
+    # SIGUSR1 writes every thread's stack to the rank's log, even from inside C++ holding the GIL: how the
+    # orchestrator shows where a rank that never joined was.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     watchdog = threading.Timer(config["life_s"], lambda: (report("watchdog", life_s=config["life_s"]), os._exit(3)))
     watchdog.daemon = True
     watchdog.start()
@@ -308,6 +338,9 @@ def main(config_path: str) -> int:
     code = 0
     try:
         start = time.monotonic()
+        report("joining", pid=os.getpid(), master=os.environ.get("PADDLE_MASTER"),
+               endpoint=os.environ.get("PADDLE_CURRENT_ENDPOINT"))
+        stall_join(config, rank)
         if rank != 0:
             wait_for_master(start + config.get("start_timeout_s", 30))
         import paddle.distributed as dist

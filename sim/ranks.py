@@ -23,12 +23,15 @@ namespace (the ranks reach them through ``ipc://`` files and ``/dev/shm``, which
 SIGINT (Ctrl-C) and SIGTERM end a job at any step with exit status 130 and 143: the launcher and the
 ranks are killed, the trainers (which ignore SIGINT, and get SIGTERM if this process dies) stopped, the
 status cells and the run's directory removed. A rank whose launcher or orchestrator is gone leaves by
-itself. The run's directory is named with this process's pid, so that a SIGKILLed job's is swept by the
-next one (``sim.leftovers``).
+itself; the kernel kills a launcher whose orchestrator died, and a rank whose launcher died (a rank stuck in
+Paddle's rendezvous holds the GIL: no Python of it runs). Ranks that never join are named with their stacks
+and started once more (nothing of the implementation has run before they join). The run's directory is
+named with this process's pid, so that a SIGKILLed job's is swept by the next one (``sim.leftovers``).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import mmap
 import multiprocessing
@@ -292,7 +295,7 @@ class Job:
                  stall_timeout_s: float = 5.0, step_timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
                  slow_pause_s: float = 0.05, keep: bool = False, progress=None, fast_fill: bool = False,
                  hosts: int = 1, levels: tuple = (), levels_params: list | None = None, start_timeout_s: float = 120.0,
-                 snapshot_formats: dict | None = None):
+                 snapshot_formats: dict | None = None, stall_join_rank: int | None = None):
         self.phase = "start-up"  # what the job is doing (the last progress line): an interruption names it
         self.impl, self.plans, self.ranks = impl, plans, ranks
         if hosts < 1 or ranks % hosts:
@@ -312,6 +315,7 @@ class Job:
         # Every rank joined the group: four ranks importing Paddle at once on a loaded 2-core machine took 25 s.
         self.start_timeout_s = max(start_timeout_s, step_timeout_s)
         self.keep, self.fast_fill = keep, fast_fill
+        self.stall_join_rank = stall_join_rank  # the harness's fault: that rank skips the first start's rendezvous
         self._progress = progress or (lambda text: None)
         # Physical ids: neither rank nor ordinal. Each host has the same ones (4,2 on two ranks a host), so
         # ranks 0 and 2 both sit on physical GPU 4: their snapshot names differ by the global rank alone.
@@ -398,7 +402,7 @@ class Job:
         config = {"impl": self.impl, "impl_opts": self.impl_opts, "run_dir": run_dir, "block": self.block,
                   "orchestrator": os.getpid(), "host": host, "start_timeout_s": self.start_timeout_s,
                   "agree_timeout_s": self.agree_timeout_s, "visible": ",".join(map(str, self.host_visible)),
-                  "life_s": 600.0, "jobs": jobs,
+                  "life_s": 600.0, "jobs": jobs, "stall_join_rank": self.stall_join_rank,
                   "levels": [{"level": level, "model_dir": v["dirs"][host][0], "shared_dir": v["dirs"][host][1]}
                              for level, v in (levels or {}).items()],
                   "levels_params": self.levels_params}
@@ -520,14 +524,15 @@ class Job:
             watch.close()
         result["ended"] = self._collect(events, job, ("ended",), leaving_ok=plan.hang_rank is not None)
 
-    def _launch_commands(self, configs: list[str], log_dir: str) -> list[tuple[list[str], dict]]:
-        """One ``paddle.distributed.launch`` per host: (command, extra environment)."""
+    def _launch_commands(self, configs: list[str], log_dir: str, attempt: int = 1) -> list[tuple[list[str], dict]]:
+        """One ``paddle.distributed.launch`` per host: (command, extra environment). A second start's master
+        has a port of its own: the first one's may not be bound again so soon."""
         launch = [sys.executable, "-m", "paddle.distributed.launch"]
         tail = ["--max_restart", "0"]
         if self.hosts == 1:
             return [(launch + ["--nproc_per_node", str(self.ranks)] + tail + ["--log_dir", log_dir, WORKER, configs[0]], {})]
         hosts = self._netns
-        master = f"{hosts.addresses[0]}:{MASTER_PORT}"
+        master = f"{hosts.addresses[0]}:{MASTER_PORT + attempt - 1}"
         return [(hosts.prefix(h) + launch + ["--nnodes", str(self.hosts), "--rank", str(h), "--host", hosts.addresses[h],
                                              "--master", master, "--nproc_per_node", str(self.per_host)] + tail
                  + ["--log_dir", os.path.join(log_dir, f"h{h}"), WORKER, configs[h]],
@@ -554,16 +559,35 @@ class Job:
             paths = self._setup(run_dir)
             levels = self._setup_levels(run_dir)
             configs = [self._worker_config(run_dir, paths, h, levels) for h in range(self.hosts)]
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-            commands = self._launch_commands(configs, log_dir)
-            result["command"] = " & ".join(" ".join(cmd) for cmd, _ in commands)
-            for cmd, extra in commands:
-                launches.append(subprocess.Popen(cmd, cwd=REPO, env=dict(env, **extra), stdout=subprocess.PIPE,
-                                                 stderr=subprocess.STDOUT, start_new_session=True))
-            events = Events(run_dir, self.ranks, log_dir, self.hosts)
-            for p in paths:  # while the ranks start
-                p["first_sent"] = self._publish(p, p["plan"].steps[0])
-            result["joined"] = self._collect(events, None, ("joined",), timeout_s=self.start_timeout_s)
+            env = launch_environment()
+            result["command"] = " & ".join(" ".join(cmd) for cmd, _ in self._launch_commands(configs, log_dir))
+            for attempt in (1, 2):
+                attempt_log = log_dir if attempt == 1 else f"{log_dir}.{attempt}"
+                for cmd, extra in self._launch_commands(configs, attempt_log, attempt):
+                    launches.append(subprocess.Popen(cmd, cwd=REPO, env=dict(env, **extra), stdout=subprocess.PIPE,
+                                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                                     preexec_fn=_die_with_parent))
+                events = Events(run_dir, self.ranks, attempt_log, self.hosts)
+                if attempt == 1:
+                    for p in paths:  # while the ranks start
+                        p["first_sent"] = self._publish(p, p["plan"].steps[0])
+                try:
+                    result["joined"] = self._await_join(events, launches)
+                    break
+                except JobError as e:
+                    # Nothing of the implementation has run yet (a rank resolves it once it joined): this is
+                    # Paddle's rendezvous failing (seen in CI: a store that aborts binding its port, a master
+                    # that waits forever for a peer). One more start with fresh ports, said in the result.
+                    if attempt == 2:
+                        raise JobError(f"the ranks never joined, twice.\nfirst start: {result['start_retried']}"
+                                       f"\nsecond start: {e}") from None
+                    result["start_retried"] = str(e)
+                    self.progress("the ranks did not join; starting them once more")
+                    self._stop_ranks(launches, run_dir)
+                    launches.clear()
+                    for path in events.paths:  # the second start's ranks report afresh
+                        if os.path.exists(path):
+                            os.remove(path)
             result["start_s"] = time.monotonic() - started
             result["levels"] = {}
             for level, v in levels.items():
@@ -596,24 +620,70 @@ class Job:
             with interrupt.shielded():  # a signal now is raised once everything is released
                 self._release(launches, paths, run_dir)
 
+    def _await_join(self, events: Events, launches: list) -> dict:
+        """Every rank's ``joined`` event. A rank that left, a launcher that exited, or the start-up deadline
+        first: a JobError naming every rank's last events, and the log of each rank not joined with the
+        stack of each of its threads (SIGUSR1: faulthandler, which writes even while Paddle's rendezvous
+        holds the GIL)."""
+        joined: dict = {}
+        deadline = time.monotonic() + self.start_timeout_s
+        why = None
+        while why is None:
+            for r in range(self.ranks):
+                events._poll(r)
+                while r not in joined and events.pending[r]:
+                    event = events.pending[r].pop(0)
+                    if event["event"] == "joined":
+                        joined[r] = event
+                    elif event["event"] in TERMINAL:
+                        why = f"rank {r} {event['event']} before it joined: {event.get('error', '')}"
+            if len(joined) == self.ranks:
+                return joined
+            exited = [launch.returncode for launch in launches if launch.poll() is not None]
+            if why is None and exited:
+                why = f"a launcher exited ({exited[0]}) before every rank joined"
+            elif why is None and time.monotonic() > deadline:
+                why = f"not every rank joined within {self.start_timeout_s:g}s"
+            time.sleep(0.01)
+        run_dir = os.path.dirname(events.paths[0])
+        for pid in _rank_pids(run_dir):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+        lines = [why]
+        for r in range(self.ranks):
+            pids = [e["pid"] for e in events.all[r] if e["event"] == "joining"]
+            lines.append(f"rank {r}: joined" if r in joined else
+                         f"rank {r}: not joined{f' (pid {pids[0]})' if pids else ''}; its events "
+                         f"{[e['event'] for e in events.all[r]]}\n{events.log_tail(r)}")
+        raise JobError("\n".join(lines))
+
+    def _stop_ranks(self, launches: list, run_dir: str) -> None:
+        """Kill the launchers and every rank (a launcher puts each in a session of its own, so killing its
+        group does not reach them)."""
+        for launch in launches:
+            if launch.poll() is None:
+                os.killpg(launch.pid, signal.SIGKILL)
+                launch.wait(10)
+            if launch.stdout is not None:
+                launch.stdout.close()
+        for pid in _rank_pids(run_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def _remove_hosts(self) -> None:
         if self._netns is not None:
             self._netns.remove()
             self._netns = None
 
     def _release(self, launches: list, paths: list[dict], run_dir: str) -> None:
-        """Kill the launchers and every rank (a launcher puts each in a session of its own, so killing its
-        group does not reach them), stop the trainers, unlink the cells, remove the run's directory and
+        """Kill the launchers and ranks, stop the trainers, unlink the cells, remove the run's directory and
         the hosts' namespaces."""
-        for launch in launches:
-            if launch.poll() is None:
-                os.killpg(launch.pid, signal.SIGKILL)
-                launch.wait(10)
-        for pid in _rank_pids(run_dir):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._stop_ranks(launches, run_dir)
         graceful = not interrupt.pending()
         for p in paths:
             for t in p["trainers"]:
@@ -624,15 +694,40 @@ class Job:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def launch_environment() -> dict:
+    """The launchers' environment: this process's, this repository importable, and gloo named. Where the
+    launcher sees a device (CUDA_VISIBLE_DEVICES in this environment, as a GPU machine's shell has it or as a
+    test that left a rank's variables behind had it, or a GPU build that finds one), it leaves the backend
+    unset, and a rank's init_parallel_env then takes its old gloo path, whose store listens on another port
+    than PADDLE_MASTER: no rank joined, in every multi-rank job of a CI run. A rank sets its own
+    CUDA_VISIBLE_DEVICES and FLAGS_selected_gpus."""
+    env = dict(os.environ, PADDLE_DISTRI_BACKEND="gloo")
+    env["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _die_with_parent() -> None:
+    """In a launcher, before it runs: the kernel kills it when this process dies (a SIGKILLed orchestrator
+    cannot clean up), and its ranks, whose death signal is armed the same way, go with it."""
+    if sys.platform.startswith("linux"):
+        _prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def _rank_pids(run_dir: str) -> list[int]:
-    """The live rank workers of this job: processes running the worker on this run's configuration."""
+    """The live rank workers of this job: processes running the worker on this run's configuration (not its
+    launchers, whose command line names both too: a SIGUSR1 meant for a rank's stack would end a launcher,
+    and the kernel would then kill its ranks before they wrote it)."""
     import psutil
 
     configs = {os.path.join(run_dir, "worker.json")} | {os.path.join(run_dir, f"worker.h{h}.json") for h in range(16)}
     pids = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info.get("cmdline") or []
-        if configs & set(cmdline) and WORKER in cmdline and proc.pid != os.getpid():
+        if configs & set(cmdline) and WORKER in cmdline and "paddle.distributed.launch" not in cmdline \
+                and proc.pid != os.getpid():
             pids.append(proc.pid)
     return pids
 
@@ -681,6 +776,9 @@ def main(argv=None) -> int:
         print(f"sim.ranks {e} during {job.phase}: launcher, ranks and trainers stopped, status cells and the run's "
               "directory removed", file=sys.stderr, flush=True)
         return e.exit_status
+    if "start_retried" in result:
+        print(f"sim.ranks: the ranks were started twice; the first start failed: {result['start_retried']}",
+              file=sys.stderr, flush=True)
     if "error" in result:
         print(f"sim.ranks: the job failed: {result['error']}", file=sys.stderr, flush=True)
         return 2

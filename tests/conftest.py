@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 
+import paddle  # noqa: F401  (its first import sets OMP_NUM_THREADS and CUSTOM_DEVICE_ROOT: here, before any test)
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +27,21 @@ def run_conformance(impl_args: list[str], report_path, extra: list[str] = (), ti
         with open(report_path) as f:
             report = json.load(f)
     return proc.returncode, report, proc.stdout + proc.stderr
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found(request):
+    """Every test leaves ``os.environ`` as it found it: a variable left behind reaches every later test and
+    every process they start. (A rank's CUDA_VISIBLE_DEVICES, left by test_agreement's in-process run, made
+    paddle.distributed.launch take the CPU ranks of every later multi-rank job for GPU ones: none joined.)"""
+    before = dict(os.environ)
+    yield
+    changed = {k: (before.get(k), os.environ.get(k)) for k in sorted(before.keys() | os.environ.keys())
+               if before.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST"}  # pytest's own, per phase
+    if changed:
+        os.environ.clear()
+        os.environ.update(before)
+        pytest.fail(f"{request.node.nodeid} left os.environ changed, name: (before, after): {changed}")
 
 
 @pytest.fixture(scope="session")

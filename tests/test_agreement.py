@@ -5,6 +5,7 @@ seconds, and are what mutation testing of ``reference/agreement.py`` runs: the v
 named on every rank, votes out of step, a peer that never comes (the deadline, then a broken group), and
 the loop's broadcast.
 """
+import contextlib
 import json
 import os
 import socket
@@ -44,13 +45,27 @@ def _join(rank: int, port: int, endpoints: list[str]) -> None:
     dist.init_parallel_env()
 
 
+@contextlib.contextmanager
+def in_this_process():
+    """Around a rank's script run in this process: it sets the rank's variables (CUDA_VISIBLE_DEVICES, ...);
+    left in ``os.environ`` they reached every later test and every process those start (every later
+    multi-rank job of a CI run hung: Paddle's launcher took its CPU ranks for GPU ones)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 def two_ranks(script, timeout_s: float = 60.0, in_process: bool = True) -> list:
     """``script(rank, agreement) -> JSON-able`` in two forked processes joined in one gloo group. With
     ``in_process``, the script first runs here as rank 0 of one (every call local, its result unused): tools
     that trace calls, coverage and mutation testing, then see the functions the test drives; the two ranks'
     calls die with their processes."""
     if in_process:
-        script(0, A.Agreement(DEADLINE_S))
+        with in_this_process():
+            script(0, A.Agreement(DEADLINE_S))
     port, endpoints = _free_port(), [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     children = []
     for rank in range(2):
@@ -428,7 +443,7 @@ def test_a_restarted_rank_that_does_not_write_waits_for_rank_0(tmp_path, rank0_a
 
     for directory in ("one", "two"):
         (tmp_path / directory).mkdir()
-    with Cell(Status.UPDATING) as cell:  # one rank alone (in this process): it writes NORMAL itself
+    with Cell(Status.UPDATING) as cell, in_this_process():  # one rank alone: it writes NORMAL itself
         alone = _restarted_ranks(0, A.Agreement(DEADLINE_S), {"dir": str(tmp_path / "one"), "cell": cell.name}, True)
     assert alone["result"] == "updated" and alone["cell_at_return"] == Status.NORMAL, alone
     with Cell(Status.UPDATING) as cell:

@@ -100,6 +100,14 @@ class Run:
         self.proc.wait(timeout=30)
 
 
+def _cmdline(proc: psutil.Process) -> list[str]:
+    """Its command line; none for a process that has exited (a zombie not yet reaped, seen in CI) or gone."""
+    try:
+        return proc.cmdline()
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return []
+
+
 def _killed(run: Run, read_output: bool = True) -> str:
     """SIGKILL the CLI and collect its output. Reading to the end waits for every process holding its pipes,
     the trainers included: bounded, and a trainer still there is named, with its stacks (SIGUSR1 makes
@@ -119,7 +127,7 @@ def _killed(run: Run, read_output: bool = True) -> str:
         for c in run.children:
             with contextlib.suppress(psutil.NoSuchProcess):
                 if c.status() != psutil.STATUS_ZOMBIE:
-                    where[c.pid] = (c.status(), " ".join(c.cmdline())[-120:])
+                    where[c.pid] = (c.status(), " ".join(_cmdline(c))[-120:])
                     c.send_signal(signal.SIGUSR1)
         time.sleep(1)
         for c in run.children:
@@ -161,7 +169,7 @@ def _nothing_left(run: Run, code: int, output: str, elapsed: float, signum: int,
         assert bad not in output, f"{name} {where}: {bad!r} in the output:\n{output[-3000:]}"
     assert f"interrupted by {name} during {where}" in output, output[-3000:]
     gone, alive = psutil.wait_procs(run.children, timeout=10)
-    assert not alive, f"{name} {where}: processes still running: {[(p.pid, p.cmdline()) for p in alive]}"
+    assert not alive, f"{name} {where}: processes still running: {[(p.pid, _cmdline(p)) for p in alive]}"
     assert not run.segments(), f"{name} {where}: segments left in /dev/shm: {run.segments()}"
     assert not list(run.tmp.iterdir()), f"{name} {where}: left in TMPDIR: {list(run.tmp.iterdir())}"
 
@@ -170,8 +178,8 @@ def _nothing_left(run: Run, code: int, output: str, elapsed: float, signum: int,
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_signal_at_every_phase_exits_clean(held, phase, signum):
     run = held(PHASES[phase])
-    trainers = [c for c in run.children if "spawn_main" in " ".join(c.cmdline())]
-    assert len(trainers) == 2, f"expected 2 trainer processes, found {[c.cmdline() for c in run.children]}"
+    trainers = [c for c in run.children if "spawn_main" in " ".join(_cmdline(c))]
+    assert len(trainers) == 2, f"expected 2 trainer processes, found {[_cmdline(c) for c in run.children]}"
     assert list(run.tmp.iterdir()), "the run's directory should exist while it runs"
     assert run.segments(), "the trainers' buffers should exist in /dev/shm while they run"
     _nothing_left(run, *run.signal(signum), signum, WHERE[phase])
@@ -197,7 +205,7 @@ def test_trainers_die_with_a_killed_cli(held):
     """SIGKILL cannot be handled: the trainers still exit (the kernel sends them SIGTERM when their
     parent dies) and unlink their own buffers, instead of running on until their timeout."""
     run = held(PHASES["mid-transfer"])
-    trainers = [c for c in run.children if "spawn_main" in " ".join(c.cmdline())]
+    trainers = [c for c in run.children if "spawn_main" in " ".join(_cmdline(c))]
     _killed(run)
     gone, alive = psutil.wait_procs(trainers, timeout=10)
     assert not alive, f"trainers still running after the CLI was killed: {[p.pid for p in alive]}"
@@ -386,31 +394,28 @@ def test_sim_ranks_interrupted_leaves_no_process(how):
     clean up for it, yet every process it started leaves within seconds (the ranks see it gone, the trainers get
     SIGTERM from the kernel) instead of polling on, re-parented to init."""
     children = []
-    for attempt in (1, 2):
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix="wrk"))
-        env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen([sys.executable, *RANKS_RUN], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        text, deadline = "", time.monotonic() + 240
-        while "bucket: cycle 1/20" not in text:
-            ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
-            line = proc.stdout.readline() if ready else ""
-            if not line:
-                break
-            text += line
-        if "bucket: cycle 1/20" in text:
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="wrk"))
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, *RANKS_RUN], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # Paddle's rendezvous failing (seen in CI) is the job's to retry, once (tests/test_sim_ranks_start.py).
+    text, deadline = "", time.monotonic() + 300
+    while "bucket: cycle 1/20" not in text:
+        ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
+        line = proc.stdout.readline() if ready else ""
+        if not line:
             break
-        proc.kill()
+        text += line
+    if "bucket: cycle 1/20" not in text:
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
-        # Paddle's rendezvous can abort before any rank joins (its TCPStore's libuv server, seen once in CI): a
-        # start-up of the launcher, not this test's subject; one more start, never more.
-        if attempt == 2 or "no joined event" not in text:
-            pytest.fail(f"sim.ranks never reached its first cycle (attempt {attempt}):\n{text[-3000:]}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        pytest.fail(f"sim.ranks never reached its first cycle:\n{text[-3000:]}")
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
-        ranks = [c for c in children if "rank_worker.py" in " ".join(c.cmdline()) and "paddle.distributed.launch" not in c.cmdline()]
-        assert len(ranks) == 2, f"expected 2 rank workers among {[c.cmdline() for c in children]}"
+        ranks = [c for c in children if "rank_worker.py" in " ".join(_cmdline(c)) and "paddle.distributed.launch" not in _cmdline(c)]
+        assert len(ranks) == 2, f"expected 2 rank workers among {[_cmdline(c) for c in children]}"
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)
         else:
@@ -418,7 +423,7 @@ def test_sim_ranks_interrupted_leaves_no_process(how):
         proc.wait(60)
         gone, alive = psutil.wait_procs(children, timeout=15)
         output = text + _drain(proc.stdout, 15)  # EOF once no process of the job holds the pipe
-        assert not alive, f"{how}: still running: {[(p.pid, p.cmdline()) for p in alive]}\n{output[-3000:]}"
+        assert not alive, f"{how}: still running: {[(p.pid, _cmdline(p)) for p in alive]}\n{output[-3000:]}"
         pids = {c.pid for c in children}
         segments = [n for n in leaked_segments() if _pid(n) in pids]
         assert not segments, f"{how}: segments left in /dev/shm: {segments}"
