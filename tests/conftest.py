@@ -50,3 +50,10 @@ def reference_report(tmp_path_factory):
     path = tmp_path_factory.mktemp("reference") / "report.json"
     code, report, output = run_conformance(["--impl=reference"], path)
     return code, report, output
+
+
+def unstarted_jobs(report: dict) -> list[str]:
+    """The tests of a conformance report that failed because their multi-rank job's ranks never joined
+    (``sim.ranks``: the start-up, before any rank loads the implementation). Such a failure says nothing
+    of the implementation: counted as a kill, or as a pinned failure, it would hide a broken harness."""
+    return [t["nodeid"] for t in report["tests"] if "the ranks never joined" in (t.get("message") or "")]

@@ -42,7 +42,7 @@ from conformance.registry import ImplError
 from conformance.spec import levels as spec_levels
 from fixtures import models as M
 from fixtures import snapshot as S
-from tests.conftest import REPO, run_conformance
+from tests.conftest import REPO, run_conformance, unstarted_jobs
 
 # Module fixtures run whole pytest subprocesses; their setup counts against the first test's timeout.
 pytestmark = pytest.mark.timeout(900)
@@ -214,6 +214,7 @@ def test_multirank_tier_on_real_ranks(reports, gen):
     crashed = [f"{t['nodeid']}: {t['message'][:300]}" for t in report["tests"]
                if t["rule"] in ("MR-OWN-SHARD", "MR-AGREE-BEFORE-NORMAL") and "crashed" in (t["message"] or "")]
     assert not crashed, f"{gen}: a rank crashed:\n" + "\n".join(crashed)
+    assert not unstarted_jobs(report), f"{gen}: the job never started: {unstarted_jobs(report)[:3]}"
 
 
 def test_a_new_regression_turns_the_gate_red(reports):

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conformance.spec import rules
-from tests.conftest import REPO
+from tests.conftest import REPO, unstarted_jobs
 from tests.mutants import all_mutants
 
 MUTANTS = all_mutants()
@@ -87,6 +87,8 @@ def test_mutant_is_killed(name, mutant_runs):
                     f"{_two_hosts_unavailable()}")
     report, output = mutant_runs[name]
     assert report is not None, f"mutant {name}: no report; output:\n{output[-3000:]}"
+    unstarted = unstarted_jobs(report)
+    assert not unstarted, f"mutant {name}: its multi-rank job never started, which kills nothing: {unstarted[:3]}"
     status = {r["id"]: r["status"] for r in report["rules"]}
     survived = {r: status.get(r, "not run") for r in MUTANTS[name].kills if status.get(r) != "failed"}
     assert not survived, (
