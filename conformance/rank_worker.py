@@ -208,8 +208,8 @@ def run_path(job: dict, config: dict, adapter, rank: int, report: Reporter, coll
 
     def state(**extra) -> dict:
         phases = session.phases() if hasattr(session, "phases") else {}
-        version = session.version() if "version" in adapter.capabilities else None  # read only where claimed
-        return {"job": name, "status": session.status(), "version": version, "digests": digests(session),
+        version = observed(session.version) if "version" in adapter.capabilities else None  # read only where claimed
+        return {"job": name, "status": observed(session.status), "version": version, "digests": digests(session),
                 "resources": settled_resources(), "phases": phases, **extra}
 
     try:
@@ -228,7 +228,11 @@ def run_path(job: dict, config: dict, adapter, rank: int, report: Reporter, coll
     while True:
         # Rank 0 decides for all: stop, wait (after a failed update the cell stays UPDATING until the
         # orchestrator recovers with a CLEARING), or run one iteration of the implementation's loop.
-        word = STOP if os.path.exists(stop_file) else WAIT if failed and cell.read() == UPDATING else RUN
+        try:
+            word = STOP if os.path.exists(stop_file) else WAIT if failed and cell.read() == UPDATING else RUN
+        except FileNotFoundError as e:  # the cell was removed under the job (see observed): this rank leaves
+            report("left", job=name, error=f"the status cell is gone: {type(e).__name__}: {e}", runs=runs[0])
+            return False
         try:
             word = collective.word_of_rank0(word)
         except Exception as e:  # noqa: BLE001
@@ -276,7 +280,7 @@ def run_levels(config: dict, adapter, rank: int, report: Reporter) -> None:
         session = adapter.open(build_models(spec), LoaderConfig("ipc_snapshot", entry["model_dir"], entry["shared_dir"], options))
         try:
             session.update()
-            report("level", job=job, level=entry["level"], status=session.status(), digests=digests(session))
+            report("level", job=job, level=entry["level"], status=observed(session.status), digests=digests(session))
         except Exception as e:  # noqa: BLE001 (reported; the orchestrator judges)
             report("level", job=job, level=entry["level"], error=f"{type(e).__name__}: {e}", digests=digests(session))
         finally:
@@ -284,6 +288,17 @@ def run_levels(config: dict, adapter, rank: int, report: Reporter) -> None:
 
 
 PR_SET_PDEATHSIG = 1
+
+
+def observed(read):
+    """What ``read()`` says, or why it could not say: what the rank reports, never the reason it crashes. (A
+    FastDeploy rank that left took the engine's status cell with it: Python's resource tracker unlinks at a
+    process's exit a segment it merely attached with SharedMemory(create=False); its peer's next read of
+    the cell, reporting its own failure, raised FileNotFoundError and crashed the rank.)"""
+    try:
+        return read()
+    except Exception as e:  # noqa: BLE001 (reported: a status that is not one fails whoever judges it)
+        return f"unreadable ({type(e).__name__}: {e})"
 
 
 def leave_when_orphaned(orchestrator: int | None, rank: int, interval_s: float = 0.2) -> None:
