@@ -143,7 +143,17 @@ def _watch_parent(parent_pid: int, interval_s: float = 0.2, wait_s: float = 1.0,
     if not _sigterm_seen.wait(wait_s):
         os.kill(os.getpid(), signal.SIGTERM)  # the trainer's own handler: unlink what it made, then leave
     time.sleep(grace_s)
+    for last in _before_forced_exit:  # the main thread never finished unwinding (it may not even have begun)
+        last()
     os._exit(143)
+
+
+_before_forced_exit: list = []
+
+
+def before_forced_exit(fn) -> None:
+    """Run ``fn`` (from the parent watcher's thread) before it ends a trainer whose unwinding did not end."""
+    _before_forced_exit.append(fn)
 
 
 def hold(phase: str, who: str) -> None:

@@ -247,12 +247,16 @@ def _status(sock, **message) -> None:
 
 
 def _on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwind through finally: segments are unlinked
+    # The names first: a worker that attached keeps its mapping, and an unwinding that overruns its deadline
+    # (the kernel's SIGALRM, seen on a loaded CI machine) can no longer leave them in /dev/shm.
+    sweep_segments(os.getpid())
+    raise SystemExit(128 + signum)  # unwind through finally: sockets closed, mappings released
 
 
 def trainer_main(cfg: TrainerConfig) -> None:
     """Process entry point (spawn). Publishes every version in ``cfg.versions`` in turn."""
     interrupt.trainer_signals(_on_sigterm, multiprocessing.parent_process().pid)
+    interrupt.before_forced_exit(lambda: sweep_segments(os.getpid()))
     logging.basicConfig(level=logging.WARNING, format=f"[trainer {cfg.rank}] %(message)s")
     status = zmq.Context.instance().socket(zmq.PUSH)
     status.setsockopt(zmq.LINGER, 2000)  # deliver the last status before exiting
