@@ -25,8 +25,9 @@ ranks are killed, the trainers (which ignore SIGINT, and get SIGTERM if this pro
 status cells and the run's directory removed. A rank whose launcher or orchestrator is gone leaves by
 itself; the kernel kills a launcher whose orchestrator died, and a rank whose launcher died (a rank stuck in
 Paddle's rendezvous holds the GIL: no Python of it runs). Ranks that never join are named with their stacks
-and started once more (nothing of the implementation has run before they join). The run's directory is
-named with this process's pid, so that a SIGKILLed job's is swept by the next one (``sim.leftovers``).
+and started again, up to START_ATTEMPTS starts (nothing of the implementation has run before they join). The
+run's directory is named with this process's pid, so that a SIGKILLed job's is swept by the next one
+(``sim.leftovers``).
 """
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ STRATEGIES = {"snapshot": "ipc_snapshot", "meta": "ipc", "bucket": "ipc_bucket"}
 TERMINAL = ("left", "crashed", "watchdog", "exit")
 NORMAL, UPDATING, CLEARING, CLEARED = 0, 1, -1, -2
 HOLD_S = 0.3  # how long a step's slow_clear_rank is held inside its clear
+# Starts of the ranks before the job gives up: Paddle's store aborts, now and then, as it binds its port (seen
+# in CI, and in one start of a whole `.ci/run` here); a start that fails that way says nothing of the next.
+START_ATTEMPTS = 3
 MASTER_PORT = 6170  # the launchers' master on the first host (a namespace of this job's own: the port is free)
 
 
@@ -525,8 +529,8 @@ class Job:
         result["ended"] = self._collect(events, job, ("ended",), leaving_ok=plan.hang_rank is not None)
 
     def _launch_commands(self, configs: list[str], log_dir: str, attempt: int = 1) -> list[tuple[list[str], dict]]:
-        """One ``paddle.distributed.launch`` per host: (command, extra environment). A second start's master
-        has a port of its own: the first one's may not be bound again so soon."""
+        """One ``paddle.distributed.launch`` per host: (command, extra environment). A later start's master
+        has a port of its own: an earlier one's may not be bound again so soon."""
         launch = [sys.executable, "-m", "paddle.distributed.launch"]
         tail = ["--max_restart", "0"]
         if self.hosts == 1:
@@ -561,7 +565,8 @@ class Job:
             configs = [self._worker_config(run_dir, paths, h, levels) for h in range(self.hosts)]
             env = launch_environment()
             result["command"] = " & ".join(" ".join(cmd) for cmd, _ in self._launch_commands(configs, log_dir))
-            for attempt in (1, 2):
+            failures: list[str] = []
+            for attempt in range(1, START_ATTEMPTS + 1):
                 attempt_log = log_dir if attempt == 1 else f"{log_dir}.{attempt}"
                 for cmd, extra in self._launch_commands(configs, attempt_log, attempt):
                     launches.append(subprocess.Popen(cmd, cwd=REPO, env=dict(env, **extra), stdout=subprocess.PIPE,
@@ -577,12 +582,14 @@ class Job:
                 except JobError as e:
                     # Nothing of the implementation has run yet (a rank resolves it once it joined): this is
                     # Paddle's rendezvous failing (seen in CI: a store that aborts binding its port, a master
-                    # that waits forever for a peer). One more start with fresh ports, said in the result.
-                    if attempt == 2:
-                        raise JobError(f"the ranks never joined, twice.\nfirst start: {result['start_retried']}"
-                                       f"\nsecond start: {e}") from None
-                    result["start_retried"] = str(e)
-                    self.progress("the ranks did not join; starting them once more")
+                    # that waits forever for a peer). Another start with fresh ports, said in the result.
+                    failures.append(str(e))
+                    if attempt == START_ATTEMPTS:
+                        raise JobError(f"the ranks never joined in {START_ATTEMPTS} starts.\n"
+                                       + "\n".join(f"start {i}: {f}" for i, f in enumerate(failures, 1))) from None
+                    result["start_retried"] = failures[0]  # the first start's account
+                    result["start_failures"] = list(failures)
+                    self.progress("the ranks did not join; starting them again")
                     self._stop_ranks(launches, run_dir)
                     launches.clear()
                     for path in events.paths:  # the second start's ranks report afresh
@@ -776,9 +783,8 @@ def main(argv=None) -> int:
         print(f"sim.ranks {e} during {job.phase}: launcher, ranks and trainers stopped, status cells and the run's "
               "directory removed", file=sys.stderr, flush=True)
         return e.exit_status
-    if "start_retried" in result:
-        print(f"sim.ranks: the ranks were started twice; the first start failed: {result['start_retried']}",
-              file=sys.stderr, flush=True)
+    for i, failure in enumerate(result.get("start_failures", []), 1):
+        print(f"sim.ranks: start {i} of the ranks failed, started again: {failure}", file=sys.stderr, flush=True)
     if "error" in result:
         print(f"sim.ranks: the job failed: {result['error']}", file=sys.stderr, flush=True)
         return 2
