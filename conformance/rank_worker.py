@@ -287,9 +287,6 @@ def run_levels(config: dict, adapter, rank: int, report: Reporter) -> None:
             session.close()
 
 
-PR_SET_PDEATHSIG = 1
-
-
 def observed(read):
     """What ``read()`` says, or why it could not say: what the rank reports, never the reason it crashes. (A
     FastDeploy rank that left took the engine's status cell with it: Python's resource tracker unlinks at a
@@ -306,11 +303,12 @@ def leave_when_orphaned(orchestrator: int | None, rank: int, interval_s: float =
     whose driver was killed must not leave its ranks polling the cell, re-parented to init. The kernel
     also kills the rank when its launcher dies: Paddle's rendezvous holds the GIL while it waits for a
     peer that never comes, so no Python thread of a rank stuck there can leave."""
+    from sim.interrupt import die_with_parent
+
     launcher = os.getppid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != launcher:  # the launcher died before the death signal was armed
-            os._exit(4)
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != launcher:  # the launcher died before the death signal was armed
+        os._exit(4)
 
     def alive(pid: int) -> bool:
         try:

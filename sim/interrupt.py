@@ -92,6 +92,18 @@ def blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+# Looked up once, here: a launcher's preexec_fn calls die_with_parent in a child forked from a threaded
+# process, where looking up a library (dlopen's lock) could deadlock.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(signum: int) -> None:
+    """The kernel sends this process ``signum`` when its parent dies (Linux; elsewhere nothing), whatever
+    Python is doing then. Cleared in a forked child: each process arms its own."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
 def trainer_signals(on_sigterm, parent_pid: int) -> None:
     """In a trainer: ignore SIGINT, run ``on_sigterm`` on SIGTERM (once: a second SIGTERM must not interrupt the
     first one's unwinding), get SIGTERM when the orchestrator dies, then unblock both (a SIGTERM that arrived
@@ -101,8 +113,7 @@ def trainer_signals(on_sigterm, parent_pid: int) -> None:
     signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the stop's deadline: terminates, whatever Python is doing
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     install_sigterm(on_sigterm)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    die_with_parent(signal.SIGTERM)
     if os.getppid() != parent_pid:  # the orchestrator died before the death signal was armed: nothing is
         os._exit(143)                # created yet, and no exit handler of the forked parent's may run here
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)

@@ -32,7 +32,7 @@ run's directory is named with this process's pid, so that a SIGKILLed job's is s
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import json
 import mmap
 import multiprocessing
@@ -65,6 +65,7 @@ HOLD_S = 0.3  # how long a step's slow_clear_rank is held inside its clear
 # Starts of the ranks before the job gives up: Paddle's store aborts, now and then, as it binds its port (seen
 # in CI, and in one start of a whole `.ci/run` here); a start that fails that way says nothing of the next.
 START_ATTEMPTS = 3
+NEVER_JOINED = "the ranks never joined"  # a job's error when no start got every rank to join (tests key on it)
 MASTER_PORT = 6170  # the launchers' master on the first host (a namespace of this job's own: the port is free)
 
 
@@ -564,14 +565,16 @@ class Job:
             levels = self._setup_levels(run_dir)
             configs = [self._worker_config(run_dir, paths, h, levels) for h in range(self.hosts)]
             env = launch_environment()
-            result["command"] = " & ".join(" ".join(cmd) for cmd, _ in self._launch_commands(configs, log_dir))
             failures: list[str] = []
             for attempt in range(1, START_ATTEMPTS + 1):
                 attempt_log = log_dir if attempt == 1 else f"{log_dir}.{attempt}"
-                for cmd, extra in self._launch_commands(configs, attempt_log, attempt):
+                commands = self._launch_commands(configs, attempt_log, attempt)
+                if attempt == 1:
+                    result["command"] = " & ".join(" ".join(cmd) for cmd, _ in commands)
+                for cmd, extra in commands:
                     launches.append(subprocess.Popen(cmd, cwd=REPO, env=dict(env, **extra), stdout=subprocess.PIPE,
                                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                                     preexec_fn=_die_with_parent))
+                                                     preexec_fn=_LAUNCHER_DIES_WITH_US))
                 events = Events(run_dir, self.ranks, attempt_log, self.hosts)
                 if attempt == 1:
                     for p in paths:  # while the ranks start
@@ -585,10 +588,9 @@ class Job:
                     # that waits forever for a peer). Another start with fresh ports, said in the result.
                     failures.append(str(e))
                     if attempt == START_ATTEMPTS:
-                        raise JobError(f"the ranks never joined in {START_ATTEMPTS} starts.\n"
+                        raise JobError(f"{NEVER_JOINED} in {START_ATTEMPTS} starts.\n"
                                        + "\n".join(f"start {i}: {f}" for i, f in enumerate(failures, 1))) from None
-                    result["start_retried"] = failures[0]  # the first start's account
-                    result["start_failures"] = list(failures)
+                    result["start_failures"] = list(failures)  # each failed start's account
                     self.progress("the ranks did not join; starting them again")
                     self._stop_ranks(launches, run_dir)
                     launches.clear()
@@ -713,14 +715,9 @@ def launch_environment() -> dict:
     return env
 
 
-def _die_with_parent() -> None:
-    """In a launcher, before it runs: the kernel kills it when this process dies (a SIGKILLed orchestrator
-    cannot clean up), and its ranks, whose death signal is armed the same way, go with it."""
-    if sys.platform.startswith("linux"):
-        _prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+# A launcher's preexec_fn: the kernel kills it when this process dies (a SIGKILLed orchestrator cannot clean
+# up), and its ranks, whose death signal is armed the same way, go with it.
+_LAUNCHER_DIES_WITH_US = functools.partial(interrupt.die_with_parent, signal.SIGKILL)
 
 
 def _rank_pids(run_dir: str) -> list[int]:

@@ -56,4 +56,6 @@ def unstarted_jobs(report: dict) -> list[str]:
     """The tests of a conformance report that failed because their multi-rank job's ranks never joined
     (``sim.ranks``: the start-up, before any rank loads the implementation). Such a failure says nothing
     of the implementation: counted as a kill, or as a pinned failure, it would hide a broken harness."""
-    return [t["nodeid"] for t in report["tests"] if "the ranks never joined" in (t.get("message") or "")]
+    from sim.ranks import NEVER_JOINED
+
+    return [t["nodeid"] for t in report["tests"] if NEVER_JOINED in (t.get("message") or "")]

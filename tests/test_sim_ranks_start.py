@@ -1,7 +1,7 @@
 """``sim.ranks``'s start-up against Paddle's rendezvous failing, the way it failed in CI: rank 0, the store's
 master, waits inside ``init_parallel_env`` for a peer that never comes, holding the GIL (no Python thread of
 it runs, so it cannot leave by itself). The job bounds that wait, names every rank's state with the stuck
-rank's stack, kills the first start's processes and starts the ranks once more; the job then runs as usual."""
+rank's stack, kills the first start's processes and starts the ranks again; the job then runs as usual."""
 import contextlib
 import json
 import os
@@ -42,7 +42,7 @@ def test_a_rendezvous_that_never_completes_is_named_and_started_once_more(hosts)
               step_timeout_s=START_S)
     result = job.run()
     assert "error" not in result, result.get("error")
-    first = result.get("start_retried", "")
+    first = result.get("start_failures", [""])[0]
     assert first.startswith(f"not every rank joined within {START_S:g}s"), first[:3000]
     states = dict(re.findall(r"^rank (\d): not joined \(pid \d+\); its events (.*)$", first, re.M))
     assert states == {str(r): "['joining']" for r in range(2 * hosts)}, first[:3000]
