@@ -270,8 +270,12 @@ def _kill_a(loader, impl, path_id, cell, left, phase):
                 pending = Api(control, "update_model_weight")
                 if phase == "mid-transfer":
                     check.that(publisher.holding.wait(EVENT_S), f"{where}: the trainer never reached bucket 1")
+                elif phase == "before-first-byte":
+                    # A's halt at UPDATING, not an earlier pass's sync CLEARED still queued (killed on that one,
+                    # A could die before the API wrote UPDATING: a verdict decided by the race)
+                    a.wait_for("sync", where, value=C.UPDATING)
                 else:
-                    a.wait_for({"before-first-byte": "sync", "after-commit": "hook"}[phase], where)
+                    a.wait_for("hook", where)
     finally:
         a.kill()  # SIGKILL, wherever it is
     if phase == "mid-transfer":
