@@ -53,3 +53,29 @@ def test_a_model_loaded_at_start_up_is_served_and_digested_before_any_update():
     thread.join(5.0)
     oracle = digests.model({name: np.asarray(p.numpy()) for name, p in model.state_dict().items()})
     assert manager.digest().as_dict() == oracle, (manager.digest().as_dict(), oracle)
+
+
+@pytest.mark.parametrize("process_env", [{}, {"CUDA_VISIBLE_DEVICES": "0,1", "FLAGS_selected_gpus": "0"}],
+                         ids=["process-env-unset", "process-env-other-gpu"])
+def test_a_manager_takes_its_identity_from_the_env_it_is_given(monkeypatch, process_env):
+    """``WeightManager(env=...)`` reads the worker's physical GPU id (SNAP-GPU-ID:
+    ``CUDA_VISIBLE_DEVICES[FLAGS_selected_gpus]``; the streamed paths' worker identity reads the same mapping)
+    from the mapping it is given, whatever the process's environment holds; without ``env``, from the
+    process's. The adapter never passes ``env`` (the harness sets a worker's variables in its process), so
+    only this test sees a manager that ignores it."""
+    import paddle
+
+    from reference.manager import WeightManager
+
+    for name in ("CUDA_VISIBLE_DEVICES", "FLAGS_selected_gpus"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in process_env.items():
+        monkeypatch.setenv(name, value)
+    model = paddle.nn.Linear(3, 2)
+    given = {"CUDA_VISIBLE_DEVICES": "5,7", "FLAGS_selected_gpus": "1"}
+    manager = WeightManager(model, load_strategy="ipc_snapshot", env=given)
+    assert (manager.gpu_id, manager.env) == (7, given), (
+        f"env={given} with the process's {process_env}: gpu_id {manager.gpu_id}, env {manager.env}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,9")
+    monkeypatch.setenv("FLAGS_selected_gpus", "1")
+    assert WeightManager(model, load_strategy="ipc_snapshot").gpu_id == 9, "no env: the process's variables"
