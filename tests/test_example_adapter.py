@@ -231,6 +231,9 @@ def test_pitfall_truncating_a_mapped_file_kills_the_reader(tmp_path, cpu_paddle)
     pid = os.fork()
     if pid == 0:  # child: never returns into pytest
         try:
+            import faulthandler
+
+            faulthandler.disable()  # the SIGBUS is the point: no "Fatal Python error" dump in the run's output
             view = paddle.load(path, safetensors=True)["w"]
             os.truncate(path, 64)
             float(view.sum())
