@@ -23,15 +23,41 @@ def rank_job(request):
 
 
 @pytest.fixture(scope="session")
-def read_cap_library(tmp_path_factory):
-    """The read-capping library (conformance.read_cap), built once per run with the machine's C compiler;
-    the capped-read cases skip, saying why, where it cannot be built."""
+def read_cap_built(tmp_path_factory):
+    """(path of the read-capping library (conformance.read_cap), None), built once per run with the machine's
+    C compiler; or (None, why it cannot be built here)."""
     from conformance import read_cap
 
     try:
-        return read_cap.build(str(tmp_path_factory.mktemp("read_cap")))
+        return read_cap.build(str(tmp_path_factory.mktemp("read_cap"))), None
     except read_cap.Unavailable as e:
-        pytest.skip(f"the capped-read cases (FILE-OVER-2GIB, VER-FILE-SAFE) cannot run on this machine: {e}")
+        return None, str(e)
+
+
+@pytest.fixture(scope="session")
+def read_cap_library(read_cap_built):
+    """The read-capping library's path; the capped-read cases skip, saying why, where it cannot be built."""
+    library, why = read_cap_built
+    if library is None:
+        pytest.skip(f"the capped-read cases (FILE-OVER-2GIB, VER-FILE-SAFE) cannot run on this machine: {why}")
+    return library
+
+
+@pytest.fixture(scope="module")
+def read_holder(read_cap_built):
+    """A prepared ``read_cap.Capped`` whose ``hold()`` a forked child puts in, or None where the library cannot
+    be built or put in (the case then steps the loader with signals instead, a race it may lose)."""
+    from conformance import read_cap
+
+    library, _why = read_cap_built
+    if library is None:
+        return None
+    try:
+        holder = read_cap.Capped(library)
+        holder.prepare()
+    except read_cap.Unavailable:
+        return None
+    return holder
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,10 @@ machine) per case; the rebinding costs a fork. What it does not reach: an object
 installed (a module a loader imports for the first time inside ``update()``), and reads the C library
 makes internally (``fread`` loops over its own short reads). A loader that maps the file (``mmap``) makes
 no read call: it is judged as it is, the count of shortened calls says so.
+
+The same library holds a loader between two reads (``Capped.hold``, FILE-CHANGED-DURING-LOAD): after each
+read of one file that returned data, and each mapping of it, the reading thread tells the test process and
+waits for its word, so the file changes at the moment the test chooses, on an idle machine or a loaded one.
 """
 from __future__ import annotations
 
@@ -27,10 +31,12 @@ import tempfile
 SOURCE = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <elf.h>
 #include <link.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -42,14 +48,41 @@ static ssize_t (*real_pread)(int, void *, size_t, off_t);
 static ssize_t (*real_readv)(int, const struct iovec *, int);
 static ssize_t (*real_preadv)(int, const struct iovec *, int, off_t);
 static ssize_t (*real_preadv2)(int, const struct iovec *, int, off_t, int);
+static void *(*real_mmap)(void *, size_t, int, int, int, off_t);
+
+/* Hold mode: after every read of one file (by device and inode) that returned data, and after every mapping
+   of it, the calling thread writes a record (bytes read, or -1 for a mapping) to ``hold_notify`` and waits
+   for one byte on ``hold_resume``: the test process decides, between two reads of the loader, when the file
+   changes (FILE-CHANGED-DURING-LOAD), whatever the machine's load. */
+static int hold_notify = -1, hold_resume = -1;
+static dev_t hold_dev;
+static ino_t hold_ino;
+
+static void held(int fd, long long got) {
+    struct stat st;
+    long long record = got;
+    char byte;
+    ssize_t n;
+    if (hold_notify < 0 || fd < 0 || got == 0 || got < -1) return;
+    if (fstat(fd, &st) != 0 || st.st_dev != hold_dev || st.st_ino != hold_ino) return;
+    if (write(hold_notify, &record, sizeof record) != sizeof record) { hold_notify = -1; return; }
+    do n = real_read(hold_resume, &byte, 1); while (n < 0 && errno == EINTR);
+    if (n <= 0) hold_notify = -1;  /* the test process let go: every later read runs through */
+}
 
 static ssize_t cap_read(int fd, void *buf, size_t n) {
+    ssize_t got;
     if (n > cap) { n = cap; __atomic_add_fetch(&shortened, 1, __ATOMIC_RELAXED); }
-    return real_read(fd, buf, n);
+    got = real_read(fd, buf, n);
+    held(fd, got);
+    return got;
 }
 static ssize_t cap_pread(int fd, void *buf, size_t n, off_t at) {
+    ssize_t got;
     if (n > cap) { n = cap; __atomic_add_fetch(&shortened, 1, __ATOMIC_RELAXED); }
-    return real_pread(fd, buf, n, at);
+    got = real_pread(fd, buf, n, at);
+    held(fd, got);
+    return got;
 }
 static ssize_t cap_read_chk(int fd, void *buf, size_t n, size_t buflen) { (void)buflen; return cap_read(fd, buf, n); }
 static ssize_t cap_pread_chk(int fd, void *buf, size_t n, off_t at, size_t buflen) { (void)buflen; return cap_pread(fd, buf, n, at); }
@@ -73,17 +106,28 @@ static int cut(const struct iovec *iov, int count, struct iovec *out) {
 static ssize_t cap_readv(int fd, const struct iovec *iov, int count) {
     struct iovec short_iov[MAX_IOV];
     int k = cut(iov, count, short_iov);
-    return k < 0 ? real_readv(fd, iov, count) : real_readv(fd, short_iov, k);
+    ssize_t got = k < 0 ? real_readv(fd, iov, count) : real_readv(fd, short_iov, k);
+    held(fd, got);
+    return got;
 }
 static ssize_t cap_preadv(int fd, const struct iovec *iov, int count, off_t at) {
     struct iovec short_iov[MAX_IOV];
     int k = cut(iov, count, short_iov);
-    return k < 0 ? real_preadv(fd, iov, count, at) : real_preadv(fd, short_iov, k, at);
+    ssize_t got = k < 0 ? real_preadv(fd, iov, count, at) : real_preadv(fd, short_iov, k, at);
+    held(fd, got);
+    return got;
 }
 static ssize_t cap_preadv2(int fd, const struct iovec *iov, int count, off_t at, int flags) {
     struct iovec short_iov[MAX_IOV];
     int k = cut(iov, count, short_iov);
-    return k < 0 ? real_preadv2(fd, iov, count, at, flags) : real_preadv2(fd, short_iov, k, at, flags);
+    ssize_t got = k < 0 ? real_preadv2(fd, iov, count, at, flags) : real_preadv2(fd, short_iov, k, at, flags);
+    held(fd, got);
+    return got;
+}
+static void *cap_mmap(void *addr, size_t length, int prot, int flags, int fd, off_t at) {
+    void *mapped = real_mmap(addr, length, prot, flags, fd, at);
+    if (mapped != MAP_FAILED) held(fd, -1);
+    return mapped;
 }
 
 struct target { const char *name; void *replacement; };
@@ -94,6 +138,7 @@ static const struct target targets[] = {
     {"readv", (void *)cap_readv},
     {"preadv", (void *)cap_preadv}, {"preadv64", (void *)cap_preadv},
     {"preadv2", (void *)cap_preadv2}, {"preadv64v2", (void *)cap_preadv2},
+    {"mmap", (void *)cap_mmap}, {"mmap64", (void *)cap_mmap},
 };
 
 /* The slots found so far, and the objects already scanned (keyed by their program headers): a scan
@@ -109,7 +154,7 @@ static long nslots = 0;
 
 static void *replacement_for(const char *name) {
     size_t i;
-    if (name[0] != 'r' && name[0] != 'p' && name[0] != '_') return NULL;
+    if (name[0] != 'r' && name[0] != 'p' && name[0] != '_' && name[0] != 'm') return NULL;
     for (i = 0; i < sizeof targets / sizeof targets[0]; i++)
         if (strcmp(name, targets[i].name) == 0) return targets[i].replacement;
     return NULL;
@@ -172,7 +217,8 @@ long read_cap_prepare(void) {
     real_readv = dlsym(RTLD_DEFAULT, "readv");
     real_preadv = dlsym(RTLD_DEFAULT, "preadv64");
     real_preadv2 = dlsym(RTLD_DEFAULT, "preadv64v2");
-    if (!real_read || !real_pread || !real_readv || !real_preadv || !real_preadv2) return -1;
+    real_mmap = dlsym(RTLD_DEFAULT, "mmap64");
+    if (!real_read || !real_pread || !real_readv || !real_preadv || !real_preadv2 || !real_mmap) return -1;
     if (!dladdr((void *)read_cap_prepare, &me)) return -1;
     dl_iterate_phdr(each_object, me.dli_fbase);
     return nslots;
@@ -192,6 +238,15 @@ long read_cap_install(size_t bytes) {
 }
 
 long read_cap_shortened(void) { return __atomic_load_n(&shortened, __ATOMIC_RELAXED); }
+
+/* Hold mode (no cap): every read or mapping of the file ``dev``/``ino`` waits for the test process. */
+long read_cap_hold(unsigned long long dev, unsigned long long ino, int notify, int resume) {
+    hold_dev = (dev_t)dev;
+    hold_ino = (ino_t)ino;
+    hold_resume = resume;
+    hold_notify = notify;
+    return read_cap_install((size_t)-1);
+}
 """
 
 CAP_BYTES = 4093  # a prime: no power-of-two chunk or page size a reader uses is a multiple of it
@@ -252,3 +307,15 @@ class Capped:
 
     def shortened(self) -> int:
         return self.lib.read_cap_shortened()
+
+    def hold(self, path: str, notify: int, resume: int) -> int:
+        """In a forked child: after each read of ``path`` (its device and inode) that returned data, and
+        each mapping of it, write the bytes read (8 bytes, native order; -1 for a mapping) to ``notify`` and
+        wait for one byte on ``resume``. No cap. Returns how many slots point here."""
+        st = os.stat(path)
+        self.lib.read_cap_hold.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int]
+        self.lib.read_cap_hold.restype = ctypes.c_long
+        slots = self.lib.read_cap_hold(st.st_dev, st.st_ino, notify, resume)
+        if slots < 0:
+            raise Unavailable("the read-capping library found no C library read functions to wrap")
+        return slots

@@ -10,7 +10,9 @@ import hashlib
 import json
 import os
 import re
+import select
 import signal
+import struct
 import time
 
 import numpy as np
@@ -627,9 +629,40 @@ def _step_until_reading(child, path, ino, deadline):
 ATTEMPTS = 3  # tries at landing the change while the loader reads (a child that finished first is tried again)
 
 
-def _changed_while_loading(loader, ino, path, paths, opens, when, damage):
+def _held_until_reading(notify, resume, ino, path, opens, deadline, damage) -> bool:
+    """The child holds after each read of ``path`` that returned data, and each mapping of it
+    (``read_cap.Capped.hold``): count its openings (inotify, queued before the read that follows them)
+    and the bytes it read since the last one; once it has mapped the file or read READING bytes, apply
+    ``damage()`` before it reads on. Returns whether the damage landed (False: it ended first)."""
+    seen, since = 0, 0
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([notify], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return False
+        record = os.read(notify, 8)
+        while record and len(record) < 8:
+            record += os.read(notify, 8 - len(record))
+        if not record:  # the child ended
+            return False
+        got = struct.unpack("q", record)[0]
+        while events := ino.events(0.0):
+            for p, mask in events:
+                if mask & F.IN_OPEN and p == path:
+                    seen, since = seen + 1, 0
+        if seen >= opens:
+            since += max(got, 0)
+            if got == -1 or since >= READING:
+                damage()
+                return True  # (the caller lets go of the child)
+        os.write(resume, b"\0")
+    return False
+
+
+def _changed_while_loading(loader, ino, path, paths, opens, when, damage, holder=None):
     """One update of BIG in a forked child, ``damage()`` applied at the moment ``when`` names; returns
-    (the child's result or None, how it ended, whether the damage landed)."""
+    (the child's result or None, how it ended, whether the damage landed). With ``holder`` ("reading"),
+    the child's reads of the file wait for this process (``_held_until_reading``): the change lands
+    between two of its reads whatever the machine's load; without it, the child is stepped with signals."""
     lease = None
     if when == "between":
         try:
@@ -639,6 +672,7 @@ def _changed_while_loading(loader, ino, path, paths, opens, when, damage):
                        "clear(), so the change between parts cannot be staged; a loader releases the files it "
                        "loaded (FILE-RELEASED, LIFE-CLEAR-RELEASES)")
     r, w = os.pipe()
+    hold = (os.pipe(), os.pipe()) if holder is not None and when == "reading" else None  # (notify, resume)
     pid = os.fork()
     if pid == 0:
         os.close(r)
@@ -646,12 +680,19 @@ def _changed_while_loading(loader, ino, path, paths, opens, when, damage):
             os.close(lease.fd)  # (the parent's description keeps the lease)
         code = 0
         try:
+            if hold is not None:
+                os.close(hold[0][0])
+                os.close(hold[1][1])
+                holder.hold(path, hold[0][1], hold[1][0])
             out = json.dumps({"value": _try_update(loader.open(BIG), loader)})
         except BaseException as e:  # noqa: BLE001
             out, code = json.dumps({"crash": f"{type(e).__name__}: {e}"}), 1
         os.write(w, out.encode())
         os._exit(code)
     os.close(w)
+    if hold is not None:
+        os.close(hold[0][1])
+        os.close(hold[1][0])
     child = _Child(pid)
     seen, deadline, landed = 0, time.monotonic() + 10, False
     try:
@@ -659,6 +700,8 @@ def _changed_while_loading(loader, ino, path, paths, opens, when, damage):
             if lease.wait_break(deadline):  # the child is blocked in open(part 1)
                 damage()
                 landed = True
+        elif hold is not None:
+            landed = _held_until_reading(hold[0][0], hold[1][1], ino, path, opens, deadline, damage)
         else:
             while seen < opens and time.monotonic() < deadline:
                 seen += sum(1 for _p, mask in ino.events(0.05) if mask & F.IN_OPEN)
@@ -668,20 +711,25 @@ def _changed_while_loading(loader, ino, path, paths, opens, when, damage):
     finally:
         if lease is not None:
             lease.release()
+        if hold is not None:  # let go: the child's waiting read ends, and so does every later hold
+            os.close(hold[1][1])
+            os.close(hold[0][0])
         child.cont()
         result, ended = _collect(pid, r, 20.0, child.status)
     return result, ended, landed
 
 
 @pytest.mark.rule("FILE-CHANGED-DURING-LOAD")
-@pytest.mark.race("the change lands while the loader reads only if this process stops it in time")
+@pytest.mark.race("where the loader's reads pass by the hold (no C compiler, or reads inside the C library), the change lands while it reads only if this process stops it in time")
 @pytest.mark.parametrize("where,change,when", READING_CHANGES)
-def test_file_changed_while_loading(loader, tmp_path, where, change, when):
+def test_file_changed_while_loading(loader, tmp_path, where, change, when, read_holder):
     """The trainer truncates a file to half, or rewrites its second half with new values, while the
-    loader reads it: found with inotify at the loader's last opening of the file (counted in a dry
-    run), then stepped until the file is mapped or being read. Outcome: an error naming the file, or
-    the old version complete; never a crash, never a mix."""
-    _changed_during_update(loader, tmp_path, where, change, when)
+    loader reads it: at the loader's last opening of the file (counted with inotify in a dry run), once
+    it has mapped the file or read READING bytes of it, between two of its reads (the loading child
+    waits for this process after each read: ``read_cap.Capped.hold``; stepped with SIGSTOP/SIGCONT
+    where that library cannot be built, or the loader's reads pass by it). Outcome: an error naming
+    the file, or the old version complete; never a crash, never a mix."""
+    _changed_during_update(loader, tmp_path, where, change, when, read_holder)
 
 
 # -- FILE-CHANGED-BETWEEN-PARTS ------------------------------------------------------------------
@@ -694,7 +742,7 @@ def test_part_changed_while_the_next_part_opens(loader, tmp_path, where, change,
     _changed_during_update(loader, tmp_path, where, change, when)
 
 
-def _changed_during_update(loader, tmp_path, where, change, when):
+def _changed_during_update(loader, tmp_path, where, change, when, holder=None):
     v1, v2 = _state(BIG, 1), _state(BIG, 2)
     path, group, paths = _write_big(loader, where, v1)
     ino = F.Inotify()
@@ -729,10 +777,13 @@ def _changed_during_update(loader, tmp_path, where, change, when):
         # again, up to ATTEMPTS times, so that one run decides the verdict on a loaded machine.
         if when == "between":
             session.clear()  # the lease needs part 1 closed and unmapped in this process
-        for _ in range(ATTEMPTS):
+        for attempt in range(ATTEMPTS):
             while ino.events(0.0):  # (what the previous attempt did)
                 pass
-            result, ended, landed = _changed_while_loading(loader, ino, path, paths, opens, when, damage)
+            # The first attempt holds the loader's reads; a loader whose reads pass by the hold (the C library's
+            # own, as fread makes) is stepped with signals in the next ones.
+            result, ended, landed = _changed_while_loading(loader, ino, path, paths, opens, when, damage,
+                                                           holder if attempt == 0 else None)
             if landed or result is None:
                 break
     finally:

@@ -4,6 +4,8 @@ import signal
 import subprocess
 import sys
 
+from tests import early
+
 import paddle  # noqa: F401  (its first import sets OMP_NUM_THREADS and CUSTOM_DEVICE_ROOT: here, before any test)
 import pytest
 
@@ -17,11 +19,15 @@ def sigint_at_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def run_conformance(impl_args: list[str], report_path, extra: list[str] = (), timeout: int = 300):
-    """Run the conformance suite in a subprocess; return (exit code, report dict, output)."""
+def run_conformance(impl_args: list[str], report_path, extra: list[str] = (), timeout: int = 300, in_job=False):
+    """Run the conformance suite in a subprocess; return (exit code, report dict, output). ``in_job``: from a
+    background job (tests/early.py: the jobs' environment, killed with the session)."""
     cmd = [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider",
            f"--conformance-report={report_path}", *impl_args, *extra]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if in_job:
+        proc = early.run(cmd, REPO, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     report = None
     if os.path.exists(report_path):
         with open(report_path) as f:
@@ -44,12 +50,32 @@ def environment_left_as_found(request):
         pytest.fail(f"{request.node.nodeid} left os.environ changed, name: (before, after): {changed}")
 
 
+def pytest_collection_modifyitems(items):
+    early.reorder(items)
+
+
+@pytest.fixture(autouse=True)
+def early_jobs(request, tmp_path_factory):
+    """The long setups (tests/early.py) start with the session's first test, or its first after the modules
+    that judge every process and segment of the machine (``RUNS_BEFORE_THE_JOBS``)."""
+    if not getattr(request.module, "RUNS_BEFORE_THE_JOBS", False):
+        early.start(request.session.items, tmp_path_factory)
+
+
+def pytest_sessionfinish(session):
+    early.stop()  # what still runs (an interrupted session) is killed
+
+
+@early.job("reference_report")
+def _reference_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reference") / "report.json"
+    return run_conformance(["--impl=reference"], path, in_job=True)
+
+
 @pytest.fixture(scope="session")
 def reference_report(tmp_path_factory):
-    """The full conformance run against the reference, once per session."""
-    path = tmp_path_factory.mktemp("reference") / "report.json"
-    code, report, output = run_conformance(["--impl=reference"], path)
-    return code, report, output
+    """The full conformance run against the reference, once per session: (exit code, report, output)."""
+    return early.result("reference_report", tmp_path_factory)
 
 
 def unstarted_jobs(report: dict) -> list[str]:

@@ -10,6 +10,10 @@ import sys
 
 from tests.conftest import REPO
 
+# tests/early.py: these benchmarks time cold reads from the disk, which the background jobs fill with gigabytes of
+# writes (the smoke runs took 11 s alone, 62 s beside them): they run before the jobs start.
+RUNS_BEFORE_THE_JOBS = True
+
 
 def test_snapshot_memory_benchmark_smoke(tmp_path):
     out = tmp_path / "rows.json"

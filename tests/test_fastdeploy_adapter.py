@@ -42,6 +42,7 @@ from conformance.registry import ImplError
 from conformance.spec import levels as spec_levels
 from fixtures import models as M
 from fixtures import snapshot as S
+from tests import early
 from tests.conftest import REPO, run_conformance, unstarted_jobs
 
 # Module fixtures run whole pytest subprocesses; their setup counts against the first test's timeout.
@@ -128,7 +129,12 @@ def expectations_path(gen: str) -> str:
 def reports(tmp_path_factory):
     """gen -> (exit code, report, output): one conformance subprocess per generation, all at once, each
     gated by its expectations file; plus "regression": the parts stand-in with its part order broken,
-    gated by the same file."""
+    gated by the same file. A background job (tests/early.py): it starts with the session."""
+    return early.result("reports", tmp_path_factory)
+
+
+@early.job("reports")
+def _gate_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fastdeploy")
     source = open(standin("parts"), encoding="utf-8").read()
     sort = "        parts.sort(key=lambda entry: entry[0])"
@@ -140,7 +146,7 @@ def reports(tmp_path_factory):
         name, path, gen, *extra = job
         return name, run_conformance(["--impl=fastdeploy", f"--impl-opt=source={path}",
                                       f"--expectations={expectations_path(gen)}"], root / f"{name}.json",
-                               [*FROZEN_HEAP, *extra], timeout=600)
+                               [*FROZEN_HEAP, *extra], timeout=600, in_job=True)
 
     jobs = [(f"{gen}:multirank", os.path.relpath(standin(gen), REPO), gen, "-m", "multirank") for gen in MULTIRANK]
     jobs += [(gen, os.path.relpath(standin(gen), REPO), gen) for gen in GENERATIONS]

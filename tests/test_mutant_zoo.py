@@ -1,11 +1,11 @@
 """The suite's honesty: the reference passes every rule, every mutant dies, every rule is covered."""
 import json
-import subprocess
 import sys
 
 import pytest
 
 from conformance.spec import rules
+from tests import early
 from tests.conftest import REPO, unstarted_jobs
 from tests.mutants import all_mutants
 
@@ -62,13 +62,16 @@ def test_kill_matrix_names_only_known_rules():
 
 @pytest.fixture(scope="module")
 def mutant_runs(tmp_path_factory):
-    """Every mutant through the rules it must fail, via the fork server (tests/zoo_runner.py)."""
+    """Every mutant through the rules it must fail, via the fork server (tests/zoo_runner.py): name ->
+    (report, the child's output). A background job (tests/early.py): it starts with the session."""
+    return early.result("mutant_runs", tmp_path_factory)
+
+
+@early.job("mutant_runs")
+def _zoo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("mutants")
     names = sorted(n for n in MUTANTS if not (_needs_two_hosts(n) and _two_hosts_unavailable()))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.zoo_runner", f"--out={out}", *names],
-        cwd=REPO, capture_output=True, text=True, timeout=ZOO_TIMEOUT_S,
-    )
+    proc = early.run([sys.executable, "-m", "tests.zoo_runner", f"--out={out}", "--jobs=3", *names], REPO, ZOO_TIMEOUT_S)
     assert proc.returncode == 0, f"zoo runner failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
     runs = {}
     for name in MUTANTS:

@@ -88,7 +88,7 @@ def conformance_args(name: str, report: str) -> list[str]:
     # spent about a third of its time collecting.
     return [*where_rules_are(kills), "-q", "-p", "no:cacheprovider", f"--conformance-report={report}",
             "--impl=tests.mutants:mutant", f"--impl-opt=name={name}", *(f"--rule={r}" for r in kills),
-            "-m", TIERS_AND_THE_REST, *getattr(mutant, "zoo_args", ())]
+            "--tb=native", "-m", TIERS_AND_THE_REST, *getattr(mutant, "zoo_args", ())]
 
 
 # Every test of the mutant's rules, the tiers' included (a tier runs when -m names it; the multi-rank job

@@ -1,0 +1,127 @@
+"""Long setups of the project's tests, started in the background as soon as the first test starts.
+
+Three fixtures are most of ``pytest tests``' time: the reference's full conformance run (``reference_report``),
+the FastDeploy gates' ten runs (``reports``: they mostly wait on the status machine's deadlines) and the kill
+matrix (``mutant_runs``: every mutant through the fork server). Each is one job whose result many tests read.
+Declared with ``@early.job("fixture")``, such a job starts in a thread once the session's first test starts
+(``tests/conftest.py``; after the modules that judge the whole machine) if a selected
+test uses its fixture, and those tests run last: the rest of the suite runs while the jobs work. Run alone (``pytest tests/test_mutant_zoo.py -k reference``), a job starts the same
+way; a fixture whose job did not start (a test selected by hand after a plugin changed the selection) runs it
+there and then.
+
+A job's processes get the environment as it was when the jobs started (never a variable a test set for a
+moment) and run in their own process group, which is killed when the session ends (Ctrl-C included).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import threading
+from typing import Callable
+
+# fixture name -> the job computing its value, in the order the jobs start (and their tests run)
+JOBS: dict[str, Callable] = {}
+_futures: dict[str, concurrent.futures.Future] = {}
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_env: dict[str, str] | None = None
+_running: set[subprocess.Popen] = set()
+_lock = threading.Lock()
+
+
+def job(fixture: str):
+    """Declare ``fn(tmp_path_factory)`` as the job behind ``fixture`` (the fixture calls ``result``)."""
+
+    def register(fn):
+        JOBS[fixture] = fn
+        return fn
+
+    return register
+
+
+def reorder(items) -> None:
+    """Reorder ``items`` in place: first the modules that judge the whole machine (``RUNS_BEFORE_THE_JOBS = True``:
+    every process and /dev/shm segment, where a job's would be counted as theirs; cold reads from the disk, which
+    the jobs fill with writes), then the rest, and last the tests that read a job's result, grouped by job in the
+    order the jobs start. No verdict depends on the order: each test reads the same results, and leaves the
+    environment as it found it."""
+    order = list(JOBS)
+
+    def rank(item):
+        if getattr(getattr(item, "module", None), "RUNS_BEFORE_THE_JOBS", False):
+            return -1
+        used = [i for i, name in enumerate(order) if name in getattr(item, "fixturenames", ())]
+        return min(used) + 1 if used else 0
+
+    items.sort(key=rank)
+
+
+def start(items, tmp_path_factory) -> None:
+    """Start every job whose fixture a selected test uses (once per session)."""
+    global _pool, _env
+    if _pool is not None:
+        return
+    _env = dict(os.environ)
+    wanted = [name for name in JOBS if any(name in getattr(item, "fixturenames", ()) for item in items)]
+    _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(wanted)), thread_name_prefix="early")
+    for name in wanted:
+        _futures[name] = _pool.submit(JOBS[name], tmp_path_factory)
+
+
+def result(fixture: str, tmp_path_factory):
+    """The job's value: from the background when it started there, else computed now."""
+    future = _futures.get(fixture)
+    return future.result() if future is not None else JOBS[fixture](tmp_path_factory)
+
+
+def environment() -> dict[str, str]:
+    """The environment for a job's processes: os.environ as it was when the jobs started."""
+    return dict(_env if _env is not None else os.environ)
+
+
+# A job's processes run at this much lower priority (nice): the tests in the foreground keep the CPU they need,
+# the jobs take what they leave idle. Their verdicts must hold starved: a case that judges time or CPU is bounded
+# by what the machine gave it (BKT-IDLE-WAIT's pause lasts until a process spinning beside the worker had its
+# share; FILE-CHANGED-DURING-LOAD holds the loader's reads instead of racing them), and the gates' runs passed at
+# nice 19 beside a mutation run.
+NICE = 10
+
+
+def run(cmd: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a job: the jobs' environment and priority, its
+    own process group (killed whole when it runs past ``timeout``, then TimeoutExpired, or when the session ends)."""
+    proc = subprocess.Popen(["nice", "-n", str(NICE), *cmd], cwd=cwd, env=environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with _lock:
+        _running.add(proc)
+    try:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    finally:
+        with _lock:
+            _running.discard(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop() -> None:
+    """At the session's end: kill what still runs (an interrupted session), then let the threads end."""
+    global _pool
+    with _lock:
+        for proc in list(_running):
+            _kill(proc)
+    if _pool is not None:
+        _pool.shutdown(wait=True, cancel_futures=True)
+    _pool = None
+    _futures.clear()

@@ -1,0 +1,56 @@
+"""The background jobs of the project's tests (tests/early.py): the order they impose and the processes they
+start. Their results are judged where they are read (the kill matrix, the FastDeploy gates)."""
+import subprocess
+import sys
+import time
+import types
+
+import psutil
+import pytest
+
+from tests import early
+from tests.conftest import REPO
+
+
+def _item(name: str, fixtures=(), before=False):
+    module = types.SimpleNamespace(RUNS_BEFORE_THE_JOBS=True) if before else types.SimpleNamespace()
+    return types.SimpleNamespace(name=name, fixturenames=list(fixtures), module=module)
+
+
+def test_the_readers_of_each_job_run_last_in_job_order_and_the_machine_judges_first():
+    import tests.test_fastdeploy_adapter  # noqa: F401  (their modules declare the two other jobs)
+    import tests.test_mutant_zoo  # noqa: F401
+
+    jobs = list(early.JOBS)
+    assert jobs[:1] == ["reference_report"] and {"reports", "mutant_runs"} <= set(jobs), jobs
+    items = [_item("zoo", ["mutant_runs"]), _item("plain"), _item("gate", ["reports", "tmp_path"]),
+             _item("both", ["mutant_runs", "reference_report"]), _item("machine", before=True), _item("plain2")]
+    early.reorder(items)
+    got = [i.name for i in items]
+    by_job = {name: jobs.index(name) for name in jobs}
+    assert got[:3] == ["machine", "plain", "plain2"], got
+    # "both" reads the reference run, which starts first: it runs with that job's readers.
+    tail = got[3:]
+    order = [min(by_job[f] for f in next(i for i in items if i.name == n).fixturenames if f in by_job) for n in tail]
+    assert order == sorted(order) and tail.index("both") < tail.index("zoo"), (tail, order)
+
+
+def test_a_job_process_past_its_timeout_dies_with_everything_it_started(tmp_path):
+    pid_file = tmp_path / "grandchild"
+    script = f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        early.run([sys.executable, "-c", script], REPO, timeout=3)
+    assert time.monotonic() - start < 30, "the timeout did not end the job"
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(grandchild) and psutil.Process(grandchild).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"the job's own child {grandchild} outlived the job's timeout"
+        time.sleep(0.05)
+
+
+def test_a_job_process_gets_the_environment_of_the_start_not_a_test_s(monkeypatch):
+    assert early._env is not None, "the autouse fixture starts the jobs (and takes the environment) before a test"
+    monkeypatch.setenv("EARLY_JOB_PROBE", "set by a test for a moment")
+    proc = early.run([sys.executable, "-c", "import os; print(os.environ.get('EARLY_JOB_PROBE'))"], REPO, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", (proc.returncode, proc.stdout, proc.stderr)
