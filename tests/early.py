@@ -43,7 +43,7 @@ def job(fixture: str):
 def reorder(items) -> None:
     """Reorder ``items`` in place: first the modules that judge the whole machine (``RUNS_BEFORE_THE_JOBS = True``:
     every process and /dev/shm segment, where a job's would be counted as theirs; cold reads from the disk, which
-    the jobs fill with writes; the simulator's exit within a bound after a signal), then the rest, and last the tests that read a job's result, grouped by job in the
+    the jobs fill with writes), then the rest, and last the tests that read a job's result, grouped by job in the
     order the jobs start. No verdict depends on the order: each test reads the same results, and leaves the
     environment as it found it."""
     order = list(JOBS)

@@ -26,10 +26,6 @@ from sim.ipc_handles import leaked_segments
 from wire.protocol import align_up, plan_layout
 from tests.conftest import REPO
 
-# tests/early.py: this module runs before the background jobs start. It times the CLI's exit after a signal
-# (EXIT_WITHIN_S) and starts ranks on two hosts: beside the jobs, a SIGTERM at verification once took 10.3 s.
-RUNS_BEFORE_THE_JOBS = True
-
 HOLD_WAIT_S = 90  # a loaded machine may take long to start; the phase is what matters, not the time
 EXIT_WITHIN_S = 10  # after the signal: trainers stopped (they unwind in milliseconds), segments and directory removed
 # 2 MiB in 0.25 MiB buckets: version 1 has BUCKETS buckets (11); the mid-transfer hold is before the middle one
