@@ -282,6 +282,8 @@ class Capped:
         self.lib.read_cap_install.restype = ctypes.c_long
         self.lib.read_cap_prepare.restype = ctypes.c_long
         self.lib.read_cap_shortened.restype = ctypes.c_long
+        self.lib.read_cap_hold.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int]
+        self.lib.read_cap_hold.restype = ctypes.c_long
         self.cap = cap
 
     def prepare(self) -> int:
@@ -313,8 +315,6 @@ class Capped:
         each mapping of it, write the bytes read (8 bytes, native order; -1 for a mapping) to ``notify`` and
         wait for one byte on ``resume``. No cap. Returns how many slots point here."""
         st = os.stat(path)
-        self.lib.read_cap_hold.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int]
-        self.lib.read_cap_hold.restype = ctypes.c_long
         slots = self.lib.read_cap_hold(st.st_dev, st.st_ino, notify, resume)
         if slots < 0:
             raise Unavailable("the read-capping library found no C library read functions to wrap")

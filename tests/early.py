@@ -4,10 +4,10 @@ Three fixtures are most of ``pytest tests``' time: the reference's full conforma
 the FastDeploy gates' ten runs (``reports``: they mostly wait on the status machine's deadlines) and the kill
 matrix (``mutant_runs``: every mutant through the fork server). Each is one job whose result many tests read.
 Declared with ``@early.job("fixture")``, such a job starts in a thread once the session's first test starts
-(``tests/conftest.py``; after the modules that judge the whole machine) if a selected
-test uses its fixture, and those tests run last: the rest of the suite runs while the jobs work. Run alone (``pytest tests/test_mutant_zoo.py -k reference``), a job starts the same
-way; a fixture whose job did not start (a test selected by hand after a plugin changed the selection) runs it
-there and then.
+(``tests/conftest.py``; after the modules that judge the whole machine) if a selected test uses its fixture,
+and those tests run last: the rest of the suite runs while the jobs work. Run alone (``pytest
+tests/test_mutant_zoo.py -k reference``), a job starts the same way; a fixture whose job did not start (a test
+selected by hand after a plugin changed the selection) runs it there and then.
 
 A job's processes get the environment as it was when the jobs started (never a variable a test set for a
 moment) and run in their own process group, which is killed when the session ends (Ctrl-C included).
@@ -40,6 +40,10 @@ def job(fixture: str):
     return register
 
 
+def _uses(item, fixture: str) -> bool:
+    return fixture in getattr(item, "fixturenames", ())
+
+
 def reorder(items) -> None:
     """Reorder ``items`` in place: first the modules that judge the whole machine (``RUNS_BEFORE_THE_JOBS = True``:
     every process and /dev/shm segment, where a job's would be counted as theirs; cold reads from the disk, which
@@ -51,7 +55,7 @@ def reorder(items) -> None:
     def rank(item):
         if getattr(getattr(item, "module", None), "RUNS_BEFORE_THE_JOBS", False):
             return -1
-        used = [i for i, name in enumerate(order) if name in getattr(item, "fixturenames", ())]
+        used = [i for i, name in enumerate(order) if _uses(item, name)]
         return min(used) + 1 if used else 0
 
     items.sort(key=rank)
@@ -63,7 +67,7 @@ def start(items, tmp_path_factory) -> None:
     if _pool is not None:
         return
     _env = dict(os.environ)
-    wanted = [name for name in JOBS if any(name in getattr(item, "fixturenames", ()) for item in items)]
+    wanted = [name for name in JOBS if any(_uses(item, name) for item in items)]
     _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(wanted)), thread_name_prefix="early")
     for name in wanted:
         _futures[name] = _pool.submit(JOBS[name], tmp_path_factory)
