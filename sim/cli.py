@@ -19,6 +19,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -32,6 +33,10 @@ from wire import protocol
 
 from . import interrupt, leftovers
 from .trainer import TrainerConfig, sweep_segments, trainer_main
+
+# How long the CLI waits, after SIGTERM, for all its trainers together before it kills those left: a trainer's own
+# kernel deadline (SIGALRM) is UNWIND_S, and the signal tests give the CLI 10 s in all.
+STOP_S = interrupt.UNWIND_S + 2
 
 MiB = 1 << 20
 
@@ -336,6 +341,26 @@ class Roundtrip:
         with interrupt.shielded():  # a signal now is raised once everything is released
             self._close()
 
+    def _end_stragglers(self) -> None:
+        """Wait for the trainers told to stop, all together, as long as their own kernel deadline
+        (``interrupt.UNWIND_S``) and a little more; one still running then never saw its SIGTERM or never
+        finished unwinding: its stacks are printed (SIGUSR1), it is named and SIGKILLed. (One join of 10 s
+        per trainer once kept the CLI 10.3 s after a SIGTERM.)"""
+        deadline = time.monotonic() + STOP_S
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        stuck = [(rank, proc) for rank, proc in enumerate(self.procs) if proc.is_alive()]
+        for _, proc in stuck:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGUSR1)  # faulthandler, set by interrupt.trainer_signals
+        if stuck:
+            time.sleep(0.5)  # the stacks are written before the kill
+        for rank, proc in stuck:
+            print(f"trainer {rank} (pid {proc.pid}) still running {STOP_S:g}s after SIGTERM: killed",
+                  file=sys.stderr, flush=True)
+            proc.kill()
+            proc.join(5)
+
     def _close(self) -> None:
         if interrupt.pending():
             # Updates still running fail as their trainers go; the run reports the interruption instead.
@@ -345,11 +370,8 @@ class Roundtrip:
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()  # SIGTERM: the trainer unwinds and unlinks its segments
+        self._end_stragglers()
         for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
             if proc.pid is not None:
                 sweep_segments(proc.pid)  # a SIGKILLed trainer could not unlink its own
             if proc.exitcode is not None:

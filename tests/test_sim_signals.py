@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import select
 import shutil
 import signal
@@ -199,6 +200,22 @@ def test_ctrl_c_to_the_process_group_mid_transfer(held):
     the CLI stops them; same outcome as a SIGINT to the CLI alone."""
     run = held(PHASES["mid-transfer"])
     _nothing_left(run, *run.signal(signal.SIGINT, group=True), signal.SIGINT, WHERE["mid-transfer"])
+
+
+def test_a_trainer_that_never_stops_is_killed_in_time(held):
+    """A trainer that neither unwinds on SIGTERM nor meets its kernel deadline (stopped here: no handler runs,
+    no SIGALRM fires) is named and killed by the CLI, whose exit stays within its bound and leaves nothing."""
+    from sim.cli import STOP_S
+
+    run = held(PHASES["verification"])
+    trainers = sorted((c for c in run.children if "spawn_main" in " ".join(_cmdline(c))), key=lambda c: c.pid)
+    assert len(trainers) == 2, f"expected 2 trainer processes, found {[_cmdline(c) for c in run.children]}"
+    trainers[1].suspend()
+    code, output, elapsed = run.signal(signal.SIGTERM)
+    _nothing_left(run, code, output, elapsed, signal.SIGTERM, WHERE["verification"])
+    named = re.findall(r"trainer (\d) \(pid (\d+)\) still running ([\d.]+)s after SIGTERM: killed", output)
+    assert [int(pid) for _, pid, _ in named] == [trainers[1].pid], f"stopped {trainers[1].pid}, named {named}"
+    assert elapsed >= STOP_S, f"the stopped trainer was killed {elapsed:.1f}s after the signal, before its {STOP_S}s"
 
 
 def test_trainers_die_with_a_killed_cli(held):
