@@ -151,6 +151,10 @@ def _watch_parent(parent_pid: int, interval_s: float = 0.2, wait_s: float = 1.0,
     while os.getppid() == parent_pid:
         time.sleep(interval_s)
     _deadline(int(wait_s + grace_s) + 1)
+    # Released now, not only before the forced exit: nobody can use them once the orchestrator is gone, and a
+    # loaded machine once let the deadline end a trainer before its grace was over (its segments left behind).
+    for release in _before_forced_exit:
+        release()
     if not _sigterm_seen.wait(wait_s):
         os.kill(os.getpid(), signal.SIGTERM)  # the trainer's own handler: unlink what it made, then leave
     time.sleep(grace_s)
@@ -163,7 +167,8 @@ _before_forced_exit: list = []
 
 
 def before_forced_exit(fn) -> None:
-    """Run ``fn`` (from the parent watcher's thread) before it ends a trainer whose unwinding did not end."""
+    """Run ``fn`` (from the parent watcher's thread) as soon as the orchestrator is gone, and again before it
+    ends a trainer whose unwinding did not end (``fn`` must be idempotent)."""
     _before_forced_exit.append(fn)
 
 

@@ -1,7 +1,7 @@
 """Long setups of the project's tests, started in the background as soon as the first test starts.
 
 Three fixtures are most of ``pytest tests``' time: the reference's full conformance run (``reference_report``),
-the FastDeploy gates' ten runs (``reports``: they mostly wait on the status machine's deadlines) and the kill
+the FastDeploy gates' runs (``reports``: they mostly wait on the status machine's deadlines) and the kill
 matrix (``mutant_runs``: every mutant through the fork server). Each is one job whose result many tests read.
 Declared with ``@early.job("fixture")``, such a job starts in a thread once the session's first test starts
 (``tests/conftest.py``; after the modules that judge the whole machine) if a selected test uses its fixture,
@@ -23,6 +23,7 @@ from typing import Callable
 
 # fixture name -> the job computing its value, in the order the jobs start (and their tests run)
 JOBS: dict[str, Callable] = {}
+_PREPARE: dict[str, Callable] = {}
 _futures: dict[str, concurrent.futures.Future] = {}
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _env: dict[str, str] | None = None
@@ -30,11 +31,15 @@ _running: set[subprocess.Popen] = set()
 _lock = threading.Lock()
 
 
-def job(fixture: str):
-    """Declare ``fn(tmp_path_factory)`` as the job behind ``fixture`` (the fixture calls ``result``)."""
+def job(fixture: str, prepare: Callable | None = None):
+    """Declare ``fn(tmp_path_factory)`` as the job behind ``fixture`` (the fixture calls ``result``). ``prepare()``,
+    if given, runs before any job starts, on a machine not yet loaded by them (a probe that the jobs would slow
+    down a hundredfold: the zoo's network namespaces took 60 s beside them)."""
 
     def register(fn):
         JOBS[fixture] = fn
+        if prepare is not None:
+            _PREPARE[fixture] = prepare
         return fn
 
     return register
@@ -47,14 +52,19 @@ def _uses(item, fixture: str) -> bool:
 def reorder(items) -> None:
     """Reorder ``items`` in place: first the modules that judge the whole machine (``RUNS_BEFORE_THE_JOBS = True``:
     every process and /dev/shm segment, where a job's would be counted as theirs; cold reads from the disk, which
-    the jobs fill with writes), then the rest, and last the tests that read a job's result, grouped by job in the
-    order the jobs start. No verdict depends on the order: each test reads the same results, and leaves the
-    environment as it found it."""
+    the jobs fill with writes), then the rest, then the tests that read a job's result, grouped by job in the order
+    the jobs start, and last the modules whose deadlines need a machine the jobs no longer load
+    (``RUNS_AFTER_THE_JOBS = True``: ranks that must join within seconds, trainers that must unwind within
+    theirs). No verdict depends on the order: each test reads the same results, and leaves the environment as it
+    found it."""
     order = list(JOBS)
 
     def rank(item):
-        if getattr(getattr(item, "module", None), "RUNS_BEFORE_THE_JOBS", False):
+        module = getattr(item, "module", None)
+        if getattr(module, "RUNS_BEFORE_THE_JOBS", False):
             return -1
+        if getattr(module, "RUNS_AFTER_THE_JOBS", False):
+            return len(order) + 1
         used = [i for i, name in enumerate(order) if _uses(item, name)]
         return min(used) + 1 if used else 0
 
@@ -67,7 +77,11 @@ def start(items, tmp_path_factory) -> None:
     if _pool is not None:
         return
     _env = dict(os.environ)
+    tmp_path_factory.getbasetemp()  # made once, here: the jobs' threads call mktemp at once, and its first call makes it
     wanted = [name for name in JOBS if any(_uses(item, name) for item in items)]
+    for name in wanted:
+        if name in _PREPARE:
+            _PREPARE[name]()
     _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(wanted)), thread_name_prefix="early")
     for name in wanted:
         _futures[name] = _pool.submit(JOBS[name], tmp_path_factory)
@@ -88,14 +102,16 @@ def environment() -> dict[str, str]:
 # the jobs take what they leave idle. Their verdicts must hold starved: a case that judges time or CPU is bounded
 # by what the machine gave it (BKT-IDLE-WAIT's pause lasts until a process spinning beside the worker had its
 # share; FILE-CHANGED-DURING-LOAD holds the loader's reads instead of racing them), and the gates' runs passed at
-# nice 19 beside a mutation run.
+# nice 19 beside a mutation run. The reference's run, whose every rule must pass, asks for its share (``run(...,
+# nice=0)``): starved at 19 beside thirty processes of jobs, it once lost a timed case (BKT-FRAME-LIMIT's 64 MiB frame).
 NICE = 10
 
 
-def run(cmd: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, capture_output=True, text=True)`` for a job: the jobs' environment and priority, its
-    own process group (killed whole when it runs past ``timeout``, then TimeoutExpired, or when the session ends)."""
-    proc = subprocess.Popen(["nice", "-n", str(NICE), *cmd], cwd=cwd, env=environment(), stdout=subprocess.PIPE,
+def run(cmd: list[str], cwd: str, timeout: float, nice: int = NICE) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a job: the jobs' environment, priority ``nice``,
+    its own process group (killed whole when it runs past ``timeout``, then TimeoutExpired, or when the session
+    ends)."""
+    proc = subprocess.Popen(["nice", "-n", str(nice), *cmd], cwd=cwd, env=environment(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     with _lock:
         _running.add(proc)

@@ -12,8 +12,8 @@ from tests import early
 from tests.conftest import REPO
 
 
-def _item(name: str, fixtures=(), before=False):
-    module = types.SimpleNamespace(RUNS_BEFORE_THE_JOBS=True) if before else types.SimpleNamespace()
+def _item(name: str, fixtures=(), before=False, after=False):
+    module = types.SimpleNamespace(RUNS_BEFORE_THE_JOBS=before, RUNS_AFTER_THE_JOBS=after)
     return types.SimpleNamespace(name=name, fixturenames=list(fixtures), module=module)
 
 
@@ -24,13 +24,15 @@ def test_the_readers_of_each_job_run_last_in_job_order_and_the_machine_judges_fi
     jobs = list(early.JOBS)
     assert jobs[:1] == ["reference_report"] and {"reports", "mutant_runs"} <= set(jobs), jobs
     items = [_item("zoo", ["mutant_runs"]), _item("plain"), _item("gate", ["reports", "tmp_path"]),
-             _item("both", ["mutant_runs", "reference_report"]), _item("machine", before=True), _item("plain2")]
+             _item("both", ["mutant_runs", "reference_report"]), _item("machine", before=True), _item("plain2"),
+             _item("after", after=True), _item("after-reader", ["reports"], after=True)]
     early.reorder(items)
     got = [i.name for i in items]
     by_job = {name: jobs.index(name) for name in jobs}
-    assert got[:3] == ["machine", "plain", "plain2"], got
+    # the machine's judges first, the rest, the readers; last what needs the machine the jobs no longer load
+    assert got[:3] == ["machine", "plain", "plain2"] and got[-2:] == ["after", "after-reader"], got
     # "both" reads the reference run, which starts first: it runs with that job's readers.
-    tail = got[3:]
+    tail = got[3:-2]
     order = [min(by_job[f] for f in next(i for i in items if i.name == n).fixturenames if f in by_job) for n in tail]
     assert order == sorted(order) and tail.index("both") < tail.index("zoo"), (tail, order)
 

@@ -31,7 +31,7 @@ IMPLS = {
 
 
 def _run(impl, *args):
-    cmd = [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q", *IMPLS[impl],
+    cmd = [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q", "--tb=native", *IMPLS[impl],
            *(f"--rule={r}" for r in RULES), *args]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)

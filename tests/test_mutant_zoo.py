@@ -67,7 +67,7 @@ def mutant_runs(tmp_path_factory):
     return early.result("mutant_runs", tmp_path_factory)
 
 
-@early.job("mutant_runs")
+@early.job("mutant_runs", prepare=_two_hosts_unavailable)
 def _zoo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("mutants")
     names = sorted(n for n in MUTANTS if not (_needs_two_hosts(n) and _two_hosts_unavailable()))

@@ -17,6 +17,8 @@ import pytest
 from sim.ranks import Job, PathPlan, Step, default_params
 from tests.conftest import REPO
 
+# Last, once the background jobs are done (tests/early.py): beside them a rank was still importing Paddle 15 s on.
+RUNS_AFTER_THE_JOBS = True
 START_S = 15.0  # the start-up's deadline here: the second start must join within it on a loaded machine
 
 
