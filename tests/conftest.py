@@ -19,17 +19,16 @@ def sigint_at_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def run_conformance(impl_args: list[str], report_path, extra: list[str] = (), timeout: int = 300, in_job=False,
-                    nice: int = early.NICE):
+def run_conformance(impl_args: list[str], report_path, extra: list[str] = (), timeout: int = 300, in_job=False):
     """Run the conformance suite in a subprocess; return (exit code, report dict, output). ``in_job``: from a
-    background job (tests/early.py: the jobs' environment and priority, ``nice``, killed with the session)."""
+    background job (tests/early.py: the jobs' environment, killed with the session)."""
     # Native tracebacks: pytest's own style parses a test module's whole source per traceback entry, and the
     # FastDeploy stand-ins fail hundreds of tests on purpose (the parts gate: 23.3 CPU-s, 14.7 native; the same
     # verdicts, root causes and messages).
     cmd = [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider", "--tb=native",
            f"--conformance-report={report_path}", *impl_args, *extra]
     if in_job:
-        proc = early.run(cmd, REPO, timeout, nice=nice)
+        proc = early.run(cmd, REPO, timeout)
     else:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     report = None
@@ -73,7 +72,7 @@ def pytest_sessionfinish(session):
 @early.job("reference_report")
 def _reference_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("reference") / "report.json"
-    return run_conformance(["--impl=reference"], path, in_job=True, nice=0)  # it must pass: never starved
+    return run_conformance(["--impl=reference"], path, in_job=True)
 
 
 @pytest.fixture(scope="session")

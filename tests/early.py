@@ -102,16 +102,14 @@ def environment() -> dict[str, str]:
 # the jobs take what they leave idle. Their verdicts must hold starved: a case that judges time or CPU is bounded
 # by what the machine gave it (BKT-IDLE-WAIT's pause lasts until a process spinning beside the worker had its
 # share; FILE-CHANGED-DURING-LOAD holds the loader's reads instead of racing them), and the gates' runs passed at
-# nice 19 beside a mutation run. The reference's run, whose every rule must pass, asks for its share (``run(...,
-# nice=0)``): starved at 19 beside thirty processes of jobs, it once lost a timed case (BKT-FRAME-LIMIT's 64 MiB frame).
+# nice 19 beside a mutation run.
 NICE = 10
 
 
-def run(cmd: list[str], cwd: str, timeout: float, nice: int = NICE) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, capture_output=True, text=True)`` for a job: the jobs' environment, priority ``nice``,
-    its own process group (killed whole when it runs past ``timeout``, then TimeoutExpired, or when the session
-    ends)."""
-    proc = subprocess.Popen(["nice", "-n", str(nice), *cmd], cwd=cwd, env=environment(), stdout=subprocess.PIPE,
+def run(cmd: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a job: the jobs' environment and priority, its
+    own process group (killed whole when it runs past ``timeout``, then TimeoutExpired, or when the session ends)."""
+    proc = subprocess.Popen(["nice", "-n", str(NICE), *cmd], cwd=cwd, env=environment(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     with _lock:
         _running.add(proc)
