@@ -270,6 +270,52 @@ def test_a_trainer_whose_stop_hangs_is_ended_by_the_kernel():
         proc.wait()
 
 
+_RELEASES = """
+import os, signal, sys, time
+from sim import interrupt
+signal.pthread_sigmask(signal.SIG_BLOCK, interrupt.SIGNALS)  # as a trainer is spawned
+def stuck(signum, frame):
+    while True:
+        time.sleep(1)  # an unwinding that never ends
+interrupt.trainer_signals(stuck, os.getppid())
+interrupt.before_forced_exit(lambda: open(sys.argv[1], "a").write(f"{time.monotonic()}\\n"))
+print("ready", flush=True)
+time.sleep(600)
+"""
+_PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline() == "ready\\n"
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_of_a_dead_orchestrator_releases_at_once(tmp_path):
+    """When its orchestrator dies, a trainer's release (its segments unlinked) runs at once, not after the grace
+    its unwinding gets (a loaded machine once let the kernel's deadline end a trainer before that grace was over,
+    its segments left behind); the release runs again before the forced exit."""
+    from sim.interrupt import UNWIND_S
+
+    marks = tmp_path / "released"
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _RELEASES, str(marks)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        trainer = psutil.Process(int(parent.stdout.readline()))
+        killed = time.monotonic()
+        parent.kill()
+        parent.wait(timeout=30)
+        gone, alive = psutil.wait_procs([trainer], timeout=UNWIND_S + 30)
+        assert not alive, f"the trainer of a dead orchestrator still runs {UNWIND_S + 30} s on"
+        times = [float(t) - killed for t in marks.read_text().split()] if marks.exists() else []
+        assert times and times[0] < 4.0, f"released {times} s after its orchestrator died: expected within 4 s"
+    finally:
+        parent.kill()
+        parent.wait()
+        with contextlib.suppress(psutil.NoSuchProcess, NameError):
+            trainer.kill()
+
+
 def test_the_next_run_sweeps_what_a_killed_cli_left(held):
     """SIGKILL of the CLI leaves its run directory (named with its pid) in TMPDIR, and whatever its processes
     had in /dev/shm when nobody could unlink it; the next run removes both, since their owner is dead."""
