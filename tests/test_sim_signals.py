@@ -233,15 +233,20 @@ def test_trainers_die_with_a_killed_cli(held):
     assert not run.segments(), f"segments left by the trainers: {run.segments()}"
 
 
+# A stand-in trainer whose unwinding hangs; given a path, its release (the segments a trainer unlinks) appends the
+# time to that file.
 _STOP_HANGS = """
-import os, signal, sys, time
+import contextlib, os, signal, sys, time
 from sim import interrupt
 signal.pthread_sigmask(signal.SIG_BLOCK, interrupt.SIGNALS)  # as a trainer is spawned
 def stuck(signum, frame):
-    print("stopping", flush=True)
+    with contextlib.suppress(OSError):  # a reader that died with the orchestrator
+        print("stopping", flush=True)
     while True:
         time.sleep(1)  # an unwinding that never ends
 interrupt.trainer_signals(stuck, os.getppid())
+if len(sys.argv) > 1:
+    interrupt.before_forced_exit(lambda: open(sys.argv[1], "a").write(f"{time.monotonic()}\\n"))
 print("ready", flush=True)
 time.sleep(600)
 """
@@ -270,18 +275,6 @@ def test_a_trainer_whose_stop_hangs_is_ended_by_the_kernel():
         proc.wait()
 
 
-_RELEASES = """
-import os, signal, sys, time
-from sim import interrupt
-signal.pthread_sigmask(signal.SIG_BLOCK, interrupt.SIGNALS)  # as a trainer is spawned
-def stuck(signum, frame):
-    while True:
-        time.sleep(1)  # an unwinding that never ends
-interrupt.trainer_signals(stuck, os.getppid())
-interrupt.before_forced_exit(lambda: open(sys.argv[1], "a").write(f"{time.monotonic()}\\n"))
-print("ready", flush=True)
-time.sleep(600)
-"""
 _PARENT = """
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
@@ -298,7 +291,7 @@ def test_a_trainer_of_a_dead_orchestrator_releases_at_once(tmp_path):
     from sim.interrupt import UNWIND_S
 
     marks = tmp_path / "released"
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _RELEASES, str(marks)], cwd=REPO, stdout=subprocess.PIPE,
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _STOP_HANGS, str(marks)], cwd=REPO, stdout=subprocess.PIPE,
                               text=True)
     try:
         trainer = psutil.Process(int(parent.stdout.readline()))
