@@ -881,12 +881,14 @@ def test_frame_size_limit(loader, publisher, case):
     def tamper(update):
         update.frame_bytes[0] = size
 
-    # timeout_s: a worker without the limit must have time to take the frame in (and load) before it would
-    # time out, while one with it times out after that silence. A 64 MiB frame takes ~0.06 s to cross here,
-    # more on a loaded machine: the timeout is 2 s or 120 times what copying 16 MiB takes right now. (With
-    # 0.2 s, a worker without the limit timed out under a load average of 5, its TimeoutError read as a
-    # refusal; a worker that refuses the frame as it arrives answers at once, whatever the timeout.)
-    timeout_s = max(2.0, 120 * _copy_seconds(MAX_FRAME // 4))
+    # timeout_s: a worker must have time to take the frame in (and load) before it would time out. At exactly
+    # the limit the frame must load, so the timeout only bounds a broken worker's silence: 30 s. (With 2 s, the
+    # reference timed out on it in CI, beside thirty processes: the frame is copied several times on its way,
+    # by threads of a starved process.) Over the limit, a worker without the limit must take the frame in
+    # before it would time out, while one with it times out after that silence: 2 s or 120 times what
+    # copying 16 MiB takes right now. (With 0.2 s, a worker without the limit timed out under a load average
+    # of 5, its TimeoutError read as a refusal; a worker that refuses the frame as it arrives answers at once.)
+    timeout_s = 30.0 if size <= MAX_FRAME else max(2.0, 120 * _copy_seconds(MAX_FRAME // 4))
     pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=512, tamper=tamper,
                              timeout_s=timeout_s, wait_s=3.0 + timeout_s)
     where = f"{pub.endpoint}: bucket 0 sent as a frame of {size} bytes (limit {MAX_FRAME}, timeout_s {timeout_s:.2f})"

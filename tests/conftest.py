@@ -4,7 +4,7 @@ import signal
 import subprocess
 import sys
 
-from tests import early
+from tests import early, pytest_server
 
 import paddle  # noqa: F401  (its first import sets OMP_NUM_THREADS and CUSTOM_DEVICE_ROOT: here, before any test)
 import pytest
@@ -25,12 +25,12 @@ def run_conformance(impl_args: list[str], report_path, extra: list[str] = (), ti
     # Native tracebacks: pytest's own style parses a test module's whole source per traceback entry, and the
     # FastDeploy stand-ins fail hundreds of tests on purpose (the parts gate: 23.3 CPU-s, 14.7 native; the same
     # verdicts, root causes and messages).
-    cmd = [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider", "--tb=native",
-           f"--conformance-report={report_path}", *impl_args, *extra]
+    args = ["conformance", "-q", "-p", "no:cacheprovider", "--tb=native", f"--conformance-report={report_path}",
+            *impl_args, *extra]
     if in_job:
-        proc = early.run(cmd, REPO, timeout)
+        proc = early.run_pytest(args, REPO, timeout)
     else:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        proc = pytest_server.run(args, REPO, timeout)
     report = None
     if os.path.exists(report_path):
         with open(report_path) as f:
@@ -67,6 +67,7 @@ def early_jobs(request, tmp_path_factory):
 
 def pytest_sessionfinish(session):
     early.stop()  # what still runs (an interrupted session) is killed
+    pytest_server.stop()
 
 
 @early.job("reference_report")

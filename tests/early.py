@@ -126,6 +126,25 @@ def run(cmd: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess
             _running.discard(proc)
 
 
+def run_pytest(args: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python -m pytest *args`` for a job, as ``run`` runs a command, forked from the project's pytest server
+    (tests/pytest_server.py: no interpreter start-up, no import, no collection of its own)."""
+    from tests import pytest_server
+
+    handles = []
+
+    def started(handle):
+        handles.append(handle)
+        with _lock:
+            _running.add(handle)
+
+    try:
+        return pytest_server.run(args, cwd, timeout, env=environment(), nice=NICE, started=started)
+    finally:
+        with _lock:
+            _running.difference_update(handles)
+
+
 def _kill(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)

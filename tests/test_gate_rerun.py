@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conformance import expectations as expect
+from tests import pytest_server
 from conformance.spec import rules
 
 pytestmark = pytest.mark.timeout(900)
@@ -31,10 +32,10 @@ IMPLS = {
 
 
 def _run(impl, *args):
-    cmd = [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q", "--tb=native", *IMPLS[impl],
-           *(f"--rule={r}" for r in RULES), *args]
+    args = ["conformance", "-p", "no:cacheprovider", "-q", "--tb=native", *IMPLS[impl], *(f"--rule={r}" for r in RULES),
+            *args]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    return pytest_server.run(args, REPO, timeout=400, env=env)
 
 
 def _update_then_gate(impl, directory):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from conformance import check
+from tests import pytest_server
 from conformance.adapter import Observed
 from conformance.spec import rules
 
@@ -199,10 +200,10 @@ def _pytest(args, cwd, paths=(), report=None, timeout=240) -> Run:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), REPO])
     env.pop("CONFORMANCE_FASTDEPLOY_SOURCE", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    args = ["-q", "-p", "no:cacheprovider", *args]
     if report:
-        cmd.append(f"--conformance-report={report}")
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        args.append(f"--conformance-report={report}")
+    proc = pytest_server.run(args, str(cwd), timeout=timeout, env=env)
     data = None
     if report and os.path.exists(report):
         with open(report) as f:

@@ -21,6 +21,7 @@ import jsonschema
 import pytest
 
 from conformance import expectations as expect
+from tests import pytest_server
 from conformance import report as rep
 from conformance.spec import area, devices, levels, rules
 from tests.test_harness import FAKE_ADAPTER, PYTEST_INI, _pytest
@@ -354,8 +355,7 @@ def test_xdist_gives_the_serial_report_for_the_reference(reference_report, refer
 
 # -- finding rules ------------------------------------------------------------------------------------------
 def _run_repo(args, timeout=120):
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = pytest_server.run(["-p", "no:cacheprovider", *args], REPO, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 
 
