@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -183,16 +184,23 @@ def serve(path: str) -> None:
 
 # -- the client ----------------------------------------------------------------------------------------------
 class _Server:
-    def __init__(self):
+    """The server process, started with ``env`` (its runs' import-time variables must match it)."""
+
+    def __init__(self, env: dict):
         self.dir = tempfile.mkdtemp(prefix="pytest-server-")
         self.path = os.path.join(self.dir, "socket")
-        self.env = dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.pytest_server", self.path], cwd=REPO, env=self.env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
-        ready = self.proc.stdout.readline()  # after the warm-up; a crashed server says so on stderr
+        self.env = dict(env)
+        self.log = os.path.join(self.dir, "server.log")  # its own output (Paddle's import warnings, a crash)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.pytest_server", self.path], cwd=REPO,
+                                         env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                         start_new_session=True)
+        # "ready" after the warm-up; bounded: a server stuck in it fails the run that started it, saying so
+        ready = self.proc.stdout.readline() if select.select([self.proc.stdout], [], [], START_S)[0] else b""
         if ready.strip() != b"ready":
             self.proc.kill()
-            raise RuntimeError(f"the pytest server did not start (exit {self.proc.wait()})")
+            with open(self.log, errors="replace") as f:
+                raise RuntimeError(f"the pytest server did not start (exit {self.proc.wait()}):\n{f.read()[-3000:]}")
 
     def close(self) -> None:
         self.proc.stdin.close()  # the server kills what still runs and ends
@@ -211,10 +219,14 @@ _lock = threading.Lock()
 
 
 def _the_server() -> _Server:
+    """The session's server, started at its first run with the environment the session's jobs got (never a
+    variable a test set for a moment: tests/early.py)."""
     global _server
+    from tests import early
+
     with _lock:
         if _server is None:
-            _server = _Server()
+            _server = _Server(early.environment())
         return _server
 
 
@@ -235,12 +247,13 @@ class Running:
 
 
 def run(args: list[str], cwd: str, timeout: float, env: dict | None = None, nice: int = 0,
-        started=None) -> subprocess.CompletedProcess:
+        started=None, server: _Server | None = None) -> subprocess.CompletedProcess:
     """``python -m pytest *args`` in ``cwd`` as ``subprocess.run(..., capture_output=True, text=True, timeout=...)``
-    does it, forked from the server. ``started(Running)`` is called with the run's process group once it exists."""
+    does it, forked from the server (the session's unless given). ``started(Running)`` is called with the run's
+    process group once it exists."""
     env = dict(os.environ if env is None else env)
     cmd = [sys.executable, "-m", "pytest", *args]
-    server = _the_server()
+    server = server or _the_server()
     if _import_time_env(env) != _import_time_env(server.env):
         if nice:
             cmd = ["nice", "-n", str(nice), *cmd]
