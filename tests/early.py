@@ -30,6 +30,7 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _env: dict[str, str] | None = None
 _running: set[subprocess.Popen] = set()
 _lock = threading.Lock()
+_stopping = threading.Event()
 
 
 def job(fixture: str, prepare: Callable | None = None, after_the_others: bool = False):
@@ -99,6 +100,8 @@ def start(items, tmp_path_factory) -> None:
 
 def _after(others, fn, tmp_path_factory):
     concurrent.futures.wait(others)  # their results (or errors) are their readers' to judge
+    if _stopping.is_set():  # an interrupted session: the others were killed, and this one never starts
+        raise RuntimeError("the session ended before this job started")
     return fn(tmp_path_factory)
 
 
@@ -170,6 +173,7 @@ def _kill(proc: subprocess.Popen) -> None:
 def stop() -> None:
     """At the session's end: kill what still runs (an interrupted session), then let the threads end."""
     global _pool
+    _stopping.set()
     with _lock:
         for proc in list(_running):
             _kill(proc)
@@ -177,3 +181,4 @@ def stop() -> None:
         _pool.shutdown(wait=True, cancel_futures=True)
     _pool = None
     _futures.clear()
+    _stopping.clear()

@@ -74,3 +74,9 @@ def test_a_job_after_the_others_starts_once_every_other_job_is_done():
     failed = concurrent.futures.Future()
     failed.set_exception(RuntimeError("a job failed"))
     assert early._after([failed], lambda factory: "ran", None) == "ran", "a failed job's error is its readers' to judge"
+    early._stopping.set()  # an interrupted session: the job never starts
+    try:
+        with pytest.raises(RuntimeError, match="ended before this job started"):
+            early._after([failed], lambda factory: pytest.fail("started after the session ended"), None)
+    finally:
+        early._stopping.clear()
