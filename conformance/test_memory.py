@@ -15,6 +15,7 @@ import json
 import os
 import select
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -157,23 +158,47 @@ def _in_child(fn) -> dict:
     return json.loads(data)
 
 
+def _peak(session, spec, bound_kib: float) -> dict:
+    """``_measure`` in a forked child; at or over ``bound_kib``, once more in a second child from the same
+    state (the update ran in the first child only), the lower peak kept and both given (``peaks_kib``). Why:
+    twice in about ten runs of ``pytest tests`` on a loaded machine the reference, which peaks at 74 MiB
+    here (every idle run, gc on or off), measured 144 MiB and more, once forked from a test process beside
+    thirty others and once under xdist; the cause is not known. A loader that holds what the rule forbids
+    is over the bound every time, so a second measurement spares only a one-off excursion, and says so
+    (a warning naming both peaks)."""
+    result = _in_child(lambda: _measure(session, spec))
+    if result.get("peak_kib", 0) >= bound_kib:
+        again = _in_child(lambda: _measure(session, spec))
+        if "peak_kib" in again:
+            peaks = [result["peak_kib"], again["peak_kib"]]
+            result = dict(min(result, again, key=lambda r: r["peak_kib"]), peaks_kib=peaks)
+            if result["peak_kib"] < bound_kib:
+                warnings.warn(f"MEM: first peak {peaks[0] / 1024:.0f} MiB at or over the bound "
+                              f"{bound_kib / 1024:.0f} MiB, the second {peaks[1] / 1024:.0f} MiB under it")
+    return result
+
+
+def _peaks(result: dict) -> str:
+    return f" (measured twice: {', '.join(f'{p / 1024:.0f}' for p in result['peaks_kib'])} MiB)" if "peaks_kib" in result else ""
+
+
 @pytest.mark.rule("MEM-SNAPSHOT-PEAK")
 @pytest.mark.parametrize("layout,k,tensors", CASES)
 def test_snapshot_update_peak_memory(loader, snapshots, layout, k, tensors):
     spec = _spec(tensors)
     model_dir = snapshots(layout, k, tensors)
     session = loader.open(spec, model_dir=model_dir)
-    result = _in_child(lambda: _measure(session, spec))
+    bound = spec.nbytes * (1 + 1.5 / k) / 1024 + SLACK_MIB * 1024
+    result = _peak(session, spec, bound)
     if "skip" in result:
         pytest.skip(result["skip"])
     where = f"{layout} snapshot of {k} file(s) in {model_dir}, model M = {spec.nbytes // MIB} MiB"
     check.that("error" not in result, f"{where}: the update failed in the measuring child: {result.get('error')}")
-    bound = spec.nbytes * (1 + 1.5 / k) / 1024 + SLACK_MIB * 1024
     peak = result["peak_kib"]
     check.that(
         peak < bound,
-        f"{where}: peak resident growth {peak / 1024:.0f} MiB ({peak * 1024 / spec.nbytes:.2f} M) during update(), "
-        f"expected under M (1 + 1.5/{k}) + {SLACK_MIB} MiB = {bound / 1024:.0f} MiB",
+        f"{where}: peak resident growth {peak / 1024:.0f} MiB ({peak * 1024 / spec.nbytes:.2f} M){_peaks(result)} "
+        f"during update(), expected under M (1 + 1.5/{k}) + {SLACK_MIB} MiB = {bound / 1024:.0f} MiB",
     )
 
 
@@ -240,17 +265,17 @@ def test_snapshot_peak_memory_with_unknown_tensors(loader, snapshots_with_unknow
     for name in os.listdir(shared_dir):  # the shared fallback lives in the session's shared directory
         os.link(os.path.join(shared_dir, name), os.path.join(loader.shared_dir, name))
     session = loader.open(spec, model_dir=model_dir)
-    result = _in_child(lambda: _measure(session, spec))
+    bound = (spec.nbytes + 1.5 * largest) / 1024 + SLACK_MIB * 1024
+    result = _peak(session, spec, bound)
     if "skip" in result:
         pytest.skip(result["skip"])
     where = (f"{layout} snapshot of {k} file(s) in {model_dir}, model M = {spec.nbytes // MIB} MiB, "
              f"{unknown * TENSOR_MIB} MiB of tensors the model lacks, largest file F = {largest // MIB} MiB")
     check.that("error" not in result, f"{where}: the update failed in the measuring child: {result.get('error')}")
-    bound = (spec.nbytes + 1.5 * largest) / 1024 + SLACK_MIB * 1024
     peak = result["peak_kib"]
     check.that(
         peak < bound,
-        f"{where}: peak resident growth {peak / 1024:.0f} MiB during update(), expected under M + 1.5 F + "
+        f"{where}: peak resident growth {peak / 1024:.0f} MiB{_peaks(result)} during update(), expected under M + 1.5 F + "
         f"{SLACK_MIB} MiB = {bound / 1024:.0f} MiB (one file beyond the model; every file's tensors held: "
         f"{(spec.nbytes + unknown * TENSOR_MIB * MIB) // MIB} MiB)",
     )
