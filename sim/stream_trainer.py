@@ -22,6 +22,7 @@ reply (a slow trainer); ``step``, when set, is the only step the stream answers 
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -34,6 +35,8 @@ import numpy as np
 import zmq
 
 from . import stream_wire as wire
+
+_WAKE_IDS = itertools.count()
 
 FAULTS = ("fail", "stall", "cancel", "end", "hang", "corrupt", "die-after-end")
 
@@ -76,7 +79,9 @@ class StreamTrainer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
         # close() wakes the serving loop at once through this pair (no polling interval to wait out)
-        self._wake_address = f"inproc://stream-trainer-{id(self)}"
+        # unique per trainer: an id() is reused once its object is freed, and the freed trainer's pair may still
+        # be bound (an unclosed trainer: "Address already in use" failed a zoo mutant's run once)
+        self._wake_address = f"inproc://stream-trainer-{os.getpid()}-{next(_WAKE_IDS)}"
         self._wake = ctx.socket(zmq.PAIR)
         self._wake.bind(self._wake_address)
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
