@@ -1,8 +1,6 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 
 from tests import early, pytest_server
 
@@ -20,8 +18,9 @@ def sigint_at_default() -> None:
 
 
 def run_conformance(impl_args: list[str], report_path, extra: list[str] = (), timeout: int = 300, in_job=False):
-    """Run the conformance suite in a subprocess; return (exit code, report dict, output). ``in_job``: from a
-    background job (tests/early.py: the jobs' environment, killed with the session)."""
+    """Run the conformance suite as a subprocess would (forked from tests/pytest_server.py); return (exit code,
+    report dict, output). ``in_job``: from a background job (tests/early.py: the jobs' environment and priority,
+    killed with the session)."""
     # Native tracebacks: pytest's own style parses a test module's whole source per traceback entry, and the
     # FastDeploy stand-ins fail hundreds of tests on purpose (the parts gate: 23.3 CPU-s, 14.7 native; the same
     # verdicts, root causes and messages).

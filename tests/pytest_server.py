@@ -41,7 +41,6 @@ START_S = 120  # the server's warm-up on a loaded machine (about 3 s idle)
 # Read once, at import or interpreter start: a run whose environment changes one of these runs as a subprocess.
 IMPORT_TIME = ("FLAGS_", "CUDA_", "PADDLE_", "OMP_", "MKL_", "OPENBLAS_", "LD_", "PYTHON", "CUSTOM_DEVICE", "XPU_",
                "MALLOC_", "GLIBC_", "HYPOTHESIS")
-IGNORED = ("PYTEST_CURRENT_TEST",)
 
 
 def _import_time_env(env: dict) -> dict:
@@ -57,18 +56,11 @@ def _warm() -> None:
     import paddle  # noqa: F401
     import pytest
 
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    saved = os.dup(1), os.dup(2)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    try:
-        pytest.main(["conformance", "--collect-only", "-q", "-p", "no:cacheprovider", "--impl=reference"])
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (devnull, *saved):
-            os.close(fd)
     from tests.gc_frozen import freeze_heap
+    from tests.zoo_runner import silenced
+
+    with silenced():
+        pytest.main(["conformance", "--collect-only", "-q", "-p", "no:cacheprovider", "--impl=reference"])
 
     freeze_heap()
 
@@ -127,7 +119,7 @@ def serve(path: str) -> None:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(sys.stdin, selectors.EVENT_READ, "stdin")
-    conns: dict[socket.socket, bytes] = {}
+    conns: set[socket.socket] = set()  # connections whose request has not come yet, or whose run is going
     children: dict[int, tuple[socket.socket, int]] = {}  # pidfd -> (connection, pid)
     print("ready", flush=True)
     try:
@@ -139,14 +131,14 @@ def serve(path: str) -> None:
                         return
                 elif what == "accept":
                     conn, _ = listener.accept()
-                    conns[conn] = b""
+                    conns.add(conn)
                     sel.register(conn, selectors.EVENT_READ, "conn")
                 elif what == "conn":
                     conn = key.fileobj
                     msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
                     if not msg:
                         sel.unregister(conn)
-                        conns.pop(conn, None)
+                        conns.discard(conn)
                         conn.close()
                         continue
                     request = json.loads(msg)
@@ -172,7 +164,7 @@ def serve(path: str) -> None:
                         conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
                     except OSError:
                         pass  # the client gave up (its timeout) and left
-                    conns.pop(conn, None)
+                    conns.discard(conn)
                     conn.close()
     finally:
         for conn, pid in children.values():

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from conformance import expectations as expect
-from tests import pytest_server
 from conformance.spec import rules
+from tests import pytest_server
 
 pytestmark = pytest.mark.timeout(900)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

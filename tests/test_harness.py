@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from conformance import check
-from tests import pytest_server
 from conformance.adapter import Observed
 from conformance.spec import rules
+from tests import pytest_server
 
 # Module fixtures run whole pytest subprocesses; their setup counts against the first test's timeout.
 pytestmark = pytest.mark.timeout(600)

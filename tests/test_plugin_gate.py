@@ -21,9 +21,9 @@ import jsonschema
 import pytest
 
 from conformance import expectations as expect
-from tests import pytest_server
 from conformance import report as rep
 from conformance.spec import area, devices, levels, rules
+from tests import pytest_server
 from tests.test_harness import FAKE_ADAPTER, PYTEST_INI, _pytest
 
 pytestmark = pytest.mark.timeout(600)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -104,8 +105,6 @@ def test_the_server_ends_with_its_runs_when_its_session_does(tmp_path):
     server = pytest_server._Server(dict(os.environ))
     (tmp_path / "test_sleeps.py").write_text("import time\ndef test_sleeps():\n    time.sleep(60)\n")
     started = []
-    import threading
-
     waiter = threading.Thread(target=lambda: _run_ignoring_errors(server, tmp_path, started.append), daemon=True)
     waiter.start()
     deadline = time.monotonic() + 60

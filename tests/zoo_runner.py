@@ -12,6 +12,7 @@ writes DIR/MUTANT.json (the conformance report) and DIR/MUTANT.log (the child's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -35,22 +36,30 @@ def warm_imports() -> None:
     importlib.import_module("tests.mutants").all_mutants()
     # One in-process collection leaves the assertion-rewritten test modules in sys.modules, so the
     # children do not recompile them (~0.7 s each), and tells which modules hold each rule's tests.
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    saved = os.dup(1), os.dup(2)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    try:
+    with silenced():
         pytest.main(["conformance", "--collect-only", "-q", "-p", "no:cacheprovider", "--impl=reference",
                      "-m", TIERS_AND_THE_REST], plugins=[RuleModules()])
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        os.close(devnull)
     # Everything imported so far lives as long as the server: frozen, each child's collections (pytest runs
     # two full ones as it ends, ~0.2 s each over Paddle's heap) skip it.
     from tests.gc_frozen import freeze_heap
 
     freeze_heap()
+
+
+@contextlib.contextmanager
+def silenced():
+    """File descriptors 1 and 2 on /dev/null for the block (a warm-up's collection prints the whole suite)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(1), os.dup(2)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (devnull, *saved):
+            os.close(fd)
 
 
 # rule -> the conformance modules holding its tests, from the server's collection (empty: not collected yet)
