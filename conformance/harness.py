@@ -351,24 +351,6 @@ def rss_kib() -> int:
     raise RuntimeError("/proc/self/status has no VmRSS line")
 
 
-def pin_malloc_threshold(nbytes: int = 128 << 10) -> bool:
-    """Fix glibc's mmap threshold at ``nbytes`` (``mallopt(M_MMAP_THRESHOLD)``), so that every buffer of
-    at least that size is its own mapping, returned to the kernel when freed. Unpinned, glibc raises the
-    threshold to the size of any mapped block freed (up to 32 MiB): from then on such buffers come from
-    the heap, whose freed holes stay resident, and a peak measures the allocator's history instead of
-    what the loader holds. Returns False where the C library has no ``mallopt`` (not glibc)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_mmap_threshold = -3
-    return mallopt(ctypes.c_int(m_mmap_threshold), ctypes.c_int(nbytes)) == 1
-
-
 def reset_peak_rss() -> None:
     """Reset the kernel's high-water mark to the current RSS (``echo 5 > /proc/self/clear_refs``),
     so that a later ``peak_rss_kib()`` measures from here."""

@@ -2,25 +2,25 @@
 
 The session is opened in the test process (the models are lazy: nothing is allocated), then a
 forked child (Paddle is already imported, so a fork costs milliseconds) freezes the garbage
-collector's view of the inherited objects (a collection would otherwise copy their pages), takes
-its resident size as the baseline, resets the kernel's high-water mark (``/proc/self/clear_refs``
+collector's view of the inherited objects (a collection would otherwise copy their pages), holds
+the free chunks of the heap it inherited (``conformance.heap``: a worker's freed holes otherwise serve
+the update's tensors, and the peak measured what the worker ran before), takes its resident size as
+the baseline, resets the kernel's high-water mark (``/proc/self/clear_refs``
 "5"), runs ``update()``, reads ``VmHWM`` and reports to the parent over a pipe as JSON. The
 technique is ``benchmarks/snapshot_memory.py``'s.
 
 Files are written once per module, filled with zeros (cheap to build).
 """
-import ctypes
 import gc
 import json
 import os
 import select
 import time
-import warnings
 
 import numpy as np
 import pytest
 
-from conformance import check
+from conformance import check, heap
 from fixtures import models as M
 from fixtures import snapshot as S
 
@@ -87,41 +87,25 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-
-
-def _fix_mmap_threshold() -> None:
-    """glibc raises its mmap threshold to the size of each mmapped block freed (up to 32 MiB), after which a
-    16 MiB tensor comes from the heap and, freed, stays resident there: the same update of the same files
-    then peaked anywhere from 73 to 144 MiB from run to run, depending on what the process had freed before
-    the fork. Setting the threshold fixes it (and turns the dynamic raise off), so every block of 1 MiB or
-    more is mapped on its own and given back when freed: the peak counts what the loader holds. Where the C
-    library has no ``mallopt`` (not glibc) nothing is set."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
-        libc.malloc_trim(0)
-    except AttributeError:
-        pass
-
-
 def _measure(session, spec) -> dict:
     """In the forked child: peak resident growth of one update over the baseline."""
-    _fix_mmap_threshold()
     gc.freeze()  # inherited objects: a collection must not copy their pages into this child
-    base = _status_kib("VmRSS")
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError as e:
-        return {"skip": f"cannot reset VmHWM through /proc/self/clear_refs: {e}"}
-    start = time.perf_counter()
-    session.update()
-    seconds = time.perf_counter() - start
-    peak = _status_kib("VmHWM") - base
+    with heap.isolated() as plug:  # the worker's freed holes must not serve (and inflate) the update
+        base = _status_kib("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError as e:
+            return {"skip": f"cannot reset VmHWM through /proc/self/clear_refs: {e}"}
+        start = time.perf_counter()
+        session.update()
+        seconds = time.perf_counter() - start
+        peak = _status_kib("VmHWM") - base
     # Reading the parameters back (observe() copies every byte twice) would cost more than the
     # update: whether they hold the right bytes is every other rule's business.
-    return {"peak_kib": peak, "base_kib": base, "seconds": seconds}
+    held = (f"{plug.plugged_bytes / MIB:.0f} MiB of inherited free chunks held in {plug.arenas} arena(s)"
+            if plug.applied else f"heap not isolated: {plug.why}")
+    return {"peak_kib": peak, "base_kib": base, "seconds": seconds, "heap": held}
 
 
 def _in_child(fn) -> dict:
@@ -158,30 +142,6 @@ def _in_child(fn) -> dict:
     return json.loads(data)
 
 
-def _peak(session, spec, bound_kib: float) -> dict:
-    """``_measure`` in a forked child; at or over ``bound_kib``, once more in a second child from the same
-    state (the update ran in the first child only), the lower peak kept and both given (``peaks_kib``). Why:
-    twice in about ten runs of ``pytest tests`` on a loaded machine the reference, which peaks at 74 MiB
-    here (every idle run, gc on or off), measured 144 MiB and more, once forked from a test process beside
-    thirty others and once under xdist; the cause is not known. A loader that holds what the rule forbids
-    is over the bound every time, so a second measurement spares only a one-off excursion, and says so
-    (a warning naming both peaks)."""
-    result = _in_child(lambda: _measure(session, spec))
-    if result.get("peak_kib", 0) >= bound_kib:
-        again = _in_child(lambda: _measure(session, spec))
-        if "peak_kib" in again:
-            peaks = [result["peak_kib"], again["peak_kib"]]
-            result = dict(min(result, again, key=lambda r: r["peak_kib"]), peaks_kib=peaks)
-            if result["peak_kib"] < bound_kib:
-                warnings.warn(f"MEM: first peak {peaks[0] / 1024:.0f} MiB at or over the bound "
-                              f"{bound_kib / 1024:.0f} MiB, the second {peaks[1] / 1024:.0f} MiB under it")
-    return result
-
-
-def _peaks(result: dict) -> str:
-    return f" (measured twice: {', '.join(f'{p / 1024:.0f}' for p in result['peaks_kib'])} MiB)" if "peaks_kib" in result else ""
-
-
 @pytest.mark.rule("MEM-SNAPSHOT-PEAK")
 @pytest.mark.parametrize("layout,k,tensors", CASES)
 def test_snapshot_update_peak_memory(loader, snapshots, layout, k, tensors):
@@ -189,7 +149,7 @@ def test_snapshot_update_peak_memory(loader, snapshots, layout, k, tensors):
     model_dir = snapshots(layout, k, tensors)
     session = loader.open(spec, model_dir=model_dir)
     bound = spec.nbytes * (1 + 1.5 / k) / 1024 + SLACK_MIB * 1024
-    result = _peak(session, spec, bound)
+    result = _in_child(lambda: _measure(session, spec))
     if "skip" in result:
         pytest.skip(result["skip"])
     where = f"{layout} snapshot of {k} file(s) in {model_dir}, model M = {spec.nbytes // MIB} MiB"
@@ -197,8 +157,8 @@ def test_snapshot_update_peak_memory(loader, snapshots, layout, k, tensors):
     peak = result["peak_kib"]
     check.that(
         peak < bound,
-        f"{where}: peak resident growth {peak / 1024:.0f} MiB ({peak * 1024 / spec.nbytes:.2f} M){_peaks(result)} "
-        f"during update(), expected under M (1 + 1.5/{k}) + {SLACK_MIB} MiB = {bound / 1024:.0f} MiB",
+        f"{where}: peak resident growth {peak / 1024:.0f} MiB ({peak * 1024 / spec.nbytes:.2f} M) "
+        f"during update() ({result['heap']}), expected under M (1 + 1.5/{k}) + {SLACK_MIB} MiB = {bound / 1024:.0f} MiB",
     )
 
 
@@ -266,7 +226,7 @@ def test_snapshot_peak_memory_with_unknown_tensors(loader, snapshots_with_unknow
         os.link(os.path.join(shared_dir, name), os.path.join(loader.shared_dir, name))
     session = loader.open(spec, model_dir=model_dir)
     bound = (spec.nbytes + 1.5 * largest) / 1024 + SLACK_MIB * 1024
-    result = _peak(session, spec, bound)
+    result = _in_child(lambda: _measure(session, spec))
     if "skip" in result:
         pytest.skip(result["skip"])
     where = (f"{layout} snapshot of {k} file(s) in {model_dir}, model M = {spec.nbytes // MIB} MiB, "
@@ -275,7 +235,8 @@ def test_snapshot_peak_memory_with_unknown_tensors(loader, snapshots_with_unknow
     peak = result["peak_kib"]
     check.that(
         peak < bound,
-        f"{where}: peak resident growth {peak / 1024:.0f} MiB{_peaks(result)} during update(), expected under M + 1.5 F + "
+        f"{where}: peak resident growth {peak / 1024:.0f} MiB during update() ({result['heap']}), "
+        f"expected under M + 1.5 F + "
         f"{SLACK_MIB} MiB = {bound / 1024:.0f} MiB (one file beyond the model; every file's tensors held: "
         f"{(spec.nbytes + unknown * TENSOR_MIB * MIB) // MIB} MiB)",
     )
@@ -315,7 +276,7 @@ def test_stream_first_load_holds_one_model(loader, strategy):
     bound = spec.nbytes * STREAM_BOUND_M / 1024 + SLACK_MIB * 1024
     peak = result["peak_kib"]
     check.that(peak < bound, f"{where}: peak resident growth {peak / 1024:.0f} MiB ({peak * 1024 / spec.nbytes:.2f} M) "
-               f"during update(), expected under {STREAM_BOUND_M} M + {SLACK_MIB} MiB = {bound / 1024:.0f} MiB")
+               f"during update() ({result['heap']}), expected under {STREAM_BOUND_M} M + {SLACK_MIB} MiB = {bound / 1024:.0f} MiB")
 
 
 STREAM_BOUND_M = 1.5

@@ -794,28 +794,6 @@ def test_status_watcher_sees_the_status_during_an_action():
     assert watch.seen == ["CLEARED", "UPDATING", "NORMAL"] and not watch.errors and watch.polls > 3, (watch.seen, watch.polls)
 
 
-def test_pinned_malloc_threshold_returns_freed_buffers_whatever_came_before():
-    """glibc raises its mmap threshold after a mapped block is freed, and heap holes stay resident: once
-    pinned, a freed 16 MiB buffer leaves the resident set even after a 20 MiB one raised the threshold."""
-    import numpy as np
-
-    from conformance import harness
-
-    def child():
-        np.ones((20 << 20) // 8).sum()  # freed: the unpinned threshold rises to 20 MiB
-        pinned = harness.pin_malloc_threshold()
-        base = harness.rss_kib()
-        held = [np.ones((16 << 20) // 8) for _ in range(4)]
-        grown = harness.rss_kib() - base
-        del held
-        return {"pinned": pinned, "grown": grown, "left": harness.rss_kib() - base}
-
-    result = harness.in_child(child)
-    assert result["pinned"] is True, result
-    assert result["grown"] > 60 << 10, f"4 x 16 MiB grew the resident set by only {result['grown']} KiB"
-    assert result["left"] < 8 << 10, f"{result['left']} KiB still resident after freeing 4 x 16 MiB with the threshold pinned"
-
-
 # -- output within the terminal's width -----------------------------------------------------------
 class _Reporter:
     """What the plugin's printers use of pytest's terminal reporter, into a string."""

@@ -14,7 +14,7 @@ import gc
 
 import numpy as np
 
-from conformance import harness
+from conformance import harness, heap
 from fixtures import models as M
 from fixtures import snapshot as S
 from reference import WeightManager
@@ -45,18 +45,19 @@ def _write(model_dir, rank: int, gpu_id: int) -> None:
 
 def _update_without_collector(manager: WeightManager) -> dict:
     """In the forked child: update with the collector off and ``gc.collect`` counted."""
-    # Buffers this big must be returned when freed: an earlier test in this process may have raised
-    # glibc's threshold so that they sit in heap holes that stay resident.
-    assert harness.pin_malloc_threshold(), "mallopt(M_MMAP_THRESHOLD) refused"
     gc.freeze()
     gc.disable()
     collections = []
     real = gc.collect
     gc.collect = lambda *a, **k: collections.append(a) or real(*a, **k)
-    base = harness.rss_kib()
-    harness.reset_peak_rss()
-    manager.update()
-    peak_kib = harness.peak_rss_kib() - base
+    # Buffers this big must be returned when freed: an earlier test in this process may have left heap
+    # holes that would serve them and stay resident.
+    with heap.isolated() as plug:
+        assert plug.applied, plug.why
+        base = harness.rss_kib()
+        harness.reset_peak_rss()
+        manager.update()
+        peak_kib = harness.peak_rss_kib() - base
     dup = manager.params["dup.weight"].numpy()
     return {"peak_kib": peak_kib, "collections": len(collections), "status": manager.status.name,
             "dup": [float(dup.min()), float(dup.max())], "applied": [e.applied for e in manager.trace]}
