@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait as wait_futures
 from dataclasses import dataclass, field
 
 import zmq
@@ -299,6 +299,7 @@ class Roundtrip:
         pool = ThreadPoolExecutor(self.ranks, thread_name_prefix="sim-update")
         try:
             futures = {rank: pool.submit(self._update, rank, version) for rank in range(self.ranks)}
+            interrupt.sliced(lambda seconds: not wait_futures(futures.values(), timeout=seconds).not_done, math.inf)
             for rank, fut in futures.items():
                 try:
                     fut.result()

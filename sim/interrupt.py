@@ -23,6 +23,7 @@ import threading
 import time
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SLICE_S = 0.1  # the longest a main thread's wait goes without running Python's signal handlers
 HOLD_S = 120.0  # a --hold-at pause ends by itself after this long
 UNWIND_S = 5  # a trainer told to stop is ended by the kernel (SIGALRM) if it is still running this long after
 PR_SET_PDEATHSIG = 1
@@ -63,6 +64,22 @@ def install() -> None:
     _state.update(signum=None, raised=False, shield=0)
     for s in SIGNALS:
         signal.signal(s, _handler)
+
+
+def sliced(wait, timeout_s: float) -> bool:
+    """``wait(seconds)`` (true when what it waits for has come), in waits of at most ``SLICE_S`` until
+    ``timeout_s`` pass; what the last one returned. Every long wait of a main thread goes through here:
+    the kernel gives a process's signal to any of its threads that does not block it (a zmq I/O thread,
+    the parent watcher, an update thread), whose C handler only flags it; the main thread runs the
+    Python handler when it next runs bytecode, which a wait of 60 s in C postponed by up to 60 s (a CLI
+    that waited out its worker's timeout after SIGTERM; a trainer that outlived its CLI's stop)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if wait(min(max(left, 0.0), SLICE_S)):
+            return True
+        if left <= SLICE_S:
+            return False
 
 
 def pending() -> bool:

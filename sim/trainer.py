@@ -126,7 +126,7 @@ class BucketTrainer:
         deadline = time.monotonic() + self.timeout_s
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000)):
+            if left <= 0 or not interrupt.sliced(self._poll, left):
                 raise protocol.TransferTimeout(f"trainer at {self.endpoint}: no {where} from the worker within {self.timeout_s:g}s")
             frames = self.sock.recv_multipart()
             if len(frames) != 3 or frames[1] != b"":
@@ -138,6 +138,9 @@ class BucketTrainer:
             # Another worker while one update is in flight: refuse it instead of mixing the two.
             self._send(peer, protocol.abort(message.get("version") or 0, "trainer busy with another worker"))
 
+    def _poll(self, seconds: float) -> bool:
+        return bool(self.sock.poll(int(seconds * 1000)))
+
     def _send(self, ident: bytes, message: dict) -> None:
         self.sock.send_multipart([ident, b"", protocol.encode(message)])
 
@@ -145,7 +148,7 @@ class BucketTrainer:
         if kill and k > 0:
             # Die only once manifest k-1 surely arrived (its ack is waiting), so the worker's error
             # names bucket k; a SIGKILL right after send() could lose the queued manifest.
-            self.sock.poll(int(self.timeout_s * 1000))
+            interrupt.sliced(self._poll, self.timeout_s)
         dst = np.frombuffer(self.segments[k % 2].buf, np.uint8)
         try:
             for i, p in enumerate(layout[k]):
@@ -284,7 +287,7 @@ def trainer_main(cfg: TrainerConfig) -> None:
                 buckets = trainer.publish(state, version, kill_at_bucket=kill, hold=hold)
             else:
                 for expected in ("publish", "release"):
-                    if not control.poll(int(cfg.timeout_s * 1000)):
+                    if not interrupt.sliced(lambda seconds: control.poll(int(seconds * 1000)), cfg.timeout_s):
                         raise protocol.TransferTimeout(f"trainer {cfg.rank}: no {expected} request within {cfg.timeout_s:g}s")
                     request = protocol.decode(control.recv(), "control request", allowed=(expected,))
                     if expected == "publish":

@@ -233,6 +233,96 @@ def test_trainers_die_with_a_killed_cli(held):
     assert not run.segments(), f"segments left by the trainers: {run.segments()}"
 
 
+_SYS_TGKILL = {"x86_64": 234, "aarch64": 131}
+
+
+def _tgkill(pid: int, tid: int, signum: int) -> None:
+    """Send ``signum`` to thread ``tid`` of process ``pid`` (tgkill(2)), as the kernel does when it picks that
+    thread for a signal sent to the whole process."""
+    import ctypes
+    import platform
+
+    number = _SYS_TGKILL.get(platform.machine())
+    if number is None:
+        pytest.skip(f"tgkill's system call number is not known here ({platform.machine()})")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, pid, tid, signum) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {signum})")
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Not exited: an exited child its CLI has not reaped yet (a zombie, while the CLI holds) has ended."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _settles_in_poll(pid: int, samples: int = 10, within_s: float = 20.0) -> bool:
+    """The main thread of ``pid`` is seen waiting in poll ``samples`` times in a row, 20 ms apart: its
+    wait for the worker's message, not the making of the next version's state."""
+    seen, deadline = 0, time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/wchan") as f:
+                seen = seen + 1 if "poll" in f.read() else 0
+        except OSError:
+            return False
+        if seen >= samples:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _takers(pid: int, signum: int) -> list[int]:
+    """The threads of ``pid`` other than its main one that do not block ``signum``: where the kernel may
+    deliver a signal sent to the process."""
+    takers = []
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        if tid == pid:
+            continue
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/status") as f:
+            blocked = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+            if not blocked & (1 << (signum - 1)):
+                takers.append(tid)
+    return takers
+
+
+@pytest.mark.parametrize("who", ["cli", "trainer"])
+def test_a_sigterm_another_thread_takes_still_stops_the_process(held, who):
+    """The kernel may give a SIGTERM sent to a process to any of its threads that does not block it; its C
+    handler only flags the signal, and the Python handler runs when the main thread next runs bytecode. A
+    main thread in one long wait (the CLI on its update threads, a trainer in its poll for the worker's
+    next message) must still stop within its bound: stop 29's and 31's runs that waited out a 60 s timeout,
+    or a trainer still running 10 s after its CLI's stop. Each thread that could take the signal gets it
+    (tgkill), the main thread never."""
+    run = held(PHASES["before-first-bucket"] if who == "cli" else PHASES["verification"])
+    if who == "cli":
+        takers = _takers(run.proc.pid, signal.SIGTERM)
+        assert takers, "premise: the CLI has threads that do not block SIGTERM (its update threads, zmq's)"
+        start = time.monotonic()
+        _tgkill(run.proc.pid, takers[0], signal.SIGTERM)
+        try:
+            out, err = run.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the CLI still ran 60 s after SIGTERM reached its thread {takers[0]}")
+        _nothing_left(run, run.proc.returncode, run.err + err + out, time.monotonic() - start, signal.SIGTERM,
+                      WHERE["before-first-bucket"])
+        return
+    trainers = sorted((c for c in run.children if "spawn_main" in " ".join(_cmdline(c))), key=lambda c: c.pid)
+    assert len(trainers) == 2, f"expected 2 trainer processes, found {[_cmdline(c) for c in run.children]}"
+    trainer = trainers[0]  # waiting for the worker's hello of version 2 (up to 240 s): the CLI holds at verification
+    takers = _takers(trainer.pid, signal.SIGTERM)
+    assert takers, "premise: the trainer has threads that do not block SIGTERM (zmq's, the parent watcher)"
+    assert _settles_in_poll(trainer.pid), f"premise: trainer {trainer.pid}'s main thread never settled in its poll"
+    _tgkill(trainer.pid, takers[0], signal.SIGTERM)
+    deadline = time.monotonic() + EXIT_WITHIN_S
+    while _running(trainer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(trainer), f"trainer {trainer.pid} still running {EXIT_WITHIN_S} s after SIGTERM reached its thread {takers[0]}"
+    assert not [n for n in run.segments() if _pid(n) == trainer.pid], f"segments left by trainer {trainer.pid}: {run.segments()}"
+
+
 # A stand-in trainer whose unwinding hangs; given a path, its release (the segments a trainer unlinks) appends the
 # time to that file.
 _STOP_HANGS = """
