@@ -69,10 +69,11 @@ def install() -> None:
 def sliced(wait, timeout_s: float) -> bool:
     """``wait(seconds)`` (true when what it waits for has come), in waits of at most ``SLICE_S`` until
     ``timeout_s`` pass; what the last one returned. Every long wait of a main thread goes through here:
-    the kernel gives a process's signal to any of its threads that does not block it (a zmq I/O thread,
-    the parent watcher, an update thread), whose C handler only flags it; the main thread runs the
-    Python handler when it next runs bytecode, which a wait of 60 s in C postponed by up to 60 s (a CLI
-    that waited out its worker's timeout after SIGTERM; a trainer that outlived its CLI's stop)."""
+    the kernel gives a process's signal to any of its threads that does not block it (an update thread, a
+    trainer's parent watcher; zmq's own threads block every signal), whose C handler only flags it; the
+    main thread runs the Python handler when it next runs bytecode, which one wait of 60 s in C put off by
+    up to 60 s (a CLI that waited out its worker's timeout after SIGTERM; a trainer that outlived its CLI's
+    stop)."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()

@@ -299,7 +299,7 @@ def test_a_sigterm_another_thread_takes_still_stops_the_process(held, who):
     run = held(PHASES["before-first-bucket"] if who == "cli" else PHASES["verification"])
     if who == "cli":
         takers = _takers(run.proc.pid, signal.SIGTERM)
-        assert takers, "premise: the CLI has threads that do not block SIGTERM (its update threads, zmq's)"
+        assert takers, "premise: the CLI has threads that do not block SIGTERM (its update threads)"
         start = time.monotonic()
         _tgkill(run.proc.pid, takers[0], signal.SIGTERM)
         try:
@@ -313,7 +313,7 @@ def test_a_sigterm_another_thread_takes_still_stops_the_process(held, who):
     assert len(trainers) == 2, f"expected 2 trainer processes, found {[_cmdline(c) for c in run.children]}"
     trainer = trainers[0]  # waiting for the worker's hello of version 2 (up to 240 s): the CLI holds at verification
     takers = _takers(trainer.pid, signal.SIGTERM)
-    assert takers, "premise: the trainer has threads that do not block SIGTERM (zmq's, the parent watcher)"
+    assert takers, "premise: the trainer has threads that do not block SIGTERM (its parent watcher)"
     assert _settles_in_poll(trainer.pid), f"premise: trainer {trainer.pid}'s main thread never settled in its poll"
     _tgkill(trainer.pid, takers[0], signal.SIGTERM)
     deadline = time.monotonic() + EXIT_WITHIN_S
