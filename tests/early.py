@@ -24,22 +24,28 @@ from typing import Callable
 # fixture name -> the job computing its value, in the order the jobs start (and their tests run)
 JOBS: dict[str, Callable] = {}
 _PREPARE: dict[str, Callable] = {}
+_LAST: set[str] = set()  # jobs that start once every other job is done
 _futures: dict[str, concurrent.futures.Future] = {}
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _env: dict[str, str] | None = None
 _running: set[subprocess.Popen] = set()
 _lock = threading.Lock()
+_stopping = threading.Event()
 
 
-def job(fixture: str, prepare: Callable | None = None):
+def job(fixture: str, prepare: Callable | None = None, after_the_others: bool = False):
     """Declare ``fn(tmp_path_factory)`` as the job behind ``fixture`` (the fixture calls ``result``). ``prepare()``,
     if given, runs before any job starts, on a machine not yet loaded by them (a probe that the jobs would slow
-    down a hundredfold: the zoo's network namespaces took 60 s beside them)."""
+    down a hundredfold: the zoo's network namespaces took 60 s beside them). ``after_the_others``: the job starts
+    once every other job of the session is done (a job of deadlines, which the others' load would break, that
+    mostly waits: it overlaps the foreground's last tests instead of adding to them)."""
 
     def register(fn):
         JOBS[fixture] = fn
         if prepare is not None:
             _PREPARE[fixture] = prepare
+        if after_the_others:
+            _LAST.add(fixture)
         return fn
 
     return register
@@ -55,17 +61,17 @@ def reorder(items) -> None:
     the jobs fill with writes), then the rest, then the tests that read a job's result, grouped by job in the order
     the jobs start, and last the modules whose deadlines need a machine the jobs no longer load
     (``RUNS_AFTER_THE_JOBS = True``: ranks that must join within seconds, trainers that must unwind within
-    theirs). No verdict depends on the order: each test reads the same results, and leaves the environment as it
-    found it."""
+    theirs), those of them that read a job's result after the rest. No verdict depends on the order: each test
+    reads the same results, and leaves the environment as it found it."""
     order = list(JOBS)
 
     def rank(item):
         module = getattr(item, "module", None)
         if getattr(module, "RUNS_BEFORE_THE_JOBS", False):
             return -1
-        if getattr(module, "RUNS_AFTER_THE_JOBS", False):
-            return len(order) + 1
         used = [i for i, name in enumerate(order) if _uses(item, name)]
+        if getattr(module, "RUNS_AFTER_THE_JOBS", False):
+            return len(order) + (2 if used else 1)  # a reader of a job started after the others: last of all
         return min(used) + 1 if used else 0
 
     items.sort(key=rank)
@@ -84,7 +90,19 @@ def start(items, tmp_path_factory) -> None:
             _PREPARE[name]()
     _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(wanted)), thread_name_prefix="early")
     for name in wanted:
-        _futures[name] = _pool.submit(JOBS[name], tmp_path_factory)
+        if name not in _LAST:
+            _futures[name] = _pool.submit(JOBS[name], tmp_path_factory)
+    others = list(_futures.values())
+    for name in wanted:
+        if name in _LAST:
+            _futures[name] = _pool.submit(_after, others, JOBS[name], tmp_path_factory)
+
+
+def _after(others, fn, tmp_path_factory):
+    concurrent.futures.wait(others)  # their results (or errors) are their readers' to judge
+    if _stopping.is_set():  # an interrupted session: the others were killed, and this one never starts
+        raise RuntimeError("the session ended before this job started")
+    return fn(tmp_path_factory)
 
 
 def result(fixture: str, tmp_path_factory):
@@ -155,6 +173,7 @@ def _kill(proc: subprocess.Popen) -> None:
 def stop() -> None:
     """At the session's end: kill what still runs (an interrupted session), then let the threads end."""
     global _pool
+    _stopping.set()
     with _lock:
         for proc in list(_running):
             _kill(proc)
@@ -162,3 +181,4 @@ def stop() -> None:
         _pool.shutdown(wait=True, cancel_futures=True)
     _pool = None
     _futures.clear()
+    _stopping.clear()

@@ -56,3 +56,27 @@ def test_a_job_process_gets_the_environment_of_the_start_not_a_test_s(monkeypatc
     monkeypatch.setenv("EARLY_JOB_PROBE", "set by a test for a moment")
     proc = early.run([sys.executable, "-c", "import os; print(os.environ.get('EARLY_JOB_PROBE'))"], REPO, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "None", (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_a_job_after_the_others_starts_once_every_other_job_is_done():
+    import concurrent.futures
+    import threading
+
+    release = [threading.Event(), threading.Event()]
+    started = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        others = [pool.submit(e.wait, 30) for e in release]
+        last = pool.submit(early._after, others, lambda factory: started.set() or factory, "factory")
+        release[0].set()
+        assert not started.wait(0.5), "it started while a job still ran"
+        release[1].set()
+        assert last.result(timeout=30) == "factory" and started.is_set()
+    failed = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("a job failed"))
+    assert early._after([failed], lambda factory: "ran", None) == "ran", "a failed job's error is its readers' to judge"
+    early._stopping.set()  # an interrupted session: the job never starts
+    try:
+        with pytest.raises(RuntimeError, match="ended before this job started"):
+            early._after([failed], lambda factory: pytest.fail("started after the session ended"), None)
+    finally:
+        early._stopping.clear()

@@ -15,7 +15,9 @@ import psutil
 import pytest
 
 from sim.ranks import Job, PathPlan, Step, default_params
+from tests import early
 from tests.conftest import REPO
+from tests.processes import ended, wait_ended
 
 # Last, once the background jobs are done (tests/early.py): beside them a rank was still importing Paddle 15 s on.
 RUNS_AFTER_THE_JOBS = True
@@ -24,25 +26,46 @@ START_S = 15.0  # the start-up's deadline here: the second start must join withi
 
 def _gone(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        return ended(psutil.Process(pid))
     except psutil.NoSuchProcess:
         return True
 
 
+HOSTS = (1, 2)
+
+
+@early.job("stalled_rendezvous", after_the_others=True)
+def _stalled_rendezvous_runs(tmp_path_factory):
+    """hosts -> the job's result (or why it cannot run here), one after the other. Each waits out its first
+    start's 15 s: a job started once the other jobs are done, so that those waits overlap the simulator's tests
+    instead of adding to them (its deadlines are kept from the other jobs' load: beside them a rank was still
+    importing Paddle 15 s on)."""
+    from sim.hosts import unavailable
+
+    results = {}
+    for hosts in HOSTS:
+        if hosts > 1 and unavailable():
+            results[hosts] = {"skip": f"two hosts need network namespaces, which cannot be made here: {unavailable()}"}
+            continue
+        plan = PathPlan("bucket", default_params(0.25), [Step(1)], cycles=1)
+        results[hosts] = Job("reference", [plan], ranks=2 * hosts, hosts=hosts, stall_join_rank=1,
+                             start_timeout_s=START_S, step_timeout_s=START_S).run()
+    return results
+
+
+@pytest.fixture(scope="module")
+def stalled_rendezvous(tmp_path_factory):
+    return early.result("stalled_rendezvous", tmp_path_factory)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("hosts", [1, 2], ids=["one-host", "two-hosts"])
-def test_a_rendezvous_that_never_completes_is_named_and_started_once_more(hosts):
+@pytest.mark.parametrize("hosts", HOSTS, ids=["one-host", "two-hosts"])
+def test_a_rendezvous_that_never_completes_is_named_and_started_once_more(stalled_rendezvous, hosts):
     """On two hosts (2 x 2 ranks, a launcher in each network namespace) the second start's master listens on
     a port of its own."""
-    if hosts > 1:
-        from sim.hosts import unavailable
-
-        if unavailable():
-            pytest.skip(f"two hosts need network namespaces, which cannot be made here: {unavailable()}")
-    plan = PathPlan("bucket", default_params(0.25), [Step(1)], cycles=1)
-    job = Job("reference", [plan], ranks=2 * hosts, hosts=hosts, stall_join_rank=1, start_timeout_s=START_S,
-              step_timeout_s=START_S)
-    result = job.run()
+    result = stalled_rendezvous[hosts]
+    if "skip" in result:
+        pytest.skip(result["skip"])
     assert "error" not in result, result.get("error")
     first = result.get("start_failures", [""])[0]
     assert first.startswith(f"not every rank joined within {START_S:g}s"), first[:3000]
@@ -105,7 +128,7 @@ def test_ranks_stuck_in_the_rendezvous_die_with_a_killed_orchestrator(tmp_path):
         ranks = [psutil.Process(e["pid"]) for e in joining]
         proc.kill()
         proc.wait(10)
-        gone, alive = psutil.wait_procs(ranks, timeout=15)
+        gone, alive = wait_ended(ranks, timeout=15)
         assert not alive, f"ranks still running 15 s after their orchestrator was killed: {[p.pid for p in alive]}"
     finally:
         with contextlib.suppress(ProcessLookupError):

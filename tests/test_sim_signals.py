@@ -26,6 +26,7 @@ from sim.cli import model_spec
 from sim.ipc_handles import leaked_segments
 from wire.protocol import align_up, plan_layout
 from tests.conftest import REPO
+from tests.processes import ended, wait_ended
 
 # Last, once the background jobs are done (tests/early.py): beside them these tests took 240 s instead of 81, and
 # a trainer of a killed CLI was ended by its kernel deadline before it unlinked its segments.
@@ -173,7 +174,7 @@ def _nothing_left(run: Run, code: int, output: str, elapsed: float, signum: int,
     for bad in ("Traceback", "FatalError", "C++ Traceback", "update failed", "KeyboardInterrupt"):
         assert bad not in output, f"{name} {where}: {bad!r} in the output:\n{output[-3000:]}"
     assert f"interrupted by {name} during {where}" in output, output[-3000:]
-    gone, alive = psutil.wait_procs(run.children, timeout=10)
+    gone, alive = wait_ended(run.children, timeout=10)
     assert not alive, f"{name} {where}: processes still running: {[(p.pid, _cmdline(p)) for p in alive]}"
     assert not run.segments(), f"{name} {where}: segments left in /dev/shm: {run.segments()}"
     assert not list(run.tmp.iterdir()), f"{name} {where}: left in TMPDIR: {list(run.tmp.iterdir())}"
@@ -228,7 +229,7 @@ def test_trainers_die_with_a_killed_cli(held):
     run = held(PHASES["mid-transfer"])
     trainers = [c for c in run.children if "spawn_main" in " ".join(_cmdline(c))]
     _killed(run)
-    gone, alive = psutil.wait_procs(trainers, timeout=10)
+    gone, alive = wait_ended(trainers, timeout=10)
     assert not alive, f"trainers still running after the CLI was killed: {[p.pid for p in alive]}"
     assert not run.segments(), f"segments left by the trainers: {run.segments()}"
 
@@ -248,14 +249,6 @@ def _tgkill(pid: int, tid: int, signum: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.syscall(number, pid, tid, signum) != 0:
         raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {signum})")
-
-
-def _running(proc: psutil.Process) -> bool:
-    """Not exited: an exited child its CLI has not reaped yet (a zombie, while the CLI holds) has ended."""
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _settles_in_poll(pid: int, samples: int = 10, within_s: float = 20.0) -> bool:
@@ -317,9 +310,9 @@ def test_a_sigterm_another_thread_takes_still_stops_the_process(held, who):
     assert _settles_in_poll(trainer.pid), f"premise: trainer {trainer.pid}'s main thread never settled in its poll"
     _tgkill(trainer.pid, takers[0], signal.SIGTERM)
     deadline = time.monotonic() + EXIT_WITHIN_S
-    while _running(trainer) and time.monotonic() < deadline:
+    while not ended(trainer) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(trainer), f"trainer {trainer.pid} still running {EXIT_WITHIN_S} s after SIGTERM reached its thread {takers[0]}"
+    assert ended(trainer), f"trainer {trainer.pid} still running {EXIT_WITHIN_S} s after SIGTERM reached its thread {takers[0]}"
     assert not [n for n in run.segments() if _pid(n) == trainer.pid], f"segments left by trainer {trainer.pid}: {run.segments()}"
 
 
@@ -388,7 +381,7 @@ def test_a_trainer_of_a_dead_orchestrator_releases_at_once(tmp_path):
         killed = time.monotonic()
         parent.kill()
         parent.wait(timeout=30)
-        gone, alive = psutil.wait_procs([trainer], timeout=UNWIND_S + 30)
+        gone, alive = wait_ended([trainer], timeout=UNWIND_S + 30)
         assert not alive, f"the trainer of a dead orchestrator still runs {UNWIND_S + 30} s on"
         times = [float(t) - killed for t in marks.read_text().split()] if marks.exists() else []
         assert times and times[0] < 4.0, f"released {times} s after its orchestrator died: expected within 4 s"
@@ -405,7 +398,7 @@ def test_the_next_run_sweeps_what_a_killed_cli_left(held):
     run = held(PHASES["mid-transfer"])
     cli = run.proc.pid
     _killed(run, read_output=False)
-    psutil.wait_procs(run.children, timeout=10)
+    wait_ended(run.children, timeout=10)
     left = [p.name for p in run.tmp.iterdir()]
     assert left and all(n.startswith(f"wscf-sim-{cli}-") for n in left), f"the killed run's directory: {left}"
     orphan = pathlib.Path("/dev/shm") / f"wscf_{cli}_0123456789ab"  # a segment its process could not unlink
@@ -571,7 +564,7 @@ def test_sim_ranks_interrupted_leaves_no_process(how):
         else:
             proc.kill()
         proc.wait(60)
-        gone, alive = psutil.wait_procs(children, timeout=15)
+        gone, alive = wait_ended(children, timeout=15)
         output = text + _drain(proc.stdout, 15)  # EOF once no process of the job holds the pipe
         assert not alive, f"{how}: still running: {[(p.pid, _cmdline(p)) for p in alive]}\n{output[-3000:]}"
         pids = {c.pid for c in children}
