@@ -1,5 +1,6 @@
 """The background jobs of the project's tests (tests/early.py): the order they impose and the processes they
 start. Their results are judged where they are read (the kill matrix, the FastDeploy gates)."""
+import os
 import subprocess
 import sys
 import time
@@ -80,3 +81,11 @@ def test_a_job_after_the_others_starts_once_every_other_job_is_done():
             early._after([failed], lambda factory: pytest.fail("started after the session ended"), None)
     finally:
         early._stopping.clear()
+
+
+def test_a_job_process_runs_at_the_jobs_priority_unless_told_otherwise():
+    probe = [sys.executable, "-c", "import os; print(os.nice(0))"]
+    mine = os.nice(0)
+    for nice, expected in ((None, min(mine + early.NICE, 19)), (0, mine)):
+        proc = early.run(probe, REPO, timeout=60) if nice is None else early.run(probe, REPO, timeout=60, nice=nice)
+        assert proc.returncode == 0 and int(proc.stdout) == expected, (nice, proc.stdout, proc.stderr)

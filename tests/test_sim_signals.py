@@ -6,6 +6,7 @@ status is 128 + the signal, within a few seconds (a Ctrl-C used to wait out the 
 report a failed update); no traceback, no Paddle stack dump, no failed update reported; every child
 process gone (psutil), no /dev/shm segment of the run's processes, and the run's directory removed.
 """
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -25,6 +26,7 @@ import pytest
 from sim.cli import model_spec
 from sim.ipc_handles import leaked_segments
 from wire.protocol import align_up, plan_layout
+from tests import early
 from tests.conftest import REPO
 from tests.processes import ended, wait_ended
 
@@ -150,21 +152,101 @@ def _pid(segment: str) -> int | None:
         return None
 
 
+META = [a for a in RUN if a not in ("--bucket-mib", "0.25")] + ["--path", "meta"]
+
+# Most of a case's time is its run's start (a CLI and two trainers, about a second). So the runs of the next
+# AHEAD cases start together, and all of them are held before the first of those cases goes on: no run starts
+# while a case judges what its own run left (a starting CLI sweeps what dead processes left in /dev/shm, which
+# would hide a leak), and none stays held long (its worker waits 60 s for the next bucket). A case selected alone
+# starts its own run the same way; a run whose case does not ask for it as declared here is not used.
+AHEAD = 4
+HOLDS = {  # a case -> (what its run holds at, its arguments), from the case's parameters
+    "test_signal_at_every_phase_exits_clean": lambda p: (PHASES[p["phase"]], RUN),
+    "test_signal_on_the_meta_path": lambda p: (PHASES[p["phase"]], META),
+    "test_ctrl_c_to_the_process_group_mid_transfer": lambda p: (PHASES["mid-transfer"], RUN),
+    "test_a_trainer_that_never_stops_is_killed_in_time": lambda p: (PHASES["verification"], RUN),
+    "test_trainers_die_with_a_killed_cli": lambda p: (PHASES["mid-transfer"], RUN),
+    "test_a_sigterm_another_thread_takes_still_stops_the_process":
+        lambda p: (PHASES["before-first-bucket"] if p["who"] == "cli" else PHASES["verification"], RUN),
+    "test_the_next_run_sweeps_what_a_killed_cli_left": lambda p: (PHASES["mid-transfer"], RUN),
+}
+
+
+def _planned(item) -> tuple[str, list[str]] | None:
+    plan = HOLDS.get(getattr(item, "originalname", None))
+    callspec = getattr(item, "callspec", None)
+    return plan(callspec.params if callspec else {}) if plan else None
+
+
+class Ahead:
+    """The runs started ahead of their cases: nodeid -> ((hold, args), Future of the held Run)."""
+
+    def __init__(self):
+        # A short TMPDIR of its own, not pytest's tmp_path: the run's ZMQ ipc sockets live there, and under
+        # pytest-xdist tmp_path is long enough to pass the 107-byte limit of a socket's path.
+        self.base = pathlib.Path(tempfile.mkdtemp(prefix="wsig"))
+        self.pool = concurrent.futures.ThreadPoolExecutor(AHEAD, thread_name_prefix="held")
+        self.runs: dict[str, tuple] = {}
+        self.count = 0
+
+    def new(self, hold, args) -> concurrent.futures.Future:
+        self.count += 1
+        return self.pool.submit(Run, self.base / str(self.count), hold, args)
+
+    def start_from(self, item) -> None:
+        """Start the runs of ``item`` and of the next cases after it that declare one, AHEAD in all; wait until
+        every one of them is held (or failed: its own case reports it)."""
+        items = item.session.items
+        batch = []
+        for other in items[items.index(item):]:
+            planned = _planned(other)
+            if len(batch) == AHEAD or planned is None or other.module is not item.module:
+                break
+            if other.nodeid not in self.runs:
+                self.runs[other.nodeid] = (planned, self.new(*planned))
+                batch.append(self.runs[other.nodeid][1])
+        concurrent.futures.wait(batch)
+
+    def take(self, item, hold, args) -> "Run":
+        if item.nodeid not in self.runs and _planned(item) is not None:
+            self.start_from(item)
+        planned, future = self.runs.pop(item.nodeid, (None, None))
+        if future is not None and planned != (hold, list(args)):
+            self.discard(future)  # declared otherwise than the case asks
+            future = None
+        return (future or self.new(hold, args)).result()
+
+    @staticmethod
+    def discard(future) -> None:
+        with contextlib.suppress(BaseException):  # a run that never held has already been killed
+            future.result().kill()
+
+    def close(self) -> None:
+        for _, future in self.runs.values():
+            self.discard(future)
+        self.pool.shutdown(wait=True)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ahead():
+    runs = Ahead()
+    yield runs
+    runs.close()
+
+
 @pytest.fixture
-def held():
-    # A short TMPDIR of its own, not pytest's tmp_path: the run's ZMQ ipc sockets live there, and under
-    # pytest-xdist tmp_path is long enough to pass the 107-byte limit of a socket's path.
-    base = pathlib.Path(tempfile.mkdtemp(prefix="wsig"))
+def held(request, ahead):
+    """``held(hold, args)``: the case's run, held at ``hold`` (started ahead when HOLDS declares it so)."""
     runs = []
 
     def start(hold, args=RUN):
-        runs.append(Run(base / str(len(runs)), hold, args))
+        runs.append(ahead.take(request.node, hold, args))
         return runs[-1]
 
     yield start
     for r in runs:
         r.kill()
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def _nothing_left(run: Run, code: int, output: str, elapsed: float, signum: int, where: str) -> None:
@@ -195,8 +277,7 @@ def test_signal_at_every_phase_exits_clean(held, phase, signum):
 def test_signal_on_the_meta_path(held, phase):
     """The meta path (a segment per trainer holding the whole model, control sockets polled by the update
     threads) exits as cleanly."""
-    meta = [a for a in RUN if a not in ("--bucket-mib", "0.25")] + ["--path", "meta"]
-    run = held(PHASES[phase], meta)
+    run = held(PHASES[phase], META)
     _nothing_left(run, *run.signal(signal.SIGTERM), signal.SIGTERM, WHERE[phase])
 
 
@@ -335,24 +416,32 @@ time.sleep(600)
 """
 
 
-def test_a_trainer_whose_stop_hangs_is_ended_by_the_kernel():
-    """A trainer told to stop that never finishes unwinding (the way trainers of a killed CLI once held its
-    output open for minutes) is ended by SIGALRM UNWIND_S after the SIGTERM, not left to run."""
+def _line(pipe, within_s: float = 60) -> str:
+    """The next line of ``pipe``, or "" when none came within ``within_s`` (a stand-in that never started)."""
+    ready, _, _ = select.select([pipe], [], [], within_s)
+    return pipe.readline() if ready else ""
+
+
+def _stop_hangs_run() -> dict:
+    """The stand-in trainer told to stop: what it printed, its exit status (None: still running UNWIND_S + 30 s
+    after its SIGTERM) and when it ended."""
     from sim.interrupt import UNWIND_S
 
-    proc = subprocess.Popen([sys.executable, "-c", _STOP_HANGS], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _STOP_HANGS], cwd=REPO, env=early.environment(), stdout=subprocess.PIPE,
+                            text=True)
     try:
-        assert proc.stdout.readline() == "ready\n", "the stand-in trainer did not start"
+        facts = {"ready": _line(proc.stdout)}
+        if facts["ready"] != "ready\n":
+            return facts
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.stdout.readline() == "stopping\n", "its SIGTERM handler did not run"
+        facts["stopping"] = _line(proc.stdout)
         try:
-            code = proc.wait(timeout=UNWIND_S + 30)
+            facts["code"] = proc.wait(timeout=UNWIND_S + 30)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"a trainer whose stop hangs still runs {UNWIND_S + 30} s after its SIGTERM")
-        elapsed = time.monotonic() - start
-        assert code == -signal.SIGALRM, f"exit {code}, expected death by SIGALRM ({-signal.SIGALRM})"
-        assert elapsed >= UNWIND_S - 1, f"ended {elapsed:.1f}s after SIGTERM, before its {UNWIND_S}s to unwind"
+            facts["code"] = None
+        facts["elapsed"] = time.monotonic() - start
+        return facts
     finally:
         proc.kill()
         proc.wait()
@@ -367,29 +456,74 @@ time.sleep(600)
 """
 
 
-def test_a_trainer_of_a_dead_orchestrator_releases_at_once(tmp_path):
+def _dead_orchestrator_run(marks: pathlib.Path) -> dict:
+    """The stand-in trainer's orchestrator SIGKILLed: whether the trainer still ran UNWIND_S + 30 s on, and the
+    times of its releases after the kill."""
+    from sim.interrupt import UNWIND_S
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _STOP_HANGS, str(marks)], cwd=REPO, env=early.environment(),
+                              stdout=subprocess.PIPE, text=True)
+    trainer = None
+    try:
+        pid = _line(parent.stdout)
+        if not pid.strip().isdigit():
+            return {"started": pid}
+        trainer = psutil.Process(int(pid))
+        killed = time.monotonic()
+        parent.kill()
+        parent.wait(timeout=30)
+        gone, alive = wait_ended([trainer], timeout=UNWIND_S + 30)
+        times = [float(t) - killed for t in marks.read_text().split()] if marks.exists() else []
+        return {"started": pid, "alive": bool(alive), "released": times}
+    finally:
+        parent.kill()
+        parent.wait()
+        if trainer is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                trainer.kill()
+
+
+@early.job("stand_in_trainers", after_the_others=True)
+def _stand_in_trainer_runs(tmp_path_factory):
+    """The two stand-in trainers' runs, side by side. Each mostly waits (UNWIND_S, the kernel's deadline): a job
+    started once the other jobs are done, so that the waits overlap the simulator's cases instead of adding to
+    them (its bounds are kept from the other jobs' load, as the cases' are)."""
+    marks = tmp_path_factory.mktemp("released") / "released"
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="stand-in") as pool:
+        hangs, dead = pool.submit(_stop_hangs_run), pool.submit(_dead_orchestrator_run, marks)
+        return {"stop hangs": hangs.result(), "dead orchestrator": dead.result()}
+
+
+@pytest.fixture(scope="module")
+def stand_in_trainers(tmp_path_factory):
+    return early.result("stand_in_trainers", tmp_path_factory)
+
+
+def test_a_trainer_whose_stop_hangs_is_ended_by_the_kernel(stand_in_trainers):
+    """A trainer told to stop that never finishes unwinding (the way trainers of a killed CLI once held its
+    output open for minutes) is ended by SIGALRM UNWIND_S after the SIGTERM, not left to run."""
+    from sim.interrupt import UNWIND_S
+
+    facts = stand_in_trainers["stop hangs"]
+    assert facts["ready"] == "ready\n", f"the stand-in trainer did not start: {facts}"
+    assert facts["stopping"] == "stopping\n", f"its SIGTERM handler did not run: {facts}"
+    code, elapsed = facts["code"], facts["elapsed"]
+    assert code is not None, f"a trainer whose stop hangs still runs {UNWIND_S + 30} s after its SIGTERM"
+    assert code == -signal.SIGALRM, f"exit {code}, expected death by SIGALRM ({-signal.SIGALRM})"
+    assert elapsed >= UNWIND_S - 1, f"ended {elapsed:.1f}s after SIGTERM, before its {UNWIND_S}s to unwind"
+
+
+def test_a_trainer_of_a_dead_orchestrator_releases_at_once(stand_in_trainers):
     """When its orchestrator dies, a trainer's release (its segments unlinked) runs at once, not after the grace
     its unwinding gets (a loaded machine once let the kernel's deadline end a trainer before that grace was over,
     its segments left behind); the release runs again before the forced exit."""
     from sim.interrupt import UNWIND_S
 
-    marks = tmp_path / "released"
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _STOP_HANGS, str(marks)], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True)
-    try:
-        trainer = psutil.Process(int(parent.stdout.readline()))
-        killed = time.monotonic()
-        parent.kill()
-        parent.wait(timeout=30)
-        gone, alive = wait_ended([trainer], timeout=UNWIND_S + 30)
-        assert not alive, f"the trainer of a dead orchestrator still runs {UNWIND_S + 30} s on"
-        times = [float(t) - killed for t in marks.read_text().split()] if marks.exists() else []
-        assert times and times[0] < 4.0, f"released {times} s after its orchestrator died: expected within 4 s"
-    finally:
-        parent.kill()
-        parent.wait()
-        with contextlib.suppress(psutil.NoSuchProcess, NameError):
-            trainer.kill()
+    facts = stand_in_trainers["dead orchestrator"]
+    assert "alive" in facts, f"the stand-in trainer's orchestrator never named it: {facts}"
+    assert not facts["alive"], f"the trainer of a dead orchestrator still runs {UNWIND_S + 30} s on"
+    times = facts["released"]
+    assert times and times[0] < 4.0, f"released {times} s after its orchestrator died: expected within 4 s"
 
 
 def test_the_next_run_sweeps_what_a_killed_cli_left(held):
