@@ -23,7 +23,7 @@ import pytest
 from conformance import expectations as expect
 from conformance import report as rep
 from conformance.spec import area, devices, levels, rules
-from tests import pytest_server
+from tests import early, pytest_server
 from tests.test_harness import FAKE_ADAPTER, PYTEST_INI, _pytest
 
 pytestmark = pytest.mark.timeout(600)
@@ -334,12 +334,19 @@ def test_xdist_gives_the_serial_report_in_the_sandbox(runs):
         assert "failing contract rules" in runs["xdist"].output
 
 
-@pytest.fixture(scope="module")
-def reference_xdist(tmp_path_factory):
+@early.job("reference_xdist")
+def _reference_xdist_run(tmp_path_factory):
     from tests.conftest import run_conformance
 
     path = tmp_path_factory.mktemp("xdist") / "report.json"
-    return run_conformance(["--impl=reference", "-n", "2"], path)
+    return run_conformance(["--impl=reference", "-n", "2"], path, in_job=True)
+
+
+@pytest.fixture(scope="module")
+def reference_xdist(tmp_path_factory):
+    """The reference's full conformance run under ``-n 2``: a background job (tests/early.py), as the serial run
+    it is compared with is."""
+    return early.result("reference_xdist", tmp_path_factory)
 
 
 def test_xdist_gives_the_serial_report_for_the_reference(reference_report, reference_xdist):
