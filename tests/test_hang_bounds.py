@@ -22,6 +22,7 @@ import pytest
 
 from conformance import harness
 from tests.conftest import sigint_at_default
+from tests.processes import ended
 
 pytestmark = pytest.mark.timeout(600)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +105,7 @@ def test_ctrl_c_ends_a_run_blocked_inside_the_implementation(whom):
         except subprocess.TimeoutExpired:
             pytest.fail(f"SIGINT to {whom}: the run was still going 30 s later (blocked in {harness.blocked_in(child.pid)})")
         took = time.monotonic() - sent
-        assert not _alive(child), f"SIGINT to {whom}: the blocked child {child.pid} outlived the run"
+        assert ended(child), f"SIGINT to {whom}: the blocked child {child.pid} outlived the run"
         # Ended by Ctrl-C, in the wait for the child: not by the case's deadline (its message is absent). With
         # --full-trace pytest prints every entry of the KeyboardInterrupt's traceback: one is harness.py's wait
         # loop, whatever the innermost frame (the standard library it calls, "<frozen codecs>" once, or the case's
@@ -118,13 +119,6 @@ def test_ctrl_c_ends_a_run_blocked_inside_the_implementation(whom):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def _alive(process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 # -- in_child itself ------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import pytest
 from conformance.history import cli, runs, verdicts
 from conformance.history.versions import HistoryError, Version, from_folder, from_git
 from tests.conftest import REPO, sigint_at_default
+from tests.processes import ended
 from tests.test_matrix import Dom
 
 STANDINS = os.path.join(REPO, "tests", "fd_standins")
@@ -143,13 +144,6 @@ def interrupted(work, bisected):
             "scratch": os.listdir(work["out"] / ".history-cache" / "work")}
 
 
-def _alive(p) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _cmdline(p) -> list[str]:
     try:
         return p.cmdline()
@@ -194,7 +188,7 @@ def test_an_interrupted_run_ends_its_suite_runs_and_leaves_the_cache_whole(inter
     assert interrupted["rc"] == 130, interrupted["stderr"]
     assert "interrupted" in interrupted["stderr"] and "resumes" in interrupted["stderr"], interrupted["stderr"]
     assert "Traceback" not in interrupted["stderr"], interrupted["stderr"]
-    alive = [p.pid for p in interrupted["tree"] if _alive(p)]
+    alive = [p.pid for p in interrupted["tree"] if not ended(p)]
     assert not alive, f"processes of the interrupted run still alive: {alive}"
     assert interrupted["after"] == interrupted["before"], "an interrupted suite run left a cache entry"
     assert sorted(interrupted["files"]) == sorted(interrupted["before"]), "a temporary file was left in the cache"

@@ -134,7 +134,7 @@ def _killed(run: Run, read_output: bool = True) -> str:
         where = {}
         for c in run.children:
             with contextlib.suppress(psutil.NoSuchProcess):
-                if c.status() != psutil.STATUS_ZOMBIE:
+                if not ended(c):
                     where[c.pid] = (c.status(), " ".join(_cmdline(c))[-120:])
                     c.send_signal(signal.SIGUSR1)
         time.sleep(1)
