@@ -1,0 +1,344 @@
+"""The mode space of every rule: declared once, covered pairwise, and shown.
+
+A rule's behaviour exists in *modes*: the load path, staged or not, in place or after a clear, a contiguous
+or a strided parameter, the main or the draft model, rank 0 or a follower, the first or a later consecutive
+call, the phase a fault hits and the operation it hits, one failing rank or several. Each rule declares its
+axes once, in SPEC.md, on a ``Modes:`` line right before its ``Proven by:`` line::
+
+    Modes: path(parts, single, ipc, bucket) × staged × model.
+    Modes: path × start; except path=parts with start=loaded (a snapshot update needs a clear first).
+    Modes: n/a (a naming rule: one behaviour, no mode).
+
+An axis of :data:`AXES` takes its default values unless the rule lists some; any other axis must list
+its values. ``except A=v with B=w (why)`` removes a pair no case can exercise. The rule's cases must then
+cover **every pair of values of every two axes** (every value, for a rule of one axis): the plugin computes
+which pairs the collected cases cover (from each case's ``@pytest.mark.modes(axis=value, ...)`` marks and
+what :func:`item_modes` derives), and ``--list-rules``, the JSON report and the matrix page state them,
+uncovered pairs by name.
+
+:func:`pairwise` builds a small set of cases covering every pair (a greedy covering array, deterministic),
+and :func:`params` turns it into ``pytest.param`` s carrying their ``modes`` and ``requires`` marks, so a
+test parametrized with ``params("RULE-ID", requires=...)`` covers its declaration by construction.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
+
+import pytest
+
+#: Known axes and their values, in the order cases are generated. A rule may restrict an axis to some of
+#: its values; an axis not listed here must list its values in the rule's declaration.
+AXES: dict[str, tuple[str, ...]] = {
+    # the load path (snapshot levels, the ipc metas, the buckets, the streamed paths)
+    "path": ("parts", "single", "legacy", "shared", "ipc", "bucket", "rsync", "gdr", "gdr_ipc"),
+    # staged: nothing adopted before the whole update is complete and agreed (options["staged"])
+    "staged": ("plain", "staged"),
+    # cleared: the update follows a clear; loaded: it writes into loaded weights (the streamed paths)
+    "start": ("cleared", "loaded"),
+    # contiguous or strided (a column-major / transposed view) parameter
+    "layout": ("contiguous", "strided"),
+    # the behaviour judged on the main model's tensors or on the draft (MTP) model's
+    "model": ("main", "draft"),
+    # the rank the behaviour is judged on: tensor-parallel rank 0 (writes the cell) or a follower
+    "rank": ("rank0", "follower"),
+    # the consecutive call of the operation in one session
+    "call": ("first", "second", "third"),
+    # the operation a fault hits
+    "op": ("clear", "update"),
+    # how many ranks fail at once
+    "failing": ("one", "several"),
+    # where the bad item sits in its sequence
+    "position": ("first", "middle", "last"),
+    # small (KiB) or large (>= 8 MiB: every copy strategy runs)
+    "size": ("small", "large"),
+}
+
+#: A path capability -> the path it names (``requires`` of a case that needs exactly one path).
+PATH_OF_CAPABILITY = {
+    "snapshot.parts": "parts", "snapshot.single": "single", "snapshot.legacy": "legacy",
+    "snapshot.shared_fallback": "shared", "ipc.meta": "ipc", "ipc.buckets": "bucket",
+    "stream.rsync": "rsync", "stream.gdr": "gdr", "stream.gdr_ipc": "gdr_ipc",
+}
+CAPABILITY_OF_PATH = {path: cap for cap, path in PATH_OF_CAPABILITY.items()}
+
+MODES_LINE = re.compile(r"^Modes:\s*(.*)$")
+_AXIS = re.compile(r"^([a-z][a-z_]*)\s*(?:\((.*)\))?$")
+_VALUE = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+_EXCEPT = re.compile(r"^except\s+([a-z][a-z_]*)=(\S+)\s+with\s+([a-z][a-z_]*)=(\S+?)\s*(?:\((.+)\))?$")
+
+Pair = tuple[tuple[str, str], ...]  # ((axis, value),) or ((axis_a, a), (axis_b, b)) with axis_a < axis_b
+
+
+class Declaration(NamedTuple):
+    """A rule's mode space: ``axes`` (axis -> values, in declaration order), the excluded pairs (each with its
+    reason), and ``na``: the reason the rule has no mode axis (then ``axes`` is empty)."""
+
+    axes: dict[str, tuple[str, ...]]
+    excluded: dict[Pair, str]
+    na: str = ""
+
+    def required(self) -> list[Pair]:
+        """Every pair a rule's cases must cover (every value, for one axis), excluded pairs left out."""
+        names = list(self.axes)
+        if len(names) == 1:
+            return [((names[0], v),) for v in self.axes[names[0]]]
+        out = []
+        for a, b in itertools.combinations(names, 2):
+            for va, vb in itertools.product(self.axes[a], self.axes[b]):
+                pair = _pair({a: va, b: vb}, a, b)
+                if pair not in self.excluded:
+                    out.append(pair)
+        return out
+
+    def text(self) -> str:
+        if not self.axes:
+            return f"n/a ({self.na})"
+        return " × ".join(f"{a}({', '.join(v)})" for a, v in self.axes.items())
+
+
+def _pair(combo: Mapping[str, str], a: str, b: str) -> Pair:
+    a, b = sorted((a, b))
+    return ((a, combo[a]), (b, combo[b]))
+
+
+def parse(rule_id: str, text: str) -> Declaration:
+    """The text after ``Modes:`` (a final period dropped). ValueError naming the rule for an unknown axis
+    without values, an unknown value of a known axis, a repeated axis, or an exclusion naming an axis or value
+    the declaration does not have."""
+    text = text.strip().removesuffix(".").strip()
+    if not text:
+        raise ValueError(f"SPEC rule {rule_id}: empty 'Modes:' line; write the axes, or 'n/a (reason)'")
+    if re.match(r"^n/?a\b", text, re.IGNORECASE):
+        m = re.match(r"^n/?a\s*\((.+)\)$", text, re.IGNORECASE)
+        if not m:
+            raise ValueError(f"SPEC rule {rule_id}: 'Modes: n/a' needs a reason: 'Modes: n/a (why)'")
+        return Declaration({}, {}, m.group(1).strip())
+    head, *clauses = [part.strip() for part in _split_top(text, ";")]
+    axes: dict[str, tuple[str, ...]] = {}
+    for chunk in (c.strip() for c in head.split("×")):
+        m = _AXIS.match(chunk)
+        if not m:
+            raise ValueError(f"SPEC rule {rule_id}: 'Modes:' axis {chunk!r} is not 'name' or 'name(v1, v2)'")
+        name, listed = m.group(1), m.group(2)
+        if name in axes:
+            raise ValueError(f"SPEC rule {rule_id}: 'Modes:' axis {name!r} appears twice")
+        if listed is None:
+            if name not in AXES:
+                raise ValueError(f"SPEC rule {rule_id}: axis {name!r} is not one of {sorted(AXES)}; "
+                                 f"list its values: {name}(v1, v2)")
+            axes[name] = AXES[name]
+            continue
+        values = tuple(v.strip() for v in listed.split(","))
+        bad = [v for v in values if not _VALUE.match(v)]
+        if bad or len(set(values)) != len(values) or not values:
+            raise ValueError(f"SPEC rule {rule_id}: axis {name!r} lists bad or repeated values {list(values)}")
+        if name in AXES:
+            unknown = [v for v in values if v not in AXES[name]]
+            if unknown:
+                raise ValueError(f"SPEC rule {rule_id}: axis {name!r} has no value(s) {unknown}; "
+                                 f"its values are {list(AXES[name])}")
+        axes[name] = values
+    excluded: dict[Pair, str] = {}
+    for clause in clauses:
+        m = _EXCEPT.match(clause)
+        if not m:
+            raise ValueError(f"SPEC rule {rule_id}: 'Modes:' clause {clause!r} is not "
+                             "'except AXIS=VALUE with AXIS=VALUE (why)'")
+        a, va, b, vb, why = m.groups()
+        for axis, value in ((a, va), (b, vb)):
+            if axis not in axes or value not in axes[axis]:
+                raise ValueError(f"SPEC rule {rule_id}: 'Modes:' exclusion names {axis}={value}, which the rule "
+                                 f"does not declare ({', '.join(f'{k}{list(v)}' for k, v in axes.items())})")
+        if a == b:
+            raise ValueError(f"SPEC rule {rule_id}: 'Modes:' exclusion {clause!r} pairs an axis with itself")
+        if not why:
+            raise ValueError(f"SPEC rule {rule_id}: 'Modes:' exclusion {clause!r} gives no reason in parentheses")
+        excluded[_pair({a: va, b: vb}, a, b)] = why.strip()
+    return Declaration(axes, excluded)
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    """``text`` split at ``sep`` outside parentheses."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == sep and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    out.append(text[start:])
+    return out
+
+
+def declared_in(rule_id: str, body: str) -> Declaration | None:
+    """The rule's declaration from its SPEC body; None when it has no ``Modes:`` line. Two lines are an error."""
+    found = [MODES_LINE.match(line.strip()) for line in body.splitlines()]
+    found = [m for m in found if m]
+    if len(found) > 1:
+        raise ValueError(f"SPEC rule {rule_id}: {len(found)} 'Modes:' lines; exactly one is allowed")
+    return parse(rule_id, found[0].group(1)) if found else None
+
+
+@functools.lru_cache(maxsize=None)
+def declarations(path: str | None = None) -> dict[str, Declaration | None]:
+    """rule id -> its Declaration (None without a ``Modes:`` line), for every rule of SPEC.md."""
+    from . import spec
+
+    bodies = spec.rule_bodies(path) if path else spec.rule_bodies()
+    return {rule_id: declared_in(rule_id, body) for rule_id, body in bodies.items()}
+
+
+def declaration(rule_id: str) -> Declaration:
+    found = declarations().get(rule_id)
+    if found is None:
+        raise KeyError(f"SPEC rule {rule_id} has no 'Modes:' line")
+    return found
+
+
+# -- covering every pair ---------------------------------------------------------------------------------
+def pairwise(axes: Mapping[str, Iterable[str]], excluded: Iterable[Pair] = (),
+             valid: Callable[[Mapping[str, str]], bool] | None = None) -> list[dict[str, str]]:
+    """A small list of combinations (axis -> value) that together cover every pair of values of every two
+    axes, leaving out the ``excluded`` pairs and any combination ``valid`` refuses. Greedy and
+    deterministic: each row starts from the first uncovered pair and takes, axis by axis, the value that
+    covers the most pairs still uncovered (ties to the earlier value). A pair no valid combination holds is
+    an error naming it."""
+    axes = {a: tuple(v) for a, v in axes.items()}
+    names = list(axes)
+    excluded = set(excluded)
+    if len(names) == 0:
+        return [{}]
+    if len(names) == 1:
+        combos = [{names[0]: v} for v in axes[names[0]]]
+        return [c for c in combos if valid is None or valid(c)]
+    todo = {_pair({a: va, b: vb}, a, b) for a, b in itertools.combinations(names, 2)
+            for va, vb in itertools.product(axes[a], axes[b])} - excluded
+
+    def ok(combo: Mapping[str, str]) -> bool:
+        for a, b in itertools.combinations([n for n in names if n in combo], 2):
+            if _pair(combo, a, b) in excluded:
+                return False
+        return valid is None or len(combo) < len(names) or valid(combo)
+
+    order = {p: i for i, p in enumerate(sorted(todo, key=lambda p: [(names.index(a), axes[a].index(v)) for a, v in p]))}
+    rows: list[dict[str, str]] = []
+    while todo:
+        seed = min(todo, key=order.__getitem__)
+        row = dict(seed)
+        for axis in names:
+            if axis in row:
+                continue
+            best, gain = None, -1
+            for value in axes[axis]:
+                trial = {**row, axis: value}
+                if not ok(trial):
+                    continue
+                g = sum(_pair(trial, axis, other) in todo for other in trial if other != axis)
+                if g > gain:
+                    best, gain = value, g
+            if best is None:
+                break
+            row[axis] = best
+        if len(row) < len(names) or not ok(row):
+            # The seed pair cannot be completed into a valid combination.
+            raise ValueError(f"no valid combination holds the pair {dict(seed)} (add an exclusion)")
+        rows.append({a: row[a] for a in names})
+        todo -= {_pair(row, a, b) for a, b in itertools.combinations(names, 2)}
+    return rows
+
+
+def params(rule_id: str, *, axes: Mapping[str, Iterable[str]] | None = None,
+           requires: Callable[[Mapping[str, str]], Iterable[str]] | None = None,
+           valid: Callable[[Mapping[str, str]], bool] | None = None, extra: Iterable = ()) -> list:
+    """``pytest.param(combo, *extra)`` per combination of :func:`pairwise` over the rule's declared axes
+    (or ``axes``, a sub-space of them), each marked ``modes(**combo)`` and ``requires(*requires(combo))``
+    (default: the capability of its path, and ``staged`` for a staged one); ids ``value-value-...``."""
+    decl = declaration(rule_id)
+    space = dict(axes) if axes is not None else decl.axes
+    unknown = [a for a in space if a not in decl.axes]
+    if unknown:
+        raise ValueError(f"{rule_id}: axes {unknown} are not declared on its 'Modes:' line ({decl.text()})")
+    combos = pairwise(space, decl.excluded, valid)
+    requires = requires or default_requires
+    return [pytest.param(combo, *extra, marks=[pytest.mark.modes(**combo), pytest.mark.requires(*requires(combo))],
+                         id="-".join(combo.values()) or "one") for combo in combos]
+
+
+def default_requires(combo: Mapping[str, str]) -> list[str]:
+    caps = []
+    if "path" in combo:
+        caps.append(CAPABILITY_OF_PATH[combo["path"]])
+    if combo.get("staged") == "staged":
+        caps.append("staged")
+    if combo.get("model") == "draft":
+        caps.append("mtp")
+    return caps
+
+
+# -- what the collected cases cover ----------------------------------------------------------------------
+def item_modes(item) -> dict[str, str]:
+    """The modes of one collected test: its ``modes`` marks (the closest mark wins an axis), then a
+    parameter named after an axis whose value is one of that axis's values, then the path its ``requires``
+    name when they name exactly one path capability, and ``staged``: staged when it requires ``staged``,
+    else plain (a session is plain unless opened staged, which needs the capability)."""
+    out: dict[str, str] = {}
+    for mark in item.iter_markers("modes"):
+        for axis, value in mark.kwargs.items():
+            out.setdefault(axis, str(value))
+    params = getattr(getattr(item, "callspec", None), "params", {}) or {}
+    for axis, values in AXES.items():
+        value = params.get(axis)
+        if axis not in out and isinstance(value, str) and value in values:
+            out[axis] = value
+    caps = {c for m in item.iter_markers("requires") for c in m.args}
+    paths = {PATH_OF_CAPABILITY[c] for c in caps if c in PATH_OF_CAPABILITY}
+    if "path" not in out and len(paths) == 1:
+        out["path"] = paths.pop()
+    out.setdefault("staged", "staged" if "staged" in caps else "plain")
+    return out
+
+
+def covered(decl: Declaration, cases: Iterable[Mapping[str, str]]) -> set[Pair]:
+    """The required pairs of ``decl`` that at least one case holds."""
+    required = set(decl.required())
+    names = list(decl.axes)
+    got: set[Pair] = set()
+    for case in cases:
+        if len(names) == 1:
+            got.add(((names[0], case.get(names[0])),))
+            continue
+        for a, b in itertools.combinations(names, 2):
+            if a in case and b in case:
+                got.add(_pair(case, a, b))
+    return got & required
+
+
+class Coverage(NamedTuple):
+    rule: str
+    declared: str  # the declaration's text ("n/a (why)", "undeclared" without a Modes line)
+    required: int
+    covered: int
+    uncovered: list[str]  # "a=v & b=w" per uncovered pair, in declaration order
+
+    def summary(self) -> str:
+        if self.declared.startswith("n/a") or self.declared == "undeclared":
+            return self.declared
+        return f"{self.covered}/{self.required} pairs" + (f"; uncovered: {', '.join(self.uncovered)}" if self.uncovered else "")
+
+
+def coverage(rule_id: str, cases: Iterable[Mapping[str, str]], decl: Declaration | None | bool = False) -> Coverage:
+    """What the cases of one rule cover of its declaration (``decl`` default: SPEC.md's)."""
+    if decl is False:
+        decl = declarations().get(rule_id)
+    if decl is None:
+        return Coverage(rule_id, "undeclared", 0, 0, [])
+    if not decl.axes:
+        return Coverage(rule_id, decl.text(), 0, 0, [])
+    required = decl.required()
+    got = covered(decl, cases)
+    missing = [" & ".join(f"{a}={v}" for a, v in pair) for pair in required if pair not in got]
+    return Coverage(rule_id, decl.text(), len(required), len(required) - len(missing), missing)
