@@ -65,6 +65,18 @@ PATH_OF_CAPABILITY = {
 }
 CAPABILITY_OF_PATH = {path: cap for cap, path in PATH_OF_CAPABILITY.items()}
 
+#: Pairs no case of any rule can exercise, with the reason: left out of every declaration that has both values.
+IN_PLACE_PATHS = ("rsync", "gdr", "gdr_ipc")
+GLOBAL_EXCLUDED: dict[frozenset, str] = {
+    **{frozenset({("path", p), ("start", "loaded")}): "only the streamed paths update loaded weights in place; "
+       "the others load cleared weights and refuse an update without a clear (LIFE-RECOVERY)"
+       for p in AXES["path"] if p not in IN_PLACE_PATHS},
+    **{frozenset({("path", p), ("staged", "staged")}): "GDR hands each item to the model's own load_weights as it "
+       "arrives: there is nothing for the loader to stage (STAGE)" for p in ("gdr", "gdr_ipc")},
+    frozenset({("call", "first"), ("start", "loaded")}): "the first update of a session finds no loaded weights to "
+    "update in place",
+}
+
 MODES_LINE = re.compile(r"^Modes:\s*(.*)$")
 _AXIS = re.compile(r"^([a-z][a-z_]*)\s*(?:\((.*)\))?$")
 _VALUE = re.compile(r"^[A-Za-z0-9_.+\-]+$")
@@ -82,16 +94,27 @@ class Declaration(NamedTuple):
     na: str = ""
 
     def required(self) -> list[Pair]:
-        """Every pair a rule's cases must cover (every value, for one axis), excluded pairs left out."""
+        """Every pair a rule's cases must cover (every value, for one axis), excluded pairs (the rule's own and
+        :data:`GLOBAL_EXCLUDED`) left out."""
         names = list(self.axes)
         if len(names) == 1:
             return [((names[0], v),) for v in self.axes[names[0]]]
         out = []
+        excluded = self.all_excluded()
         for a, b in itertools.combinations(names, 2):
             for va, vb in itertools.product(self.axes[a], self.axes[b]):
                 pair = _pair({a: va, b: vb}, a, b)
-                if pair not in self.excluded:
+                if pair not in excluded:
                     out.append(pair)
+        return out
+
+    def all_excluded(self) -> dict[Pair, str]:
+        """The rule's exclusions and the global ones that name two of its declared values."""
+        out = dict(self.excluded)
+        for pair, why in GLOBAL_EXCLUDED.items():
+            (a, va), (b, vb) = sorted(pair)
+            if va in self.axes.get(a, ()) and vb in self.axes.get(b, ()):
+                out.setdefault(_pair({a: va, b: vb}, a, b), why)
         return out
 
     def text(self) -> str:
@@ -262,7 +285,7 @@ def params(rule_id: str, *, axes: Mapping[str, Iterable[str]] | None = None,
     unknown = [a for a in space if a not in decl.axes]
     if unknown:
         raise ValueError(f"{rule_id}: axes {unknown} are not declared on its 'Modes:' line ({decl.text()})")
-    combos = pairwise(space, decl.excluded, valid)
+    combos = pairwise(space, decl.all_excluded(), valid)
     requires = requires or default_requires
     return [pytest.param(combo, *extra, marks=[pytest.mark.modes(**combo), pytest.mark.requires(*requires(combo))],
                          id="-".join(combo.values()) or "one") for combo in combos]
@@ -280,6 +303,16 @@ def default_requires(combo: Mapping[str, str]) -> list[str]:
 
 
 # -- what the collected cases cover ----------------------------------------------------------------------
+def encode(combo: Mapping[str, str]) -> str:
+    """``axis=value,...`` in axis order: a test report's ``modes`` property (a string, so that it travels on
+    pytest-xdist reports and into ``--junitxml`` properties)."""
+    return ",".join(f"{a}={combo[a]}" for a in sorted(combo))
+
+
+def decode(text: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+
+
 def item_modes(item) -> dict[str, str]:
     """The modes of one collected test: its ``modes`` marks (the closest mark wins an axis), then a
     parameter named after an axis whose value is one of that axis's values, then the path its ``requires``
@@ -325,9 +358,20 @@ class Coverage(NamedTuple):
     uncovered: list[str]  # "a=v & b=w" per uncovered pair, in declaration order
 
     def summary(self) -> str:
-        if self.declared.startswith("n/a") or self.declared == "undeclared":
+        if not self.required:
             return self.declared
-        return f"{self.covered}/{self.required} pairs" + (f"; uncovered: {', '.join(self.uncovered)}" if self.uncovered else "")
+        what = "values" if " × " not in self.declared else "pairs"
+        return f"{self.covered}/{self.required} {what}" + (f"; uncovered: {', '.join(self.uncovered)}" if self.uncovered else "")
+
+    def listing(self) -> str:
+        """The declaration and what its cases cover, as ``--list-rules`` prints it."""
+        if not self.required:
+            return self.declared
+        return f"{self.declared}: {self.summary()}"
+
+    def as_json(self) -> dict:
+        return {"declared": self.declared, "required": self.required, "covered": self.covered,
+                "uncovered": list(self.uncovered)}
 
 
 def coverage(rule_id: str, cases: Iterable[Mapping[str, str]], decl: Declaration | None | bool = False) -> Coverage:
