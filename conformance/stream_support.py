@@ -15,7 +15,6 @@ import pytest
 from fixtures import streams as S
 
 STRATEGY_CAPS = {"rsync": "stream.rsync", "gdr": "stream.gdr", "gdr_ipc": "stream.gdr_ipc"}
-FAULT_TIMEOUT_S = 0.15  # the library's per-item wait in fault tests
 
 
 @pytest.fixture

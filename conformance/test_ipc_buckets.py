@@ -546,6 +546,13 @@ def _bounded(fn, seconds: float):
 
 # SPEC in 256-byte buckets: one tensor per bucket, buckets 0, 1, 2, then the end (step 3).
 FAULT_TIMEOUT = 0.2
+# The timeout of a session whose update must succeed: a bound only a broken worker waits out. A healthy trainer of
+# this process answers in milliseconds, but a loaded machine can hold a thread for more than FAULT_TIMEOUT, and an
+# update that must succeed may not depend on that race (BKT-NO-LEAK failed so in a loaded CI run).
+HEALTHY_TIMEOUT = 3.0
+# A session whose first update must time out and whose next must succeed (BKT-RECOVERY): short enough to keep
+# the case cheap, long enough that no scheduling delay of a loaded machine reaches it between two messages.
+RECOVERY_TIMEOUT = 0.5
 FAULT_PHASES = {  # case -> (fault, bucket awaited)
     "dies-before-first-reply": (("die", 0), 0),
     "silent-after-bucket-0": (("silent", 1), 1),
@@ -779,7 +786,8 @@ def test_recovery_after_failed_update(loader, publisher, failure, expected):
     pub, _, _ = _serve(loader, publisher, SPEC, [(VERSION, bad), (VERSION, good)], bucket_bytes=256, tamper=tamper,
                        fault=fault)
     session = loader.open(SPEC, strategy="ipc_bucket",
-                          options=pub.options(VERSION if expected == "configured" else None, FAULT_TIMEOUT))
+                          options=pub.options(VERSION if expected == "configured" else None,
+                                              RECOVERY_TIMEOUT if failure == "timed-out" else HEALTHY_TIMEOUT))
     where = f"{pub.endpoint}: update {failure} at bucket 1, then clear() and an update from a healthy trainer"
     with check.raises(Exception, match="bucket 1", where=where):
         session.update()
@@ -1051,8 +1059,9 @@ def _no_leak(loader, publisher, outcome) -> None:
         if outcome.startswith("rejected"):
             update.end["digest"] = "0" * 64
 
+    timeout_s = FAULT_TIMEOUT if outcome == "timed-out" else HEALTHY_TIMEOUT  # only a timeout waits it out
     pub, session, _ = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=8 * MiB if large else 512,
-                             tamper=tamper, timeout_s=FAULT_TIMEOUT, fault=("silent", 1) if outcome == "timed-out" else None)
+                             tamper=tamper, timeout_s=timeout_s, fault=("silent", 1) if outcome == "timed-out" else None)
     where = f"{pub.endpoint}: after an update that was {outcome} (process {os.getpid()})"
     sockets = _sockets()  # the trainer's listening socket is open; the worker has not connected yet
     finished, error, elapsed = _bounded(session.update, 5.0)  # a copy thread that never runs must not hang the suite
