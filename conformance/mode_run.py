@@ -86,6 +86,21 @@ def earlier_snapshot(combo: Mapping[str, str], session, spec: M.ModelSpec, model
                 os.remove(path)
 
 
+def earlier_stream(combo: Mapping[str, str], session, trainer, spec: M.ModelSpec) -> list[int]:
+    """:func:`earlier` on a streamed path (rsync, GDR), whose updates write into loaded weights: each earlier
+    version is streamed by ``trainer`` and loaded; then, for ``start=cleared``, the session is cleared, so that the
+    update under test fills cleared parameters (a bootstrap load) instead of updating them in place."""
+    from fixtures import streams as S
+
+    def publish(version):
+        trainer.serve(S.stream_of(M.state(spec, version=version)))
+
+    loaded = earlier(combo, session, publish, clear=False)
+    if loaded and combo.get("start") == "cleared":
+        session.clear()
+    return loaded
+
+
 def label(combo: Mapping[str, str]) -> str:
     """The combination, for a failure message: ``staged, draft model, second call``."""
     parts = []

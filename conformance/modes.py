@@ -8,9 +8,10 @@ axes once, in SPEC.md, on a ``Modes:`` line right before its ``Proven by:`` line
     Modes: path(parts, single, ipc, bucket) × staged × model.
     Modes: path × start; except path=parts with start=loaded (a snapshot update needs a clear first).
     Modes: n/a (a naming rule: one behaviour, no mode).
+    Modes: start × model; note: a strided target is judged by APPLY-STRIDED-TARGET.
 
 An axis of :data:`AXES` takes its default values unless the rule lists some; any other axis must list
-its values. ``except A=v with B=w (why)`` removes a pair no case can exercise. The rule's cases must then
+its values. ``except A=v with B=w (why)`` removes a pair no case can exercise; ``note: ...`` is for the reader. The rule's cases must then
 cover **every pair of values of every two axes** (every value, for a rule of one axis): the plugin computes
 which pairs the collected cases cover (from each case's ``@pytest.mark.modes(axis=value, ...)`` marks and
 what :func:`item_modes` derives), and ``--list-rules``, the JSON report and the matrix page state them,
@@ -167,6 +168,8 @@ def parse(rule_id: str, text: str) -> Declaration:
         axes[name] = values
     excluded: dict[Pair, str] = {}
     for clause in clauses:
+        if clause.startswith("note:"):  # a reader's note (where a mode left out is judged instead)
+            continue
         m = _EXCEPT.match(clause)
         if not m:
             raise ValueError(f"SPEC rule {rule_id}: 'Modes:' clause {clause!r} is not "
@@ -313,15 +316,22 @@ def decode(text: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in text.split(",") if "=" in part)
 
 
+def values_of(value) -> tuple[str, ...]:
+    """A mark's value for an axis: one value, or a tuple/list of the values one case exercises in turn (a case that
+    judges the first, second and third update of its session: ``call=("first", "second", "third")``)."""
+    return tuple(str(v) for v in value) if isinstance(value, (tuple, list)) else (str(value),)
+
+
 def item_modes(item) -> dict[str, str]:
-    """The modes of one collected test: its ``modes`` marks (the closest mark wins an axis), then a
-    parameter named after an axis whose value is one of that axis's values, then the path its ``requires``
-    name when they name exactly one path capability, and ``staged``: staged when it requires ``staged``,
-    else plain (a session is plain unless opened staged, which needs the capability)."""
+    """The modes of one collected test: its ``modes`` marks (the closest mark wins an axis; several values of
+    one axis, joined by ``|``, when the case judges each of them in turn), then a parameter named after an axis
+    whose value is one of that axis's values, then the path its ``requires`` name when they name exactly one path
+    capability, and ``staged``: staged when it requires ``staged``, else plain (a session is plain unless opened
+    staged, which needs the capability)."""
     out: dict[str, str] = {}
     for mark in item.iter_markers("modes"):
         for axis, value in mark.kwargs.items():
-            out.setdefault(axis, str(value))
+            out.setdefault(axis, "|".join(values_of(value)))
     params = getattr(getattr(item, "callspec", None), "params", {}) or {}
     for axis, values in AXES.items():
         value = params.get(axis)
@@ -342,11 +352,12 @@ def covered(decl: Declaration, cases: Iterable[Mapping[str, str]]) -> set[Pair]:
     got: set[Pair] = set()
     for case in cases:
         if len(names) == 1:
-            got.add(((names[0], case.get(names[0])),))
+            got.update(((names[0], v),) for v in str(case.get(names[0])).split("|"))
             continue
         for a, b in itertools.combinations(names, 2):
             if a in case and b in case:
-                got.add(_pair(case, a, b))
+                for va, vb in itertools.product(str(case[a]).split("|"), str(case[b]).split("|")):
+                    got.add(_pair({a: va, b: vb}, a, b))
     return got & required
 
 

@@ -235,9 +235,10 @@ def _mode_errors(item, rule_id: str) -> list[str]:
     for mark in item.iter_markers("modes"):
         for axis, value in mark.kwargs.items():
             allowed = decl.axes.get(axis) if decl is not None and axis in decl.axes else mode_space.AXES.get(axis)
-            if allowed is not None and str(value) not in allowed:
-                errors.append(f"{item.nodeid}: modes mark {axis}={value!r} is not a value of axis {axis} "
-                              f"({', '.join(allowed)}) declared for {rule_id}")
+            bad = [v for v in mode_space.values_of(value) if allowed is not None and v not in allowed]
+            if bad:
+                errors.append(f"{item.nodeid}: modes mark {axis}={value!r}: {', '.join(map(repr, bad))} is not a value "
+                              f"of axis {axis} ({', '.join(allowed)}) declared for {rule_id}")
     return errors
 
 

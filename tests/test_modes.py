@@ -94,6 +94,7 @@ def test_a_declaration_parses(text, axes, excluded):
     ("", "empty"), ("n/a", "needs a reason"), ("phase", "list its values"), ("path(parts, nowhere)", "no value"),
     ("staged × staged", "twice"), ("path(parts, parts)", "repeated"), ("path × op; except path=parts with op=clear", "no reason"),
     ("path × op; except path=ipc with call=first (x)", "does not declare"), ("path × op; unless x", "except"),
+    ("path × op; note x", "except"),
     ("path × op; except path=parts with path=ipc (x)", "does not declare|itself"), ("Path", "not 'name'"),
 ])
 def test_a_bad_declaration_names_the_rule_and_the_fault(text, says):
@@ -129,6 +130,16 @@ def test_item_modes_from_marks_parameters_and_capabilities():
     assert M.item_modes(_item(requires=("snapshot.parts",))) == {"path": "parts", "staged": "plain"}
     assert M.item_modes(_item(requires=("snapshot.parts", "ipc.meta"))) == {"staged": "plain"}, "two paths: none derived"
     assert M.item_modes(_item(params={"path": "nowhere"})) == {"staged": "plain"}, "a value outside the axis is not a mode"
+
+
+def test_a_case_that_judges_several_values_covers_each():
+    item = _item([pytest.mark.modes(call=("first", "second", "third"), start="loaded").mark])
+    modes = M.item_modes(item)
+    assert modes["call"] == "first|second|third"
+    decl = M.parse("R-X", "call × start")
+    assert M.coverage("R-X", [modes], decl).uncovered == ["call=first & start=cleared", "call=second & start=cleared",
+                                                          "call=third & start=cleared"]
+    assert M.coverage("R-X", [M.decode(M.encode(modes))], decl).covered == 2, "the | form survives the report"
 
 
 def test_coverage_names_what_is_left_uncovered():
