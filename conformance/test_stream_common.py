@@ -36,7 +36,8 @@ def _failures(strategy, session, state):
 
 
 @pytest.mark.rule("STREAM-NO-LEAK")
-@pytest.mark.parametrize("strategy", [case("rsync"), case("gdr")])
+@pytest.mark.modes(outcome=("success", "rejected"))
+@pytest.mark.parametrize("strategy", [case("rsync"), case("gdr"), case("gdr_ipc")])
 def test_nothing_left_after_close(loader, ct_trainer, strategy):
     """A success, each kind of failure, a success, then close(): no thread or socket of the session is
     left, and every library handle it initialized was cleaned up."""
