@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from fixtures import models as M
 
 CALLS = {"first": 0, "second": 1, "third": 2}
-DRAFT_PREFIX = "mtp.0."
+DRAFT_PREFIX = "mtp_block.0."  # an `mtp_` name component: GDR routes it to the draft model (GDR-MTP-ROUTE)
 # The versions the earlier calls publish: far from any version a case uses for its own files.
 EARLIER_VERSIONS = (901, 902)
 
@@ -36,7 +36,7 @@ def options(combo: Mapping[str, str], **more) -> dict:
 
 def with_draft(spec: M.ModelSpec, combo: Mapping[str, str]) -> M.ModelSpec:
     """``spec`` itself for the main model; with ``model=draft``, the same tensors with a draft (MTP) model beside
-    the main one holding a copy of each main tensor's dtype and shape under ``mtp.0.`` + its name."""
+    the main one holding a copy of each main tensor's dtype and shape under ``mtp_block.0.`` + its name."""
     if combo.get("model") != "draft" or spec.mtp:
         return spec
     draft = tuple((DRAFT_PREFIX + p.name, p.dtype, p.shape) for p in spec.main)
