@@ -1,7 +1,11 @@
 """pytest plugin: ``--impl``, capabilities, rule ids and levels, the vacuity guard, expectations and
 the report.
 
-Loaded by the repository's root conftest.py (so the option exists from any start directory).
+Loaded as the ``pytest11`` entry point ``conformance.plugin`` of the installed suite (pyproject.toml), so that
+``python -m pytest --pyargs conformance --impl=...`` works from any directory under any project's configuration:
+the plugin registers its own markers (``MARKERS``) and gives each conformance test pytest-timeout's default of
+``DEFAULT_TIMEOUT_S`` where the run configures no timeout. The checkout's root conftest.py names it too (a
+checkout that is not installed); under the same name, it is registered once.
 
 Every conformance test carries its rule, level, area and required capabilities in
 ``item.user_properties``; they travel on each test report, so the results (and the JSON report, the
@@ -41,6 +45,25 @@ NOTHING_TESTED_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED
 STATUSES = rep.STATUSES
 CONFORMANCE_DIR = os.path.dirname(os.path.abspath(__file__))
 PROPERTY_KEYS = ("rule", "level", "area", "requires", "device", "race", "modes")
+# The suite's markers, registered here rather than in a project's configuration (--strict-markers holds).
+MARKERS = (
+    "rule(rule_id): the SPEC.md rule this conformance test proves",
+    "requires(*capabilities): adapter capabilities the rule needs; absent ones make it not_applicable",
+    "modes(**axis_values): the modes this case exercises (conformance/modes.py; a rule's Modes: line in SPEC.md declares its axes)",
+    "race(why): the verdict depends on a race with the implementation (--update-expectations writes it as flaky)",
+    "snapshot: ipc_snapshot path",
+    "ipc: ipc metadata-file path",
+    "buckets: async IPC bucket path",
+    "streams: streamed paths (rsync, GDR) through the CheckpointTransfer stand-in",
+    "multirank: multi-rank jobs under paddle.distributed.launch (tier: runs with -m multirank)",
+    "cycles: many clear/update cycles with resources compared (tier: runs with -m cycles)",
+    "restart: a worker SIGKILLed at every phase on every path, then restarted (tier: runs with -m restart)",
+    "hosts: a multirank test that only two hosts can prove (runs with -m multirank --hosts 2)",
+    "huge: a tensor over 2 GiB from a sparse file, about 7 GiB of memory and a minute (tier: runs with -m huge)",
+)
+# pytest-timeout's limit for a conformance test whose run sets none (no --timeout, no PYTEST_TIMEOUT, no ini
+# timeout) and that has no timeout marker of its own: a backstop behind the suite's own bounded waits.
+DEFAULT_TIMEOUT_S = 120
 
 
 def pytest_addoption(parser):
@@ -74,9 +97,13 @@ def pytest_addoption(parser):
 
 
 def _is_conformance(item) -> bool:
-    """A test under conformance/, or one marked ``rule``/``requires`` wherever it lives (so that a
-    missing or stray marker is caught, and the plugin's own tests can build conformance tests)."""
-    if item.get_closest_marker("rule") is not None or item.get_closest_marker("requires") is not None:
+    """A test under conformance/, or one marked ``rule`` wherever it lives, or, in a run with ``--impl``, one
+    marked ``requires`` (so that a missing or stray marker is caught, and the plugin's own tests can build
+    conformance tests). The plugin loads in every pytest run of an environment the suite is installed in: a
+    project test marked ``requires`` of its own, in a run that is not a conformance run, is left alone."""
+    if item.get_closest_marker("rule") is not None:
+        return True
+    if item.get_closest_marker("requires") is not None and _adapter(item.config) is not None:
         return True
     return os.path.abspath(str(item.path)).startswith(CONFORMANCE_DIR + os.sep)
 
@@ -89,6 +116,8 @@ def _is_worker(config) -> bool:
 
 
 def pytest_configure(config):
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
     config.stash[RESULTS_KEY] = {}
     config.stash[EXPECT_KEY] = []
     _STATE["config"] = config
@@ -195,6 +224,10 @@ def pytest_collection_modifyitems(session, config, items):
             errors += _mode_errors(item, rule_id)
     if errors:
         raise pytest.UsageError("conformance collection errors:\n  " + "\n  ".join(errors))
+    if conformance_items and not _timeout_configured(config):
+        for item in conformance_items:
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(DEFAULT_TIMEOUT_S))
     for item in conformance_items:
         rule_id = rule_of(item)
         requires = sorted({c for m in item.iter_markers("requires") for c in m.args})
@@ -240,6 +273,15 @@ def _mode_errors(item, rule_id: str) -> list[str]:
                 errors.append(f"{item.nodeid}: modes mark {axis}={value!r}: {', '.join(map(repr, bad))} is not a value "
                               f"of axis {axis} ({', '.join(allowed)}) declared for {rule_id}")
     return errors
+
+
+def _timeout_configured(config) -> bool:
+    """Whether this run sets pytest-timeout's limit itself (``--timeout``, ``PYTEST_TIMEOUT`` or the ini
+    ``timeout``, 0 included), or has no pytest-timeout to apply one (then there is nothing to default)."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        return True
+    return (config.getoption("timeout", None) is not None or bool(os.environ.get("PYTEST_TIMEOUT"))
+            or bool(config.getini("timeout")))
 
 
 def _listing(items) -> list[tuple[str, str, str, str, str, str]]:
