@@ -44,7 +44,9 @@ LISTING_KEY = pytest.StashKey[list]()
 NOTHING_TESTED_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED
 STATUSES = rep.STATUSES
 CONFORMANCE_DIR = os.path.dirname(os.path.abspath(__file__))
-PROPERTY_KEYS = ("rule", "level", "area", "requires", "device", "race", "modes")
+PROPERTY_KEYS = ("rule", "level", "area", "requires", "device", "race", "modes", "test_id")
+# Installed (the wheel), SPEC.md is a file of this package (setup.py copies it there); in a checkout it is not.
+INSTALLED = os.path.isfile(os.path.join(CONFORMANCE_DIR, "SPEC.md"))
 # The suite's markers, registered here rather than in a project's configuration (--strict-markers holds).
 MARKERS = (
     "rule(rule_id): the SPEC.md rule this conformance test proves",
@@ -94,6 +96,19 @@ def pytest_addoption(parser):
                     "--nnodes 2 on each, so that local rank != global rank on the second host; default 1")
     group.addoption("--list-rules", action="store_true", default=False,
                     help="list the rules (id, level, area, capabilities, title) of the collected tests and exit")
+
+
+def test_id(item) -> str:
+    """A conformance test's id in the report, the summary and an expectations file: its file's path from the
+    folder the ``conformance`` package is in, then pytest's test name (``conformance/test_apply.py::test_x[a]``).
+    It is pytest's node id in a checkout run from its root, and the same id installed, where pytest names the
+    package's files from another rootdir (``test_apply.py::...``), so that one expectations file gates both. A
+    test outside the package (a project's own, marked ``rule``) keeps pytest's node id."""
+    path = os.path.abspath(str(item.path))
+    if not path.startswith(CONFORMANCE_DIR + os.sep):
+        return item.nodeid
+    name = item.nodeid.partition("::")[2]
+    return os.path.relpath(path, os.path.dirname(CONFORMANCE_DIR)).replace(os.sep, "/") + ("::" + name if name else "")
 
 
 def _is_conformance(item) -> bool:
@@ -233,7 +248,8 @@ def pytest_collection_modifyitems(session, config, items):
         requires = sorted({c for m in item.iter_markers("requires") for c in m.args})
         item.user_properties.extend([("rule", rule_id), ("level", levels()[rule_id]), ("area", area(rule_id)),
                                      ("requires", ",".join(requires)), ("device", devices().get(rule_id, "")),
-                                     ("modes", mode_space.encode(mode_space.item_modes(item)))])
+                                     ("modes", mode_space.encode(mode_space.item_modes(item))),
+                                     ("test_id", test_id(item))])
         race = item.get_closest_marker("race")  # a verdict that depends on a race with the implementation
         if race is not None:
             item.user_properties.append(("race", " ".join(map(str, race.args)) or "race"))
@@ -242,9 +258,9 @@ def pytest_collection_modifyitems(session, config, items):
         # Before any selection (--rule, -k): an entry for a rule this run deselects is still valid. An
         # entry is checked only where this run can tell: an id or glob when its file was collected, a rule
         # entry when every rule's tests were (a run of some files is not a run of the suite).
-        stale = expect.unmatched(expect.checkable(entries, {i.nodeid.partition("::")[0] for i in conformance_items},
+        stale = expect.unmatched(expect.checkable(entries, {test_id(i).partition("::")[0] for i in conformance_items},
                                                   {rule_of(i) for i in conformance_items} >= set(known)),
-                                 [(i.nodeid, rule_of(i)) for i in conformance_items])
+                                 [(test_id(i), rule_of(i)) for i in conformance_items])
         if stale:
             raise pytest.UsageError(
                 f"--expectations {config.getoption('--expectations')}: "
@@ -392,7 +408,7 @@ def pytest_runtest_makereport(item, call):
         # read by _status_of; a plain attribute, so it survives pytest-xdist's report serialization
         report.conformance_status = "error"
     props = _props(item.user_properties)
-    entry = expect.match(item.config.stash.get(EXPECT_KEY, []), item.nodeid, props["rule"]) if props else None
+    entry = expect.match(item.config.stash.get(EXPECT_KEY, []), props["test_id"], props["rule"]) if props else None
     if entry is not None:
         _apply_expectation(report, entry)
     return report
@@ -462,8 +478,9 @@ def _message(report, status: str) -> str:
 
 
 def _record(config, nodeid: str, props: dict) -> dict:
-    """The result record of one conformance test, from its rule properties."""
+    """The result record of one conformance test, from its rule properties (named by its ``test_id``)."""
     rule_id = props["rule"]
+    nodeid = props.get("test_id") or nodeid
     entry = expect.match(config.stash.get(EXPECT_KEY, []), nodeid, rule_id)
     return {
         "nodeid": nodeid,
@@ -528,17 +545,21 @@ def pytest_runtest_logreport(report):
         info["status"] = expect.verdict(status, info["_entry"])
 
 
-def repro_command(config, nodeid: str) -> str:
+def repro_command(config, nodeid: str, installed: bool | None = None) -> str:
     """A shell command that reruns one test with the same interpreter, implementation and options,
-    from the directory the suite was run in."""
+    from the directory the suite was run in. A test of the installed suite (``installed``, default: whether
+    this one is) is named as ``--pyargs conformance.MODULE::TEST``."""
     path, sep, rest = nodeid.partition("::")
-    root = str(getattr(config, "rootpath", "") or "")
-    invoked = str(getattr(getattr(config, "invocation_params", None), "dir", "") or "")
-    if root and invoked:
-        path = os.path.relpath(os.path.join(root, path), invoked)
     args = [f"--impl={config.getoption('--impl')}"] + [f"--impl-opt={kv}" for kv in config.getoption("--impl-opt")]
-    return (f"{shlex.quote(sys.executable)} -m pytest {shlex.quote(path + sep + rest)} "
-            + " ".join(shlex.quote(a) for a in args))
+    if (INSTALLED if installed is None else installed) and path.startswith("conformance/") and path.endswith(".py"):
+        target = ["--pyargs", path.removesuffix(".py").replace("/", ".") + sep + rest]
+    else:
+        root = str(getattr(config, "rootpath", "") or "")
+        invoked = str(getattr(getattr(config, "invocation_params", None), "dir", "") or "")
+        if root and invoked:
+            path = os.path.relpath(os.path.join(root, path), invoked)
+        target = [path + sep + rest]
+    return (f"{shlex.quote(sys.executable)} -m pytest " + " ".join(shlex.quote(a) for a in target + args))
 
 
 def _public(results: dict) -> dict:
