@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 import zipfile
 
 import pytest
@@ -33,7 +34,6 @@ from tests import early
 from tests.conftest import REPO
 from tests.test_history import LEXICAL_SORT, NUMERIC_SORT, RULE, replaced, standin
 
-install = pytest.mark.install
 SHIPPED = {"conformance": "conformance", "sim": "sim", "weightsync": "weightsync", "reference": "weightsync/reference",
            "fixtures": "weightsync/fixtures", "wire": "weightsync/wire"}  # checkout folder -> its place in the wheel
 INTERNAL = ("reference", "fixtures", "wire")
@@ -83,11 +83,13 @@ def _venv_env() -> dict:
 def _in(cwd, cmd, timeout=300) -> dict:
     """Run ``cmd`` in ``cwd`` as a job's process (tests/early.py), with ``_venv_env()``: its exit status and its
     stdout and stderr (``code`` None when it ran past ``timeout`` and was killed)."""
+    started = time.monotonic()
     try:
         proc = early.run([str(c) for c in cmd], str(cwd), timeout, env=_venv_env())
     except subprocess.TimeoutExpired as e:
-        return {"code": None, "output": f"{' '.join(map(str, cmd))}: timed out after {timeout} s\n{e.stdout}{e.stderr}"}
-    return {"code": proc.returncode, "output": proc.stdout + proc.stderr}
+        return {"code": None, "output": f"{' '.join(map(str, cmd))}: timed out after {timeout} s\n{e.stdout}{e.stderr}",
+                "seconds": time.monotonic() - started}
+    return {"code": proc.returncode, "output": proc.stdout + proc.stderr, "seconds": time.monotonic() - started}
 
 
 def _load(path) -> dict | None:
@@ -236,7 +238,8 @@ def _step(installed, name) -> dict:
 
 
 # -- the wheel ------------------------------------------------------------------------------------------------------
-@install
+@pytest.mark.install
+@pytest.mark.timeout(600)
 def test_the_wheel_holds_every_file_of_the_suite_and_nothing_else_at_top_level(installed):
     _step(installed, "install")
     with zipfile.ZipFile(installed["wheel"]) as wheel:
@@ -254,7 +257,8 @@ def test_the_wheel_holds_every_file_of_the_suite_and_nothing_else_at_top_level(i
     assert "weightsync-conformance = conformance.__main__:main" in entry_points, entry_points
 
 
-@install
+@pytest.mark.install
+@pytest.mark.timeout(600)
 def test_the_installed_packages_are_the_venvs_and_the_generic_names_are_not_installed(installed):
     probe = _step(installed, "probe")
     assert probe["code"] == 0, probe["output"][-3000:]
@@ -272,7 +276,8 @@ def _verdicts(report: dict) -> dict:
             for r in report["rules"]}
 
 
-@install
+@pytest.mark.install
+@pytest.mark.timeout(600)
 def test_the_documented_command_gives_the_checkouts_verdicts(installed, example_report):
     run = _step(installed, "example")
     code, report, output = example_report
@@ -296,7 +301,8 @@ def test_the_documented_command_gives_the_checkouts_verdicts(installed, example_
         assert warning not in run["output"], run["output"][-3000:]
 
 
-@install
+@pytest.mark.install
+@pytest.mark.timeout(600)
 def test_the_history_tool_runs_from_the_install(installed):
     run = _step(installed, "history")
     assert run["code"] == 0 and run["data"] is not None, f"exit {run['code']}:\n{run['output'][-3000:]}"
@@ -307,14 +313,16 @@ def test_the_history_tool_runs_from_the_install(installed):
     assert "--pyargs" in data["suite"]["command"], data["suite"]
 
 
-@install
+@pytest.mark.install
+@pytest.mark.timeout(600)
 def test_the_simulator_runs_from_the_install(installed):
     run = _step(installed, "sim")
     assert run["code"] == 0, f"exit {run['code']}:\n{run['output'][-3000:]}"
     assert "MISMATCH" not in run["output"] and "throughput:" in run["output"], run["output"][-3000:]
 
 
-@install
+@pytest.mark.install
+@pytest.mark.timeout(600)
 def test_a_project_with_its_own_reference_fixtures_and_wire_runs_the_suite(installed):
     run = _step(installed, "project")
     assert run["code"] == 0 and run["report"] is not None, f"exit {run['code']}:\n{run['output'][-3000:]}"
