@@ -22,6 +22,8 @@ import ast
 import concurrent.futures
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -199,6 +201,11 @@ def _installed(tmp_path_factory):
         example = pool.submit(_example, python, work)
         result.update(_tools(python, venv, work, root / "project"))
         result["example"] = example.result()
+    # One test's repro command from the report, as a user would paste it.
+    passed = [t for t in (result["example"]["report"] or {}).get("tests", []) if t["status"] == "passed"]
+    if passed:
+        result["repro"] = _in(work, shlex.split(passed[0]["repro"]))
+        result["repro"]["command"] = passed[0]["repro"]
     return result
 
 
@@ -306,10 +313,12 @@ def test_the_documented_command_gives_the_checkouts_verdicts(installed, example_
     assert sum(s == "passed" for s, _, _ in installed_verdicts.values()) >= 30, "too few rules passed to compare"
     # Each test's repro names the installed module, with the venv's interpreter.
     venv_python = os.path.join(installed["root"], "venv", "bin", "python")
-    for test in run["report"]["tests"][:20]:
+    for test in run["report"]["tests"]:
         module, _, name = test["nodeid"].partition("::")
-        want = f"{venv_python} -m pytest --pyargs {module.removesuffix('.py').replace('/', '.')}::"
+        want = f"{venv_python} -m pytest --pyargs {shlex.quote(module.removesuffix('.py').replace('/', '.') + '::' + name)} "
         assert test["repro"].startswith(want), (test["repro"], want)
+    repro = installed["repro"]
+    assert repro["code"] == 0 and re.search(r"\b1 passed\b", repro["output"]), (repro["command"], repro["output"][-3000:])
     for warning in ("PytestUnknownMarkWarning", "Unknown pytest.mark", "INTERNALERROR", "PytestAssertRewriteWarning"):
         assert warning not in run["output"], run["output"][-3000:]
 
