@@ -41,6 +41,17 @@ def _checkout_package(top: str):
     folder = os.path.join(CHECKOUT, top)
     module = sys.modules.get(top)
     if module is None:
+        # Another ``top`` first on sys.path would be the one a plain ``import top`` gets: two packages under one
+        # name (a project's own beside an editable install; a copy of the tree without this package beside it,
+        # whose imports would reach the original tree's folders). Said, never resolved silently.
+        first = importlib.machinery.PathFinder.find_spec(top)
+        elsewhere = list(first.submodule_search_locations or [first.origin]) if first is not None else []
+        if elsewhere and not any(_same(p, folder) for p in elsewhere if p):
+            raise ImportError(
+                f"{__name__}.{top} is the checkout's {folder}, but {top!r} on sys.path is {elsewhere[0]}. A checkout "
+                f"(or an editable install) keeps its internal packages under their own names; install the wheel "
+                f"(pip install .) to run the suite beside a project with its own {top!r}, and copy {HERE} with the "
+                f"tree (mutmut's also_copy).", name=f"{__name__}.{top}")
         spec = importlib.machinery.PathFinder.find_spec(top, [CHECKOUT])
         if spec is None or not spec.submodule_search_locations:
             raise ImportError(f"{__name__}.{top}: no package {top!r} in {CHECKOUT}", name=f"{__name__}.{top}")
