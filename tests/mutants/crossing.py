@@ -338,3 +338,28 @@ class EmptyStagedAccepted(Mutant):
 
     def patches(self):
         return _empty_swallowed(lambda manager: manager._stage is not None)
+
+
+# -- the draft model (DRAFT-*) --------------------------------------------------------------------------------
+class StagedCommitMainOnly(Mutant):
+    id = "staged_commit_main_only"
+    bug = ("a staged update commits its stage into the main model (the model the loader was written for): the "
+           "draft's staged tensors are checked, counted and dropped, and after a clear the draft serves unloaded "
+           "under NORMAL")
+    kills = frozenset({"DRAFT-PAIR-UPDATED"})
+
+    def patches(self):
+        class Manager(_manager.WeightManager):
+            def finalize(self):
+                stage = self._stage
+                if stage is not None:
+                    main, real = _main_names(self), stage.commit
+
+                    def commit(targets):
+                        stage.tensors = {n: t for n, t in stage.tensors.items() if n in main}
+                        real(targets)
+
+                    stage.commit = commit
+                return super().finalize()
+
+        return _manager_patch(Manager)
