@@ -363,3 +363,98 @@ class StagedCommitMainOnly(Mutant):
                 return super().finalize()
 
         return _manager_patch(Manager)
+
+
+# -- the model digest (DIGEST-MODEL-*) ---------------------------------------------------------------------------
+def _hashes_of_memory(name, t, algorithms):
+    """The tensor's bytes as they lie in its memory, from its address on (no copy, no reorder)."""
+    dtype = str(t.dtype).removeprefix("paddle.")
+    shape = tuple(int(d) for d in t.shape)
+    count = math.prod(shape)
+    if count == 0 or not t._is_initialized():
+        return _real_tensor_hashes(name, t, algorithms)
+    data = (ctypes.c_uint8 * (count * t.element_size())).from_address(t.data_ptr())
+    return _digest.tensor_hashes(name, dtype, shape, data, algorithms)
+
+
+class DigestMemoryOrder(Mutant):
+    id = "digest_memory_order"
+    bug = ("the digest hashes each parameter's memory as it lies (its bytes from its address on, the fast path of a "
+           "contiguous tensor): a column-major FP8 scale is hashed transposed, and its digest is not the trainer's C-order "
+           "one")
+    kills = frozenset({"DIGEST-MODEL-LANDED", "DIGEST-MODEL-SENSITIVE"})
+
+    def patches(self):
+        return {"reference.digest.paddle_tensor_hashes": _hashes_of_memory}
+
+
+class DigestContiguousInPlace(Mutant):
+    id = "digest_contiguous_in_place"
+    bug = ("the digest reads a strided parameter through `t.contiguous()`, which Paddle 3.3 applies to the tensor it "
+           "is called on: the digest is right, but the parameter is row-major in new memory afterwards, under the "
+           "engine's captured graphs and kernels that read its strides (the reference's own bug until issue 30)")
+    kills = frozenset({"DIGEST-MODEL-LANDED"})
+
+    def patches(self):
+        def paddle_tensor_hashes(name, t, algorithms):
+            if t._is_initialized() and math.prod(t.shape):
+                t = t.cpu().contiguous()
+            return _real_tensor_hashes(name, t, algorithms)
+
+        return {"reference.digest.paddle_tensor_hashes": paddle_tensor_hashes}
+
+
+class DigestCachedUntilClear(Mutant):
+    id = "digest_cached_until_clear"
+    bug = ("the model digest is cached and the cache dropped by clear() (\"weights change only after a clear\"): an "
+           "update in place (rsync, GDR) leaves the digest of the version before")
+    kills = frozenset({"DIGEST-MODEL-LANDED", "DIGEST-MODEL-SENSITIVE"})
+
+    def patches(self):
+        class Manager(_manager.WeightManager):
+            def digest(self, *args, **kwargs):
+                if getattr(self, "_cached", None) is None:
+                    self._cached = super().digest(*args, **kwargs)
+                return self._cached
+
+            def clear(self, *args, **kwargs):
+                self._cached = None
+                return super().clear(*args, **kwargs)
+
+        return _manager_patch(Manager)
+
+
+class DigestMainModelOnly(Mutant):
+    id = "digest_main_model_only"
+    bug = ("the model digest covers the main model (the one the trainer's digest was first written for): the draft's "
+           "tensors are neither digested nor checked for being loaded")
+    kills = frozenset({"DIGEST-MODEL-LANDED", "DIGEST-MODEL-INCOMPLETE"})
+
+    def patches(self):
+        class Manager(_manager.WeightManager):
+            def digest(self, algorithms=_digest.DEFAULT_ALGORITHMS):
+                main = _main_names(self)
+                return _digest.paddle_model_digest(((n, p) for n, p in self.params.items() if n in main), algorithms)
+
+        return _manager_patch(Manager)
+
+
+class DigestDraftOnce(Mutant):
+    id = "digest_draft_once"
+    bug = ("the draft model's tensor digests are computed once and kept (\"the draft is a copy of the main model's "
+           "head\"): after the next update the draft's part of the digest describes the old weights")
+    kills = frozenset({"DIGEST-MODEL-LANDED", "DIGEST-MODEL-SENSITIVE"})
+
+    def patches(self):
+        class Manager(_manager.WeightManager):
+            def digest(self, algorithms=_digest.DEFAULT_ALGORITHMS):
+                fresh = super().digest(algorithms)
+                main = _main_names(self)
+                kept = self.__dict__.setdefault("_draft_digests", {})
+                tensors = dict(fresh.tensors)
+                for name in tensors:
+                    if name not in main:
+                        tensors[name] = kept.setdefault(name, tensors[name])
+                return _digest.model_digest(tensors, algorithms)
+
+        return _manager_patch(Manager)
