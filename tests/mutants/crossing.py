@@ -458,3 +458,131 @@ class DigestDraftOnce(Mutant):
                 return _digest.model_digest(tensors, algorithms)
 
         return _manager_patch(Manager)
+
+
+# -- storage under captured graphs (MODEL-STORAGE-KEPT) ----------------------------------------------------------
+class RecaptureByIdentity(Mutant):
+    id = "recapture_by_identity"
+    bug = ("a parameter counts as moved when it is another parameter object than before, or held no memory: a buffer "
+           "swapped under the same object (an engine's loader doing `_share_buffer_to` or `param.data = ...`) keeps "
+           "its object, and the graphs captured on its old memory are not recaptured")
+    kills = frozenset({"MODEL-STORAGE-KEPT"})
+
+    def patches(self):
+        def moved(before, params):
+            out = []
+            for name, p in params.items():
+                if math.prod(p.shape) == 0 or not p._is_initialized():
+                    continue
+                was = before.get(name)
+                if was is None or was[1] is None or was[0] != id(p):
+                    out.append(name)
+            return sorted(out)
+
+        return {"reference.storage.moved": moved}
+
+
+class RecaptureOnlyAfterClear(Mutant):
+    id = "recapture_only_after_clear"
+    bug = ("the recapture is asked for only when the update began from cleared weights (the loader's own in-place "
+           "writes never move memory, so it does not look): memory an engine's loader moved during an update in place "
+           "stays uncaptured")
+    kills = frozenset({"MODEL-STORAGE-KEPT"})
+
+    def patches(self):
+        def recapture(manager):
+            before = manager._storage_before or {}
+            if before and any(was[1] is None for was in before.values()):
+                _real_recapture(manager)
+
+        return {"reference.storage.recapture": recapture}
+
+
+class RecaptureMainModelOnly(Mutant):
+    id = "recapture_main_model_only"
+    bug = ("the recapture names the main model's moved parameters (its graphs are the runner's; the draft's are the "
+           "proposer's, and forgotten): after a clear the draft's graphs read freed memory")
+    kills = frozenset({"MODEL-STORAGE-KEPT"})
+
+    def patches(self):
+        class Manager(_manager.WeightManager):
+            pass
+
+        def recapture(manager):
+            hook, before = manager.commit_options.recapture, manager._storage_before
+            if hook is None or before is None:
+                return
+            main = _main_names(manager)
+            names = [n for n in _real_moved(before, manager.params) if n in main]
+            if names:
+                hook(names)
+
+        return {"reference.storage.recapture": recapture}
+
+
+class RecaptureSkippedAtFirstLoad(Mutant):
+    id = "recapture_skipped_at_first_load"
+    bug = ("no recapture at the first load (\"the engine captures its graphs after start-up\"): graphs captured on "
+           "the engine's placeholders read freed memory once a first update moved them")
+    kills = frozenset({"MODEL-STORAGE-KEPT"})
+
+    def patches(self):
+        def recapture(manager):
+            if not manager.first_load:
+                _real_recapture(manager)
+
+        return {"reference.storage.recapture": recapture}
+
+
+class StridedReallocatedInPlace(Mutant):
+    id = "strided_reallocated_in_place"
+    bug = ("a strided target is always given fresh memory in its own layout before the copy (the #6722 fix applied "
+           "whether or not the target was cleared), and the recapture is tied to the clear: a first load into an "
+           "engine's strided placeholders moves them under the captured graphs unrecaptured")
+    kills = frozenset({"MODEL-STORAGE-KEPT"})
+
+    def patches(self):
+        def adopt(name, new, target):
+            if (target._is_initialized() and math.prod(target.shape)
+                    and list(new.contiguous().stride()) != list(target.stride())):
+                _apply.allocate_strided(target)
+                target[...] = new.contiguous()
+                return
+            _real_adopt(name, new, target)
+
+        def recapture(manager):
+            before = manager._storage_before or {}
+            if before and all(was[1] is None for was in before.values()):
+                _real_recapture(manager)
+
+        return {"reference.apply.adopt": adopt, "reference.storage.recapture": recapture}
+
+
+class RecaptureBeforeTransforms(Mutant):
+    id = "recapture_before_transforms"
+    bug = ("the graphs are recaptured once the weights are loaded and verified, before the post-load steps, and the "
+           "transpose swaps its result in (FastDeploy's process_weight_transpose): the transposed weight moves after "
+           "the recapture that named it")
+    kills = frozenset({"MODEL-STORAGE-KEPT"})
+
+    def patches(self):
+        def transpose(t):
+            new = None
+            if math.prod(t.served):
+                axes = list(range(len(t.loaded)))
+                new = paddle.transpose(t.param, axes[:-2] + [axes[-1], axes[-2]]).contiguous()
+            _transforms._set_shape(t.param, t.served)
+            if new is not None:
+                new._share_buffer_to(t.param)
+
+        def after_load(post):
+            pending.append(post)
+
+        def recapture(manager):
+            _real_recapture(manager)
+            while pending:
+                _real_after_load(pending.pop())
+
+        pending: list = []
+        return {"reference.transforms.transpose": transpose, "reference.transforms.after_load": after_load,
+                "reference.storage.recapture": recapture}
