@@ -586,3 +586,45 @@ class RecaptureBeforeTransforms(Mutant):
         pending: list = []
         return {"reference.transforms.transpose": transpose, "reference.transforms.after_load": after_load,
                 "reference.storage.recapture": recapture}
+
+
+# -- strided targets (APPLY-STRIDED-TARGET, APPLY-STRIDED-CLEARED) ----------------------------------------------
+class StagedCommitShares(Mutant):
+    id = "staged_commit_shares"
+    bug = ("the staged tensors are fresh copies the loader owns, so the commit adopts each zero-copy "
+           "(`_share_buffer_to`) whatever the target's strides: a staged update serves a column-major FP8 scale "
+           "transposed, where the default mode copies into its layout")
+    kills = frozenset({"APPLY-STRIDED-TARGET", "APPLY-STRIDED-CLEARED"})
+
+    def patches(self):
+        class Stage(_commit.Stage):
+            def commit(self, targets):
+                with paddle.no_grad():
+                    for name, tensor in self.tensors.items():
+                        if math.prod(targets[name].shape):
+                            tensor.contiguous()._share_buffer_to(targets[name])
+
+        return {"reference.commit.Stage": Stage}
+
+
+class DraftSetStateDict(Mutant):
+    id = "draft_set_state_dict"
+    bug = ("the draft model's tensors are set with `param.set_value(array)` of their host copy (the proposer's own "
+           "`set_state_dict` way): Paddle rewrites a strided parameter row-major, so the draft's column-major scales "
+           "lose their layout where the main model's keep it")
+    kills = frozenset({"APPLY-STRIDED-TARGET", "APPLY-STRIDED-CLEARED"})
+
+    def patches(self):
+        def adopt(name, new, target):
+            if _draft_routed_any(name) and math.prod(target.shape):
+                target.set_value(new.contiguous().numpy())
+                return
+            _real_adopt(name, new, target)
+
+        return {"reference.apply.adopt": adopt}
+
+
+def _draft_routed_any(name: str) -> bool:
+    """A draft name as the suite's draft models spell them (``mtp.``, ``mtp_block.``, MTP layer 2)."""
+    first = name.split(".")[0]
+    return first.startswith("mtp") or name.startswith("model.layers.2.")
