@@ -8,7 +8,9 @@ kernel for it), named so that they sort first, in the middle and last. The train
 on every path. Values are judged through ``observe()`` (logical order); the layout by the stride of each
 parameter of the layers the suite built and handed to ``open``, read before and after (reading, never
 acting for the implementation). A zero-size strided target is a zero-element round trip, judged under
-APPLY-ROUNDTRIP-DTYPES.
+APPLY-ROUNDTRIP-DTYPES. The two rules' cases are generated over their declared modes (SPEC.md: path x staged x
+model, every pair; ``conformance.modes``): a staged session's commit lands the layout too, and a draft (MTP)
+model with strided parameters of its own is loaded like the main one.
 """
 import pytest
 

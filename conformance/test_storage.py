@@ -12,12 +12,15 @@ recorded the same way: at each call the storage of every parameter is held, and 
 only by a call that names it and saw it in the memory it ends the update in (a call before the last move
 covers nothing).
 
-Two tests, on every path: updates in place (rsync and GDR, without a clear; a strided FP8-style layout, a 0-d
-parameter, main + MTP where the loader has ``mtp``; again with a weight the model declares ``post_load``
-transposed, where the loader has ``model.post_load``), where a loader without
-``model.recapture`` must keep every storage; and updates after ``clear()`` (every path; rsync and GDR then
-load as a bootstrap), where the storage necessarily moves and only the hook makes the graphs right
-(``model.recapture``).
+One test, its cases generated over the rule's declared modes (SPEC.md: path x start x model x layout x swap x
+call, every pair; ``conformance.modes``): updates into parameters built without memory and after ``clear()``
+(every path; rsync and GDR then load as a bootstrap), where the storage necessarily moves and only the hook
+makes the graphs right (``model.recapture``); and into loaded weights: the engine's allocated placeholders at a
+first update, in place (rsync and GDR, without a clear) at later ones, where a loader without ``model.recapture``
+must keep every storage. The case's model may carry strided layouts (an FP8 scale column-major, a per-expert
+one), a draft (MTP) model holding what the case is about, a weight it declares ``post_load`` transposed (where
+the loader has ``model.post_load``), or, on GDR, models whose own loaders (the suite's, as an engine's) swap
+each buffer under the same parameter object: moved is judged by address, never by object.
 """
 from __future__ import annotations
 
@@ -43,39 +46,9 @@ MAIN = (("a.scale", "float32", (4, 3)),  # column-major (strided), first by name
 MTP = (("model.layers.2.eh_proj.weight", "float32", (4, 4)), ("mtp_block.0.norm.weight", "bfloat16", (4,)))
 MTP_LAYER = 2  # the MTP model serves layer 2 (GDR routes model.layers.2.* to it)
 LAYOUTS = {"a.scale": (1, 0), "c.experts.scale": (0, 2, 1), "z.scale": (1, 0)}
-IN_PLACE = [p for p in PATHS if PATHS[p].in_place]
-
-
-def _spec(loader, strided: bool, transposed: bool = False):
-    """Main (+ MTP where the loader has ``mtp``); strided layouts only in place: a strided target after a
-    clear is APPLY-STRIDED-CLEARED's, judged on the device the loader serves on."""
-    model = M.spec(*MAIN, *([TRANSPOSED] if transposed else []), mtp=[MTP] if "mtp" in loader.adapter.capabilities else [])
-    spec = ST.StridedSpec(model, LAYOUTS if strided else {})
-    return TransposingSpec(spec) if transposed else spec
 
 
 TRANSPOSED = ("g.proj.weight", "float32", (4, 4))  # square: the source carries it in the served shape too
-
-
-@dataclass(frozen=True)
-class TransposingSpec:
-    """The model plus a square weight the main model declares ``post_load`` transposed (FastDeploy's
-    ``process_weight_transpose``, which swaps a new tensor in: MODEL, fd-spec §3.8)."""
-
-    model: object
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def build_models(self):
-        models = self.model.build_models()
-        models[0].post_load = {"transpose": [TRANSPOSED[0]]}
-        return models
-
-
-def _served(state: dict) -> dict:
-    """What the served model holds for a trainer's ``state``: the declared weight transposed."""
-    return {n: (a.T.copy() if n == TRANSPOSED[0] else a) for n, a in state.items()}
 
 
 def _params(models) -> dict:

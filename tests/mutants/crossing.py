@@ -505,9 +505,6 @@ class RecaptureMainModelOnly(Mutant):
     kills = frozenset({"MODEL-STORAGE-KEPT"})
 
     def patches(self):
-        class Manager(_manager.WeightManager):
-            pass
-
         def recapture(manager):
             hook, before = manager.commit_options.recapture, manager._storage_before
             if hook is None or before is None:
