@@ -137,8 +137,12 @@ class CellWatch:
         return ([(t, before[-1])] if before else []) + [(ts, v) for ts, v in self.history if ts > t]
 
     def wait_for(self, value: int, deadline: float) -> bool:
+        """Whether the cell reads ``value`` before ``deadline``; a value seen here is in ``history`` at once (the
+        watching thread, starved on a loaded machine, may not have read the cell since it changed)."""
         while time.monotonic() < deadline:
             if self.read() == value:
+                if not self.history or self.history[-1][1] != value:
+                    self.history.append((time.time(), value))
                 return True
             time.sleep(0.001)
         return False
