@@ -307,6 +307,7 @@ class Job:
         if request == C.UPDATING:
             self.settle(ranks)
         time.sleep(0.02)  # a late write to the cell (or one that comes and goes) still shows in its history
+        self.watch.note()  # (and the cell's last value, whether or not the watching thread has read it yet)
         return Step(request, replies, self.watch.since(t_request), t_request, t_late)
 
     def direct(self, op: str, ranks, late: int | None = None, late_s: float = 0.0) -> dict[int, dict]:
@@ -620,6 +621,7 @@ def test_no_rank_waits_past_its_deadline_for_a_peer(job, combo):
         done = {"update": "NORMAL", "clear": "CLEARED"}[op]
         if "status" in j.caps:
             check.that(got["state"]["status"] != done, f"{j.where}: {where}: rank {survivor} status {got['state']['status']}")
+        j.watch.note()
         history = [NAMES.get(v, str(v)) for t, v in j.watch.since(t0)]
         check.that(done not in history[1:], f"{j.where}: {where}: the cell read {history}")
         return
@@ -650,6 +652,7 @@ def test_a_broken_group_fails_the_next_operation_at_once(job, combo):
     check.that(j.value(replies[survivor])["raised"] is not None,
                f"{j.where}: {op} on rank {survivor} returned although rank {other} {cause}")
     done = {"update": "NORMAL", "clear": "CLEARED"}[op]
+    j.watch.note()
     check.that(done not in [NAMES.get(v, str(v)) for _, v in j.watch.since(t_op)][1:],
                f"{j.where}: the cell read {done} after {op} although the group broke: {j.watch.since(t_op)}")
     steps = []
