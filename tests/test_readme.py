@@ -5,6 +5,7 @@
   claims and is not applicable elsewhere (a subset of areas: the worked example, docs/example_adapter.py, runs the
   whole suite in tests/test_example_adapter.py).
 * ``source .venv/bin/activate`` makes ``python`` the venv's, with the suite's dependencies.
+* Every relative link of the README and docs/ reaches a file, and a heading where it names an anchor.
 (Its install block and four commands are .ci/run's: tests/test_ci_commands.py; every other command runs in a test
 or is said to run by hand: tests/test_docs_commands.py.)
 """
@@ -80,3 +81,34 @@ def test_activating_the_venv_gives_its_python():
     proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert os.path.realpath(proc.stdout.strip()) == os.path.realpath(sys.prefix), proc.stdout
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but hyphens dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def test_every_relative_link_resolves():
+    """Every relative link of README.md and docs/*.md names a file that exists and, with ``#anchor``, a heading of it."""
+    import glob
+
+    pages = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
+    broken = []
+    for page in pages:
+        with open(os.path.join(REPO, page), encoding="utf-8") as f:
+            text = re.sub(r"^```.*?^```", "", f.read(), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = os.path.normpath(os.path.join(REPO, os.path.dirname(page), path)) if path else os.path.join(REPO, page)
+            if not os.path.exists(file):
+                broken.append(f"{page}: {target} (no such file)")
+            elif anchor:
+                with open(file, encoding="utf-8") as f:
+                    body = re.sub(r"^```.*?^```", "", f.read(), flags=re.M | re.S)
+                anchors = {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", body, re.M)}
+                if anchor not in anchors:
+                    broken.append(f"{page}: {target} (no heading gives #{anchor})")
+    assert not broken, "broken links:\n  " + "\n  ".join(broken)
