@@ -149,11 +149,12 @@ WHERE: dict[str, Where] = {
     ".venv/bin/python -m mutation.extra --list": in_test("tests/test_mutation_extra.py::test_the_command_line_lists_and_checks"),
     ".venv/bin/python -m mutation.extra --check": in_test("tests/test_mutation_extra.py::test_the_command_line_lists_and_checks"),
     ".venv/bin/python -m mutation.extra --run --jobs 2": by_hand(
-        "a conformance run per mutant: hours on 2 cores; its judging of one mutant is tested",
+        "a conformance run per mutant: hours on 2 cores; the project tests check that every mutant compiles and "
+        "changes its module",
         "tests/test_mutation_extra.py::test_every_mutant_of_the_reference_compiles_and_changes_its_module"),
-    "source .venv/bin/activate && mutation/agreement.sh": by_hand("mutmut over reference/agreement.py with two-rank "
-                                                                  "groups: about an hour"),
-    "source .venv/bin/activate && mutation/gate.sh": by_hand("mutmut over the CI-gate code: about an hour"),
+    "source .venv/bin/activate && mutation/agreement.sh": by_hand("a mutmut run of its own over reference/agreement.py, "
+                                                                  "each mutant judged on two-rank groups"),
+    "source .venv/bin/activate && mutation/gate.sh": by_hand("a mutmut run of its own over the CI-gate code (1292 mutants)"),
     # docs/running.md
     ".venv/bin/python -m pytest conformance --impl=reference --rule PART-ORDER-NUMERIC": in_test(
         "tests/test_plugin_gate.py::test_rule_prefix_selects_the_area_in_a_real_run"),
