@@ -363,10 +363,12 @@ def _skip_unselected_tier(item) -> None:
     expression = item.config.getoption("markexpr", "") or ""
     for tier in TIERS:
         if item.get_closest_marker(tier) is not None and tier not in expression:
-            pytest.skip(f"tier {tier} not selected: run it with `pytest conformance --impl=NAME -m {tier}` (README)")
+            pytest.skip(f"tier {tier} not selected: run it with `python -m pytest conformance --impl=NAME -m {tier}` "
+                        "(docs/multirank.md)")
     # A test only two hosts can prove (local rank != global rank) runs with --hosts 2 alone.
     if item.get_closest_marker("hosts") is not None and item.config.getoption("--hosts") < 2:
-        pytest.skip("runs on two hosts only: `pytest conformance --impl=NAME -m multirank --hosts 2` (README)")
+        pytest.skip("runs on two hosts only: `python -m pytest conformance --impl=NAME -m multirank --hosts 2` "
+                    "(docs/multirank.md)")
 
 
 @pytest.hookimpl(wrapper=True)
