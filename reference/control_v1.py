@@ -65,10 +65,11 @@ def _step_version(version) -> int | None:
     """A version the reference can stamp: a step number (int, or a str of decimal digits), or None."""
     if version is None:
         return None
-    text = str(version)
-    if isinstance(version, bool) or not (isinstance(version, int) or (text.isascii() and text.isdigit())):
-        raise ValueError(f"update_weights: version {version!r} is not a step number (decimal digits)")
-    return int(text)
+    if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
+        return version
+    if isinstance(version, str) and version.isascii() and version.isdigit():
+        return int(version)
+    raise ValueError(f"update_weights: version {version!r} is not a step number (decimal digits)")
 
 
 class _Request:
