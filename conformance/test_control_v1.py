@@ -333,7 +333,7 @@ def test_is_paused_tells_the_truth_throughout(loader, route, combo):
         check.that((update.error is None) == (outcome == "ok"),
                    f"{where}: update_weights() {'raised ' + repr(update.error) if update.error else 'returned'}")
         want_after = True
-    if moment == "during":
+    if moment == "during" and op != "pause":  # (during the pause's drain: either answer, read in time)
         check.that(during and all(during), f"{where}: is_paused() read during the operation: {during} (must be True)")
     check.equal(read_paused(session, where), want_after, f"{where}: is_paused() after it")
 

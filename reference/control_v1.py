@@ -4,10 +4,11 @@ through sleep and wakeup (``FD_ENABLE_V1_UPDATE_WEIGHTS=1``), beside the legacy 
 
 One :class:`Control` per worker session, over its manager:
 
-* **pause** stops new work and aborts the requests in flight: a request arriving while paused is refused
+* **pause** stops new work and aborts the requests in flight: a request arriving once a pause began is refused
   before any step runs, one in flight ends (aborted) at its next step boundary, and ``pause()`` returns once no
-  step runs. Re-entrant. **resume** is a no-op when not paused. ``is_paused()`` answers at once, whatever
-  operation runs.
+  step runs; ``is_paused()`` is True from then on (FastDeploy since #6761: paused once drained, so that an
+  update_weights that sees it paused never runs under a step). Re-entrant. **resume** is a no-op when not
+  paused. ``is_paused()`` answers at once, whatever operation runs.
 * **sleep(tags)** pauses, then releases exactly what its tags name, each tag on its own (a tag already asleep
   is skipped, never a reason to stop): ``weight`` clears every captured parameter, main and draft
   (``manager.clear()``: its agreement across ranks, CLEARED); ``kv_cache`` has the engine release its KV cache
@@ -94,7 +95,8 @@ class Control:
         self.asleep: set[str] = set()
         self.running: str | None = None  # the operation under way (the routed legacy API answers from it)
         self._cond = threading.Condition()
-        self._paused = False
+        self._paused = False  # is_paused(): set once a pause has drained the steps in flight
+        self._rejecting = False  # a pause began: new requests are refused
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count()
         self._stepping = 0
@@ -106,23 +108,27 @@ class Control:
             return self._paused
 
     def pause(self) -> None:
+        """Refuse new requests and abort those in flight at once; paused (``is_paused()``) once no step runs."""
         with self._cond:
-            self._paused = True
+            if self._paused:
+                return
+            self._rejecting = True
             for request in self._requests.values():
                 request.aborted = True
             if not self._cond.wait_for(lambda: self._stepping == 0, PAUSE_TIMEOUT_S):
                 raise TimeoutError(f"pause: {self._stepping} request step(s) still running after {PAUSE_TIMEOUT_S:g}s")
+            self._paused = True
 
     def resume(self) -> None:
         with self._cond:
-            self._paused = False
+            self._paused = self._rejecting = False
             self._cond.notify_all()
 
     def generate(self, step, steps: int) -> tuple[str, int]:
         """One request: ``step(i)`` for each of its ``steps`` forward steps, each under the request gate, unless
         the engine pauses. Returns ("finished" | "aborted", steps run)."""
         with self._cond:
-            if self._paused:
+            if self._paused or self._rejecting:
                 return "aborted", 0
             key, request = next(self._ids), _Request()
             self._requests[key] = request

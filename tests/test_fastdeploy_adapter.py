@@ -50,7 +50,7 @@ pytestmark = pytest.mark.timeout(900)
 
 STANDINS = os.path.join(REPO, "tests", "fd_standins")
 FROZEN_HEAP = ("-p", "tests.gc_frozen")  # the stand-ins' gc.collect() per part skips the suite's own heap
-GENERATIONS = ("dwm_old", "dwm0", "ep", "rsync_tp0", "parts", "gdr")
+GENERATIONS = ("dwm_old", "dwm0", "ep", "rsync_tp0", "v1", "parts", "gdr")
 MULTIRANK = ("parts", "gdr")  # generations with snapshot parts: the multi-rank job's snapshot path
 KINDS = ("notimpl", "bug", "never", "flaky")
 KIND_LEVEL = {"bug": "contract", "never": "hardening"}  # notimpl / flaky: either level
@@ -83,14 +83,19 @@ FACTS = {
                caps={"snapshot.legacy", "trace", "status", "mtp"}),
     "rsync_tp0": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels={"legacy": "safetensors"},
                       caps={"snapshot.legacy", "trace", "status", "mtp"}),
+    "v1": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels=ALL_LEVELS,
+               caps=ALL_SNAPSHOT | {"trace", "status", "mtp"}),
     "parts": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels=ALL_LEVELS,
                   caps=ALL_SNAPSHOT | {"trace", "status", "mtp"}),
     "gdr": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels=ALL_LEVELS,
                 caps=ALL_SNAPSHOT | {"trace", "status", "mtp"}),
 }
 # The streamed paths each generation has, driven against the CheckpointTransfer stand-in (streams.py).
-STREAM_CAPS = {"rsync_tp0": {"stream.rsync"}, "parts": {"stream.rsync"},
+STREAM_CAPS = {"rsync_tp0": {"stream.rsync"}, "v1": {"stream.rsync"}, "parts": {"stream.rsync"},
                "gdr": {"stream.rsync", "stream.gdr", "stream.gdr_ipc"}}
+# /v1/update_weights: the runner's update_weights is the manager's update_weights_by_rdma (every rsync generation).
+for _gen in STREAM_CAPS:
+    STREAM_CAPS[_gen] = STREAM_CAPS[_gen] | {"control.update_in_place"}
 for _gen, _caps in STREAM_CAPS.items():
     FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | _caps
 # Every generation has a check_model_weights_status the adapter drives (loop.py), whatever its signature.
@@ -99,6 +104,10 @@ for _gen in FACTS:
 # The runner's capture_model(), which the adapter plays for every generation (session.py, MODEL-STORAGE-KEPT).
 for _gen in FACTS:
     FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | {"model.recapture"}
+# #6761's split operations, which the runner's V1 sleep / wakeup of the weights call (session.py, SPEC.md § CTL).
+SPLIT_OPERATIONS = ("v1", "parts", "gdr")
+for _gen in SPLIT_OPERATIONS:
+    FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | {"control.sleep"}
 _TYPING_OLD = "from typing import Any, Dict"
 _BASE = {"import os", "import time", "from multiprocessing.shared_memory import SharedMemory", "import numpy as np",
          "import paddle", "from paddleformers.utils.log import logger", "from fastdeploy.config import FDConfig"}
@@ -114,6 +123,7 @@ IMPORTS = {
     "ep": _BASE | {"from typing import Any, Dict, List", "from fastdeploy.inter_communicator import ModelWeightsStatus"},
     "rsync_tp0": _BASE | {"import io", "from typing import Any, Dict, List",
                           "from fastdeploy.inter_communicator import KVCacheStatus, ModelWeightsStatus"},
+    "v1": (_PARTS - {"import yaml"}) | {"import io"},
     "parts": _PARTS,
     "gdr": (_PARTS - {"from typing import Any, Dict, List"})
     | {"import asyncio", "from typing import Any, Dict, Iterable, List, Optional, Tuple", "from fastdeploy import envs"},

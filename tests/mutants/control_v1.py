@@ -62,12 +62,13 @@ class PauseAdmitsArrivals(Mutant):
         class Control(_c.Control):
             def generate(self, step, steps):
                 with self._cond:
-                    was, self._paused = self._paused, False
+                    was = (self._paused, self._rejecting)
+                    self._paused = self._rejecting = False
                 try:
                     return super().generate(step, steps)
                 finally:
                     with self._cond:
-                        self._paused = was or self._paused
+                        self._paused, self._rejecting = was[0] or self._paused, was[1] or self._rejecting
 
         return _control(Control)
 
@@ -148,26 +149,19 @@ class IsPausedWaitsForOperation(Mutant):
         return _control(Control)
 
 
-class PausedFlagSetLast(Mutant):
-    id = "ctl_paused_flag_set_last"
-    bug = ("pause sets the flag only once the steps in flight have drained: while it waits, is_paused says the "
-           "engine serves")
-    kills = frozenset({"CTL-IS-PAUSED"})
+class IsPausedStaleAfterResume(Mutant):
+    id = "ctl_is_paused_stale_after_resume"
+    bug = "resume lets requests run again but leaves the flag is_paused reads set: the engine says it is paused while it serves"
+    kills = frozenset({"CTL-IS-PAUSED", "CTL-UPDATE-PAUSED-ONLY", "CTL-WAKEUP-RESUMES"})
 
     def patches(self):
         class Control(_c.Control):
-            def pause(self):
-                with self._cond:
-                    for request in self._requests.values():
-                        request.aborted = True
-                    self._cond.wait_for(lambda: self._stepping == 0, _c.PAUSE_TIMEOUT_S)
-                    self._paused = True
+            def resume(self):
+                super().resume()
+                self.resumed_at_least_once = True
 
-            def generate(self, step, steps):
-                with self._cond:
-                    if any(r.aborted for r in self._requests.values()):
-                        return "aborted", 0
-                return super().generate(step, steps)
+            def is_paused(self):
+                return super().is_paused() or getattr(self, "resumed_at_least_once", False)
 
         return _control(Control)
 
