@@ -847,11 +847,16 @@ def test_routed_legacy_pair_answers_as_the_legacy_api(loader, route, combo):
                 ("clear", "waking"): (403, "worker is updating model weight, cannot clear now")}[(request, state)]
         check.equal(tuple(answer), want, f"{where}: the answer")
         return
+    cause = None
     if failed and request == "clear":
-        rig.engine.fail("release_kv_cache", RuntimeError("the suite's KV cache refuses to be released"))
+        cause = "refuses to be released"
+        rig.engine.fail("release_kv_cache", RuntimeError(f"the suite's KV cache {cause}"))
+    elif failed:
+        cause = rig.names[-1]  # the parameter the source lacks
     answer = tuple(ask(5.0))
     if failed:
-        check.that(answer[0] != 200 and len(answer[1]) > 0, f"{where}: the answer {answer}: a failure is never 200")
+        check.that(answer[0] != 200 and cause in answer[1],
+                   f"{where}: the answer {answer}: a failure is never 200, and its message names it ({cause!r})")
         check.that(read_paused(session, where), f"{where}: is_paused() after the failure: must stay True")
         if request == "update":
             rig.publish(3)
