@@ -752,3 +752,33 @@ def test_gdr_flag_is_set_per_session_never_for_the_process(monkeypatch):
     waiter.join(5)
     assert order == ["shared", "gdr done", ("rsync", "0")], order
     assert stubs.GDR_FLAG not in os.environ, "the process flag was not restored"
+
+
+# -- the V1 control path: the split operations are FastDeploy's own ---------------------------------------------
+_DRAFT_KEPT = ("    def _drop_weights(self):\n        for model in self.model_list:\n",
+               "    def _drop_weights(self):\n        for model in self.model_list[:1]:  # regression: the draft kept\n")
+_RELOAD_VERIFIED = ("        self._strategy_handler()()\n        logger.info(f\"finish reload model weights!",
+                    "        self._strategy_handler()()\n        self._verify_parameters(\"update\")  # a fix: verified\n"
+                    "        logger.info(f\"finish reload model weights!")
+
+
+@pytest.mark.parametrize("change, rule, turns", [
+    pytest.param(_DRAFT_KEPT, "CTL-SLEEP-RELEASES", "failed", id="clear_model_weight-keeps-the-draft"),
+    pytest.param(_RELOAD_VERIFIED, "CTL-WAKEUP-RELOADS", "unexpected_pass", id="reload_model_weights-verifies"),
+])
+def test_the_v1_path_judges_the_managers_own_split_operations(tmp_path, change, rule, turns):
+    """The adapter drives FastDeploy's ``clear_model_weight`` / ``reload_model_weights`` as the runner calls them,
+    never its own: a v1 stand-in whose ``clear_model_weight`` forgets the draft model fails CTL-SLEEP-RELEASES under
+    the v1 expectations (the gate red), and one whose ``reload_model_weights`` verifies what it loaded passes the
+    ``missing`` cases pinned as FastDeploy's bug (the gate red too: an expected failure that passes)."""
+    source = open(standin("v1"), encoding="utf-8").read()
+    old, new = change
+    assert source.count(old) == 1, f"the v1 stand-in no longer reads {old!r}; update the regression"
+    changed = tmp_path / "dynamic_weight_manager.py"
+    changed.write_text(source.replace(old, new))
+    code, report, output = run_conformance(["--impl=fastdeploy", f"--impl-opt=source={changed}",
+                                            f"--expectations={expectations_path('v1')}", f"--rule={rule}"],
+                                           tmp_path / "report.json", list(FROZEN_HEAP), timeout=600)
+    assert report is not None and code == 1, f"exit {code}:\n{output[-3000:]}"
+    status = {r["id"]: r["status"] for r in report["rules"]}
+    assert status.get(rule) == {"failed": "failed", "unexpected_pass": "unexpected_pass"}[turns], (status, output[-2000:])
