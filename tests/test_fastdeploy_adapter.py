@@ -13,6 +13,9 @@ stand-ins stand for them here, where FastDeploy cannot be fetched.
   one (SPEC.md levels), every other test passes or is not applicable for a capability the adapter does
   not claim (or the device). ``test_a_new_regression_turns_the_gate_red``: a regressed stand-in under
   the same file fails the run.
+* ``test_the_v1_path_judges_the_managers_own_split_operations``: the V1 control path (SPEC.md § CTL) is judged on
+  FastDeploy's own ``clear_model_weight`` / ``reload_model_weights``: the v1 stand-in regressed, or fixed, turns
+  its gate red.
 * ``test_adapter_derives_the_generation``: the calling convention, levels, formats and capabilities the
   adapter reads from each class, and the reasons it prints for what it does not claim.
 * The adapter's mechanics: stubs, usage errors, the status cell, worker identity, ``/shared_ipc_meta``.
