@@ -16,16 +16,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 
 from conformance import check, harness, modes
 from conformance.paths import Route, route  # noqa: F401 (the fixture)
-from conformance.test_storage import hold
 from fixtures import engine as E
 from fixtures import models as M
 from fixtures import streams as S
@@ -38,6 +39,29 @@ POSITION = {"first": 0, "middle": 2, "last": 4, "first-step": 0, "middle-step": 
 HOLD_S = 0.05  # how long the suite waits to see that a call which must wait has not returned
 READ_S = 2.0  # is_paused() must answer within this, whatever runs (a loaded 2-core machine included)
 BOUND_S = 10.0  # every wait for a call or a request
+
+
+@dataclass
+class Held:
+    """One parameter's storage at a moment: its address (None: it holds no memory) and a view that keeps the memory
+    alive, so that its address cannot be handed out again while a verdict needs it (as test_storage.py holds it)."""
+
+    address: int | None
+    keep: object = None
+
+
+def hold(models) -> dict[str, Held]:
+    import paddle
+
+    out = {}
+    with paddle.no_grad():
+        for model in models:
+            for name, p in model.state_dict().items():
+                if math.prod(p.shape) == 0 or not p._is_initialized():
+                    out[name] = Held(None)
+                else:
+                    out[name] = Held(p.data_ptr(), paddle.as_strided(p, list(p.shape), list(p.strides), p.offset))
+    return out
 
 
 def _caps(*more):
