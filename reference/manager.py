@@ -155,9 +155,10 @@ class WeightManager:
         log.info("cleared %d parameters", len(self.params))
 
     # -- update ------------------------------------------------------------------------------
-    def update(self):
+    def update(self, version: int | None = None):
         """Load every parameter from the configured source, then verify; raises on any failure. Returns
-        what the strategy returns (the streamed paths' cost dictionary; None for the others)."""
+        what the strategy returns (the streamed paths' cost dictionary; None for the others). ``version``: the
+        version the caller asks for (the V1 control's ``update_weights``), announced before anything loads."""
         if self.first_load:
             restart.note_startup(self)
         self._voted = self._committed = False
@@ -182,6 +183,7 @@ class WeightManager:
             self.last_error = None
             transforms.before_load(self.post_load)
             self.announce(commit.read_version_file(self._version_dir()))
+            self.announce(version)
             module, func = STRATEGIES[self.load_strategy].split(":")
             span = self.phases.span("update")
             result = getattr(importlib.import_module(module), func)(self)

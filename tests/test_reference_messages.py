@@ -685,3 +685,121 @@ def test_a_tensor_read_that_meets_the_end_of_the_file_names_the_tensor(tmp_path,
     monkeypatch.setattr(SL, "_validated", then_cut)
     raises(SnapshotFormatError, lambda: _bounded(lambda: list(SL.iter_safetensors(path))),
            f"{path}: file changed during load: the read of tensor 'b' ended early (the file shrank)")
+
+
+# -- the V1 control surface (reference.control_v1) -----------------------------------------------------------
+def _control(options=None, **manager):
+    from reference import control_v1 as V
+    from reference.agreement import Agreement
+    from reference.request_gate import RequestGate
+    from reference.status import Status
+
+    fake = SimpleNamespace(requests=RequestGate(served=True), agreement=Agreement(1.0), load_strategy="rsync",
+                           IN_PLACE=frozenset({"rsync", "gdr"}), options={}, version=None, status=Status.NORMAL, rank=0)
+    fake.__dict__.update(manager)
+    return V.Control(fake, options or {})
+
+
+@pytest.mark.parametrize("tags, expected", [
+    ("weights", "unknown tag(s) ['weights']: the tags are weight, kv_cache"),
+    (["weight", "kv"], "unknown tag(s) ['kv']: the tags are weight, kv_cache"),
+    ([], "unknown tag(s) []: the tags are weight, kv_cache"),
+    ([7], "unknown tag(s) [7]: the tags are weight, kv_cache"),
+])
+def test_parse_tags_names_every_unknown_tag(tags, expected):
+    from reference import control_v1 as V
+
+    with pytest.raises(V.TagError) as info:
+        V.parse_tags(tags)
+    assert str(info.value) == expected
+
+
+def test_parse_tags_orders_and_defaults():
+    from reference import control_v1 as V
+
+    assert V.parse_tags(None) == ("weight", "kv_cache")
+    assert V.parse_tags("kv_cache, weight") == ("weight", "kv_cache")
+    assert V.parse_tags(["kv_cache"]) == ("kv_cache",)
+
+
+@pytest.mark.parametrize("version", ["step-3", "3.0", "", "٣", True, -1])
+def test_step_version_refuses_what_is_no_step_number(version):
+    from reference import control_v1 as V
+
+    with pytest.raises(ValueError) as info:
+        V._step_version(version)
+    assert str(info.value) == f"update_weights: version {version!r} is not a step number (decimal digits)"
+
+
+def test_control_options_are_named():
+    with pytest.raises(ValueError) as info:
+        _control({"engine": object()})
+    assert str(info.value).startswith("options['engine'] must have release_kv_cache() and rebuild_kv_cache(), got <object")
+    with pytest.raises(ValueError) as info:
+        _control({"cuda_graph": "yes"})
+    assert str(info.value) == "options['cuda_graph'] must be a bool, got 'yes'"
+
+
+def test_update_weights_refusals():
+    from reference import control_v1 as V
+
+    control = _control()
+    with pytest.raises(RuntimeError) as info:
+        control.update_weights("2")
+    assert str(info.value) == V.PAUSE_FIRST == "Pause LLM Engine first before calling updating weights"
+    control.pause()
+    control.asleep.add("weight")
+    with pytest.raises(RuntimeError) as info:
+        control.update_weights("2")
+    assert str(info.value) == ("update_weights: the weights are asleep; wake them up (wakeup with tag weight) before "
+                               "updating them in place")
+    control.asleep.clear()
+    control.manager.load_strategy = "ipc_snapshot"
+    with pytest.raises(ValueError) as info:
+        control.update_weights("2")
+    assert str(info.value) == ("update_weights updates in place: the ipc_snapshot strategy loads into cleared weights "
+                               "(in place: gdr, rsync)")
+    control.manager.load_strategy = "rsync"
+    with pytest.raises(ValueError) as info:
+        control.update_weights("2", verify_checksum=1)
+    assert str(info.value) == "update_weights: verify_checksum must be a bool, got 1"
+    control.manager.version = 5
+    with pytest.raises(Exception) as info:
+        control.update_weights("4")
+    assert str(info.value).startswith("update_weights on rank 0: version 4 is older than the version 5 this worker reports")
+
+
+def test_wakeup_of_the_weights_alone_with_graphs_is_fastdeploys_refusal():
+    from reference import control_v1 as V
+
+    control = _control({"cuda_graph": True})
+    control.asleep |= {"weight", "kv_cache"}
+    with pytest.raises(RuntimeError) as info:
+        control.wakeup(["weight"])
+    assert str(info.value) == V.GRAPH_ORDER == (
+        "Waking up [weight] alone is not supported when CUDA Graph is enabled, as recapturing the graph requires the "
+        "KV cache to be rebuilt first. Please wake up [kv_cache] first.")
+
+
+def test_pause_that_outlasts_its_deadline_says_how_many_steps_run(monkeypatch):
+    from reference import control_v1 as V
+
+    monkeypatch.setattr(V, "PAUSE_TIMEOUT_S", 0.01)
+    control = _control()
+    control._stepping = 2
+    with pytest.raises(TimeoutError) as info:
+        control.pause()
+    assert str(info.value) == "pause: 2 request step(s) still running after 0.01s"
+
+
+def test_routed_failure_names_it():
+    from reference import control_v1 as V
+
+    control = _control()
+    control.asleep.add("weight")
+
+    def wakeup(tags):
+        raise RuntimeError("no snapshot")
+
+    control.wakeup = wakeup
+    assert V.RoutedControl(control).update_model_weight(1.0) == (500, "update model weight failed: RuntimeError: no snapshot")
