@@ -277,3 +277,24 @@ def test_level_parser_rejects(tmp_path, first_lines, fragment):
             parse(path)
         assert "X-ONE" in str(e.value) and fragment in str(e.value), str(e.value)
     assert rules(path) == {"X-ONE": "a rule", "X-TWO": "another"}  # rules() does not read levels
+
+
+def test_every_rule_declares_its_modes_right_before_its_proven_by_line():
+    """Every rule says in which modes its behaviour exists (conformance/modes.py): one ``Modes:`` line, parsed,
+    right before its ``Proven by:`` line (``Modes: n/a (why)`` where there is none)."""
+    from conformance import modes
+
+    problems = []
+    for rule_id, body in rule_bodies().items():
+        lines = [line.strip() for line in body.splitlines() if line.strip()]
+        at = [i for i, line in enumerate(lines) if line.startswith("Modes:")]
+        if len(at) != 1:
+            problems.append(f"{rule_id}: {len(at)} 'Modes:' lines; exactly one is expected")
+            continue
+        if at[0] != len(lines) - 2 or not lines[-1].startswith("Proven by:"):
+            problems.append(f"{rule_id}: the 'Modes:' line must come right before the 'Proven by:' line")
+        try:
+            modes.declared_in(rule_id, body)
+        except ValueError as e:
+            problems.append(str(e))
+    assert not problems, "\n".join(problems)
