@@ -10,6 +10,9 @@ failure included, and none reports CLEARED or NORMAL unless all succeeded; tenso
 writes the shared status cell (``reference.status_cell``; never for the first load). ``finalize()`` is
 the commit point every path shares: verify, agree, adopt what a staged update kept
 (``reference.commit``), stamp the version, NORMAL.
+
+One clear or update at a time (``reference.operations``, SPEC LIFE-CONCURRENT): a clear or an update that
+arrives while another runs is refused at once with ``OperationInProgressError``, having changed nothing.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from . import apply, commit, hooks, identity, restart, storage, transforms
 from .request_gate import RequestGate
 from . import digest as _digest
 from .agreement import Agreement
+from .operations import OperationGuard, one_at_a_time
 from .phases import Phases, pulled
 from .status import Status
 from .status_cell import CellWriter, StatusCell
@@ -105,6 +109,7 @@ class WeightManager:
         self.changed_since_commit = False
         self._storage_before = None  # MODEL-STORAGE-KEPT: where the parameters' memory was when the update began
         self.phases = Phases()  # of the last clear/update cycle
+        self.operations = OperationGuard()  # LIFE-CONCURRENT: the clear or update in flight, if any
 
     def _capture(self) -> dict[str, paddle.Tensor]:
         # Never initialize here: capturing must not allocate (FastDeploy #7171, OOM on ipc).
@@ -125,6 +130,7 @@ class WeightManager:
     # -- clear -------------------------------------------------------------------------------
     IN_PLACE = IN_PLACE_STRATEGIES
 
+    @one_at_a_time("clear")
     def clear(self, publish: bool = True) -> None:
         """``publish=False``: write nothing to the cell (a restarted worker releasing what the cell
         already says is released, ``reference.restart``)."""
@@ -152,6 +158,7 @@ class WeightManager:
         log.info("cleared %d parameters", len(self.params))
 
     # -- update ------------------------------------------------------------------------------
+    @one_at_a_time("update")
     def update(self):
         """Load every parameter from the configured source, then verify; raises on any failure. Returns
         what the strategy returns (the streamed paths' cost dictionary; None for the others)."""
