@@ -156,6 +156,33 @@ class LeaseHold(Hold):
         self.lost = self._line(0.0) == "lost"  # already let go: this process did not run meanwhile
         return True
 
+    def openers_reach(self, count: int, timeout_s: float) -> int | None:
+        """Poll :meth:`blocked_openers` until it reaches ``count`` or ``timeout_s`` passes; the most seen (a
+        thread entering the wait shows no wait channel for a moment)."""
+        deadline, most = time.monotonic() + timeout_s, None
+        while True:
+            now = self.blocked_openers()
+            most = now if most is None or (now is not None and now > most) else most
+            if most is None or most >= count or time.monotonic() > deadline:
+                return most
+            time.sleep(0.002)
+
+    @staticmethod
+    def blocked_openers() -> int | None:
+        """How many threads of this process wait in an ``open()`` for a lease to break (their kernel wait
+        channel, ``/proc/self/task/*/wchan``: ``__break_lease``); None where the kernel shows no wait channels.
+        A second call that blocks here too is reading the files the held operation reads: it runs beside it."""
+        count, named = 0, False
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/wchan", encoding="ascii") as f:
+                    wchan = f.read().strip()
+            except OSError:
+                continue
+            named = named or wchan not in ("", "0")
+            count += "lease" in wchan
+        return count if named else None
+
     def release(self) -> None:
         self._stop.set()
         self._tell(b"release\n")

@@ -520,6 +520,25 @@ def test_after_commit_names_every_failed_hook():
     assert len(ran) == 3
 
 
+# -- reference.operations: one clear or update at a time (LIFE-CONCURRENT) ------------------------------------
+
+@pytest.mark.parametrize("running, refused", [("update", "clear"), ("update", "update"), ("clear", "update"),
+                                              ("clear", "clear")])
+def test_a_call_arriving_while_another_runs_is_refused_naming_both(running, refused):
+    """Called on the same thread, inside the running operation (a hook calling back into its session): refused
+    at once, never deadlocked, and nothing changed."""
+    from reference.errors import OperationInProgressError
+    manager = _manager(["w1"])
+    before = manager.status
+    with manager.operations.run(running):
+        raises(OperationInProgressError, getattr(manager, refused),
+               f"{refused}() refused: {running}() is already in progress on this session (called from another "
+               f"thread, or from inside it); nothing was changed: call {refused}() again once {running}() has returned")
+        assert manager.operations.running == running and manager.status == before
+    assert manager.operations.running is None
+    assert issubclass(OperationInProgressError, RuntimeError)
+
+
 # -- reference.__getattr__ (the package's lazy exports) -----------------------------------------------
 
 def test_package_exports_and_unknown_names():

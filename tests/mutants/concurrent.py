@@ -125,7 +125,6 @@ class WaitThenSkip(Mutant):
            "the one it waited for had done it): a clear queued behind an update returns with the weights loaded and "
            "NORMAL, an update queued behind a clear returns with nothing loaded")
     kills = frozenset({"LIFE-CONCURRENT"})
-    zoo_args = ("-k", "update-clear or clear-update")  # each waiting case costs the 2 s refusal window: the mixed pairs do
 
 
     def patches(self):
