@@ -355,7 +355,7 @@ class Case:
                 thing.close()
 
 
-@pytest.mark.rule(RULE)
+@pytest.mark.rule("LIFE-CONCURRENT")
 @pytest.mark.parametrize("combo", CASES)
 def test_concurrent_calls_refused_or_held(route, loader, combo):  # noqa: F811 (route: the fixture)
     case = Case(route, loader, combo)
