@@ -107,7 +107,7 @@ class LeaseHold(Hold):
     ``grace_s`` once the loader reached the lease, and let go (the loader held the interpreter lock while
     blocked: no thread of this process ran)."""
 
-    def __init__(self, path: str, where: str, grace_s: float = 2.0):
+    def __init__(self, path: str, where: str, grace_s: float = 3.0):
         self.path, self.where, self.grace_s = path, where, grace_s
         self.lost = False
         self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LEASE_HOLDER, path, str(grace_s),
@@ -155,6 +155,11 @@ class LeaseHold(Hold):
             return False
         self.lost = self._line(0.0) == "lost"  # already let go: this process did not run meanwhile
         return True
+
+    def let_go(self) -> bool:
+        """Whether the holder has let go by itself since :meth:`reached` (this process silent for ``grace_s``)."""
+        self.lost = self.lost or self._line(0.0) == "lost"
+        return self.lost
 
     def openers_reach(self, count: int, timeout_s: float) -> int | None:
         """Poll :meth:`blocked_openers` until it reaches ``count`` or ``timeout_s`` passes; the most seen (a

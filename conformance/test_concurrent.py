@@ -386,6 +386,7 @@ def test_concurrent_calls_refused_or_held(route, loader, combo):  # noqa: F811 (
             check.that(drain.start(BOUND_S), f"{where}: a forward pass on the loaded version {held_version} did not "
                                              f"start within {BOUND_S:g}s (nothing was changing: it must run at once)")
             committed_at_hold = case.committed[1]
+        version_before = case.version()
         first = harness.Call(f"the first operation, {op}()", session.update if op == "update" else session.clear)
         if drain is not None:
             drain.op = first
@@ -394,17 +395,16 @@ def test_concurrent_calls_refused_or_held(route, loader, combo):  # noqa: F811 (
         check.that(reached, f"{at}: it never got there ({first.outcome()} {BOUND_S:g}s on)"
                    + (": a clear must wait for the forward passes in flight (SERVE-NO-MIXED-VERSIONS)"
                       if drain is not None and first.done.is_set() else ""))
-        check.that(not getattr(hold, "lost", False),
-                   f"{at}: while its open() of the file was blocked, no other thread of the process ran for "
-                   f"{getattr(hold, 'grace_s', 0):g}s (the loader kept the interpreter lock): status() could not answer "
-                   f"and no other call could arrive; a loader driven from several threads blocks only its own")
+        lost = (f"{at}: while its open() of the file was blocked, no other thread of the process ran for "
+                f"{getattr(hold, 'grace_s', 0):g}s (the loader kept the interpreter lock): status() could not "
+                "answer and no other call could arrive; a loader driven from several threads blocks only its own")
+        check.that(not getattr(hold, "lost", False), lost)
 
         # -- 2. the second call, while the first is held -----------------------------------------------------
         status0, obs0, version0 = case.looks(at, "before the second call")
         case.consistent(status0, obs0, committed_at_hold, f"{at}, before the second call")
-        if case.path in VERSIONED and "version" in case.caps:
-            stamped = held_version if op == "update" and case.hold_at == "after" else (
-                case.committed[0] if case.committed else None)
+        if case.path in VERSIONED and "version" in case.caps:  # the version last committed (VER-STAMP-AT-COMMIT)
+            stamped = held_version if op == "update" and case.hold_at == "after" else version_before
             check.equal(version0, stamped, f"{at}: version() (the version last committed)")
         case.digest_describes(obs0, f"{at}: digest()")
         # the threads blocked on the lease: the held operation's (one, where the kernel shows wait channels)
@@ -415,8 +415,9 @@ def test_concurrent_calls_refused_or_held(route, loader, combo):  # noqa: F811 (
             answered = second.wait(REFUSE_S)
         if openers and not answered:
             check.that(hold.openers_reach(openers + 1, 0.5) <= openers,
-                       f"{at}: {second_op}() from another thread is blocked opening {os.path.basename(hold.path)} too: "
-                       f"it reads the files {op}() is reading, beside it, neither refused nor held until {op}() returned")
+                       f"{at}: {second_op}() from another thread is blocked opening {os.path.basename(hold.path)} "
+                       f"too: it reads the files {op}() is reading, beside it, neither refused nor held until {op}() "
+                       "returned")
         if answered:
             check.that(second.error is not None,
                        f"{at}: {second_op}() from another thread returned while {op}() was still held: it neither "
@@ -437,6 +438,7 @@ def test_concurrent_calls_refused_or_held(route, loader, combo):  # noqa: F811 (
         check.that(not changed, f"{at}: parameters changed while {second_op}() was {what} and {op}() held: {changed}")
         check.equal(version1, version0, f"{at}: version() after {second_op}() was {what}")
         case.consistent(status1, obs1, committed_at_hold, f"{at}, {second_op}() {what}")
+        check.that(not (isinstance(hold, LeaseHold) and hold.let_go()), lost)  # (held all along)
 
         # -- 3. let go: both return ---------------------------------------------------------------------
         hold.release()
