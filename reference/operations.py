@@ -16,9 +16,7 @@ that what ``status()`` says never belongs to a call that was refused. ``status()
 """
 from __future__ import annotations
 
-import functools
 import threading
-from contextlib import contextmanager
 
 from .errors import OperationInProgressError
 
@@ -30,37 +28,31 @@ def refusal(refused: str, running: str) -> str:
 
 
 class OperationGuard:
-    """Which operation of a session is in flight, if any (``running``: "clear", "update" or None)."""
+    """Which operation of a session is in flight, if any (``running``: "clear", "update" or None).
+
+        with self.operations.claim("update"):   # raises OperationInProgressError at once if one runs
+            ...                                  # the whole operation
+    """
 
     def __init__(self):
         self._lock = threading.Lock()  # guards ``running``: the check and the claim are one step
         self.running: str | None = None
 
-    @contextmanager
-    def run(self, operation: str):
-        """Claim the session for ``operation`` for the ``with`` block, or raise OperationInProgressError at once."""
+    def claim(self, operation: str) -> "OperationGuard":
+        """Claim the session for ``operation`` (until the ``with`` block ends), or raise at once."""
         with self._lock:
             running = self.running
             if running is not None:
                 raise OperationInProgressError(refusal(operation, running))
             self.running = operation
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.running = None
+        return self
 
+    def release(self) -> None:
+        with self._lock:
+            self.running = None
 
-def one_at_a_time(operation: str):
-    """Decorate a manager method so that it runs under ``self.operations.run(operation)``; the unguarded
-    method stays reachable as ``__wrapped__``."""
+    def __enter__(self) -> "OperationGuard":
+        return self
 
-    def wrap(method):
-        @functools.wraps(method)
-        def guarded(self, *args, **kwargs):
-            with self.operations.run(operation):
-                return method(self, *args, **kwargs)
-
-        return guarded
-
-    return wrap
+    def __exit__(self, *exc) -> None:
+        self.release()

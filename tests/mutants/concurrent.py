@@ -3,8 +3,8 @@ writes when a second thread starts calling ``clear()`` and ``update()``, each ca
 conformance/test_concurrent.py (every ordered pair of operations, held at its start, mid-transfer, before and
 after the commit, on every path).
 
-Each is a ``WeightManager`` subclass put where the adapter builds it (tests/mutants/lifecycle.py's manner); the
-reference's guarded methods keep their unguarded bodies as ``__wrapped__`` (``reference.operations``).
+Each is a ``WeightManager`` subclass put where the adapter builds it (tests/mutants/lifecycle.py's manner), or
+its guard (``reference.operations.OperationGuard``) replaced by one with the bug.
 """
 from __future__ import annotations
 
@@ -12,23 +12,24 @@ import time
 
 from reference import commit as _commit
 from reference import manager as _manager
+from reference.operations import OperationGuard
 
 from .base import Mutant
-
-_clear = _manager.WeightManager.clear.__wrapped__
-_update = _manager.WeightManager.update.__wrapped__
 
 
 def _manager_patch(cls):
     return {"reference.adapter.WeightManager": cls}
 
 
-class _NoGuardManager(_manager.WeightManager):
-    def clear(self, publish=True):
-        return _clear(self, publish)
+class _NoGuard(OperationGuard):
+    def claim(self, operation):
+        return self  # every call goes ahead, and none is recorded
 
-    def update(self):
-        return _update(self)
+
+class _NoGuardManager(_manager.WeightManager):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.operations = _NoGuard()
 
 
 class NoGuard(Mutant):
@@ -65,9 +66,17 @@ class SilentRefusal(Mutant):
         return _manager_patch(_SilentRefusalManager)
 
 
+class _UpdateOnlyGuard(OperationGuard):
+    def claim(self, operation):
+        if operation == "clear":
+            return _NoGuard()  # "a clear only frees memory: it needs no lock"
+        return super().claim(operation)
+
+
 class _UpdateOnlyGuardManager(_manager.WeightManager):
-    def clear(self, publish=True):
-        return _clear(self, publish)  # "a clear only frees memory: it needs no lock"
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.operations = _UpdateOnlyGuard()
 
 
 class GuardOnUpdateOnly(Mutant):
@@ -82,8 +91,7 @@ class GuardOnUpdateOnly(Mutant):
 
 class _EarlyReleaseManager(_manager.WeightManager):
     def finalize(self):
-        with self.operations._lock:
-            self.operations.running = None  # "every byte is in: the next caller may come"
+        self.operations.release()  # "every byte is in: the next caller may come"
         return super().finalize()
 
 
