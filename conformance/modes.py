@@ -8,9 +8,10 @@ axes once, in SPEC.md, on a ``Modes:`` line right before its ``Proven by:`` line
     Modes: path(parts, single, ipc, bucket) × staged × model.
     Modes: path × start; except path=parts with start=loaded (a snapshot update needs a clear first).
     Modes: n/a (a naming rule: one behaviour, no mode).
+    Modes: start × model; note: a strided target is judged by APPLY-STRIDED-TARGET.
 
 An axis of :data:`AXES` takes its default values unless the rule lists some; any other axis must list
-its values. ``except A=v with B=w (why)`` removes a pair no case can exercise. The rule's cases must then
+its values. ``except A=v with B=w (why)`` removes a pair no case can exercise; ``note: ...`` is for the reader. The rule's cases must then
 cover **every pair of values of every two axes** (every value, for a rule of one axis): the plugin computes
 which pairs the collected cases cover (from each case's ``@pytest.mark.modes(axis=value, ...)`` marks and
 what :func:`item_modes` derives), and ``--list-rules``, the JSON report and the matrix page state them,
@@ -65,6 +66,16 @@ PATH_OF_CAPABILITY = {
 }
 CAPABILITY_OF_PATH = {path: cap for cap, path in PATH_OF_CAPABILITY.items()}
 
+#: Pairs no case of any rule can exercise, with the reason: left out of every declaration that has both values.
+IN_PLACE_PATHS = ("rsync", "gdr", "gdr_ipc")
+GLOBAL_EXCLUDED: dict[frozenset, str] = {
+    **{frozenset({("path", p), ("start", "loaded")}): "only the streamed paths update loaded weights in place; "
+       "the others load cleared weights and refuse an update without a clear (LIFE-RECOVERY)"
+       for p in AXES["path"] if p not in IN_PLACE_PATHS},
+    **{frozenset({("path", p), ("staged", "staged")}): "GDR hands each item to the model's own load_weights as it "
+       "arrives: there is nothing for the loader to stage (STAGE)" for p in ("gdr", "gdr_ipc")},
+}
+
 MODES_LINE = re.compile(r"^Modes:\s*(.*)$")
 _AXIS = re.compile(r"^([a-z][a-z_]*)\s*(?:\((.*)\))?$")
 _VALUE = re.compile(r"^[A-Za-z0-9_.+\-]+$")
@@ -82,22 +93,48 @@ class Declaration(NamedTuple):
     na: str = ""
 
     def required(self) -> list[Pair]:
-        """Every pair a rule's cases must cover (every value, for one axis), excluded pairs left out."""
+        """Every pair a rule's cases must cover (every value, for one axis): excluded pairs (the rule's own and
+        :data:`GLOBAL_EXCLUDED`) left out, and so is a pair that the exclusions leave in no whole combination (with
+        rsync and gdr unstaged and only the streamed paths in place, staged never meets loaded)."""
         names = list(self.axes)
         if len(names) == 1:
             return [((names[0], v),) for v in self.axes[names[0]]]
         out = []
+        excluded = self.all_excluded()
         for a, b in itertools.combinations(names, 2):
             for va, vb in itertools.product(self.axes[a], self.axes[b]):
                 pair = _pair({a: va, b: vb}, a, b)
-                if pair not in self.excluded:
+                if pair not in excluded and _completes(self.axes, excluded, {a: va, b: vb}):
                     out.append(pair)
+        return out
+
+    def all_excluded(self) -> dict[Pair, str]:
+        """The rule's exclusions and the global ones that name two of its declared values."""
+        out = dict(self.excluded)
+        for pair, why in GLOBAL_EXCLUDED.items():
+            (a, va), (b, vb) = sorted(pair)
+            if va in self.axes.get(a, ()) and vb in self.axes.get(b, ()):
+                out.setdefault(_pair({a: va, b: vb}, a, b), why)
         return out
 
     def text(self) -> str:
         if not self.axes:
             return f"n/a ({self.na})"
         return " × ".join(f"{a}({', '.join(v)})" for a, v in self.axes.items())
+
+
+def _completes(axes: Mapping[str, tuple], excluded, partial: Mapping[str, str]) -> bool:
+    """Whether ``partial`` extends to a value on every axis with no excluded pair (a depth-first search)."""
+    def clash(combo):
+        return any(_pair(combo, a, b) in excluded for a, b in itertools.combinations(combo, 2))
+
+    if clash(partial):
+        return False
+    rest = [a for a in axes if a not in partial]
+    if not rest:
+        return True
+    axis = rest[0]
+    return any(_completes(axes, excluded, {**partial, axis: v}) for v in axes[axis])
 
 
 def _pair(combo: Mapping[str, str], a: str, b: str) -> Pair:
@@ -144,6 +181,8 @@ def parse(rule_id: str, text: str) -> Declaration:
         axes[name] = values
     excluded: dict[Pair, str] = {}
     for clause in clauses:
+        if clause.startswith("note:"):  # a reader's note (where a mode left out is judged instead)
+            continue
         m = _EXCEPT.match(clause)
         if not m:
             raise ValueError(f"SPEC rule {rule_id}: 'Modes:' clause {clause!r} is not "
@@ -205,8 +244,8 @@ def pairwise(axes: Mapping[str, Iterable[str]], excluded: Iterable[Pair] = (),
     """A small list of combinations (axis -> value) that together cover every pair of values of every two
     axes, leaving out the ``excluded`` pairs and any combination ``valid`` refuses. Greedy and
     deterministic: each row starts from the first uncovered pair and takes, axis by axis, the value that
-    covers the most pairs still uncovered (ties to the earlier value). A pair no valid combination holds is
-    an error naming it."""
+    covers the most pairs still uncovered (ties to the earlier value), backtracking where an exclusion or
+    ``valid`` leaves it no way on. A pair no valid combination holds is an error naming it."""
     axes = {a: tuple(v) for a, v in axes.items()}
     names = list(axes)
     excluded = set(excluded)
@@ -216,7 +255,8 @@ def pairwise(axes: Mapping[str, Iterable[str]], excluded: Iterable[Pair] = (),
         combos = [{names[0]: v} for v in axes[names[0]]]
         return [c for c in combos if valid is None or valid(c)]
     todo = {_pair({a: va, b: vb}, a, b) for a, b in itertools.combinations(names, 2)
-            for va, vb in itertools.product(axes[a], axes[b])} - excluded
+            for va, vb in itertools.product(axes[a], axes[b])
+            if _completes(axes, excluded, {a: va, b: vb})} - excluded
 
     def ok(combo: Mapping[str, str]) -> bool:
         for a, b in itertools.combinations([n for n in names if n in combo], 2):
@@ -225,26 +265,31 @@ def pairwise(axes: Mapping[str, Iterable[str]], excluded: Iterable[Pair] = (),
         return valid is None or len(combo) < len(names) or valid(combo)
 
     order = {p: i for i, p in enumerate(sorted(todo, key=lambda p: [(names.index(a), axes[a].index(v)) for a, v in p]))}
+
+    def complete(row: dict) -> dict | None:
+        """The seed ``row`` completed axis by axis, each value the one covering the most pairs still to do (ties to
+        the earlier value), backtracking when an exclusion or ``valid`` leaves a row no way on."""
+        rest = [a for a in names if a not in row]
+        if not rest:
+            return row if ok(row) else None
+        axis = rest[0]
+        gains = []
+        for value in axes[axis]:
+            trial = {**row, axis: value}
+            if ok(trial):
+                gains.append((-sum(_pair(trial, axis, other) in todo for other in trial if other != axis),
+                              axes[axis].index(value), value))
+        for _, _, value in sorted(gains):
+            done = complete({**row, axis: value})
+            if done is not None:
+                return done
+        return None
+
     rows: list[dict[str, str]] = []
     while todo:
         seed = min(todo, key=order.__getitem__)
-        row = dict(seed)
-        for axis in names:
-            if axis in row:
-                continue
-            best, gain = None, -1
-            for value in axes[axis]:
-                trial = {**row, axis: value}
-                if not ok(trial):
-                    continue
-                g = sum(_pair(trial, axis, other) in todo for other in trial if other != axis)
-                if g > gain:
-                    best, gain = value, g
-            if best is None:
-                break
-            row[axis] = best
-        if len(row) < len(names) or not ok(row):
-            # The seed pair cannot be completed into a valid combination.
+        row = complete(dict(seed))
+        if row is None:  # the seed pair cannot be completed into a valid combination
             raise ValueError(f"no valid combination holds the pair {dict(seed)} (add an exclusion)")
         rows.append({a: row[a] for a in names})
         todo -= {_pair(row, a, b) for a, b in itertools.combinations(names, 2)}
@@ -262,7 +307,7 @@ def params(rule_id: str, *, axes: Mapping[str, Iterable[str]] | None = None,
     unknown = [a for a in space if a not in decl.axes]
     if unknown:
         raise ValueError(f"{rule_id}: axes {unknown} are not declared on its 'Modes:' line ({decl.text()})")
-    combos = pairwise(space, decl.excluded, valid)
+    combos = pairwise(space, decl.all_excluded(), valid)
     requires = requires or default_requires
     return [pytest.param(combo, *extra, marks=[pytest.mark.modes(**combo), pytest.mark.requires(*requires(combo))],
                          id="-".join(combo.values()) or "one") for combo in combos]
@@ -280,15 +325,34 @@ def default_requires(combo: Mapping[str, str]) -> list[str]:
 
 
 # -- what the collected cases cover ----------------------------------------------------------------------
+def encode(combo: Mapping[str, str]) -> str:
+    """``axis=value,...`` in axis order: a test report's ``modes`` property (a string, so that it travels on
+    pytest-xdist reports and into ``--junitxml`` properties)."""
+    return ",".join(f"{a}={combo[a]}" for a in sorted(combo))
+
+
+def decode(text: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+
+
+def values_of(value) -> tuple[str, ...]:
+    """A mark's value for an axis: one value, or a tuple/list of the values one case exercises in turn (a case that
+    judges the first, second and third update of its session: ``call=("first", "second", "third")``). A case with
+    several values on two axes claims every pair of them (each model judged at each update): where its values go
+    together (a first update into cleared weights, then a second in place), mark less, never more."""
+    return tuple(str(v) for v in value) if isinstance(value, (tuple, list)) else (str(value),)
+
+
 def item_modes(item) -> dict[str, str]:
-    """The modes of one collected test: its ``modes`` marks (the closest mark wins an axis), then a
-    parameter named after an axis whose value is one of that axis's values, then the path its ``requires``
-    name when they name exactly one path capability, and ``staged``: staged when it requires ``staged``,
-    else plain (a session is plain unless opened staged, which needs the capability)."""
+    """The modes of one collected test: its ``modes`` marks (the closest mark wins an axis; several values of
+    one axis, joined by ``|``, when the case judges each of them in turn), then a parameter named after an axis
+    whose value is one of that axis's values, then the path its ``requires`` name when they name exactly one path
+    capability, and ``staged``: staged when it requires ``staged``, else plain (a session is plain unless opened
+    staged, which needs the capability)."""
     out: dict[str, str] = {}
     for mark in item.iter_markers("modes"):
         for axis, value in mark.kwargs.items():
-            out.setdefault(axis, str(value))
+            out.setdefault(axis, "|".join(values_of(value)))
     params = getattr(getattr(item, "callspec", None), "params", {}) or {}
     for axis, values in AXES.items():
         value = params.get(axis)
@@ -309,11 +373,12 @@ def covered(decl: Declaration, cases: Iterable[Mapping[str, str]]) -> set[Pair]:
     got: set[Pair] = set()
     for case in cases:
         if len(names) == 1:
-            got.add(((names[0], case.get(names[0])),))
+            got.update(((names[0], v),) for v in str(case.get(names[0])).split("|"))
             continue
         for a, b in itertools.combinations(names, 2):
             if a in case and b in case:
-                got.add(_pair(case, a, b))
+                for va, vb in itertools.product(str(case[a]).split("|"), str(case[b]).split("|")):
+                    got.add(_pair({a: va, b: vb}, a, b))
     return got & required
 
 
@@ -325,9 +390,20 @@ class Coverage(NamedTuple):
     uncovered: list[str]  # "a=v & b=w" per uncovered pair, in declaration order
 
     def summary(self) -> str:
-        if self.declared.startswith("n/a") or self.declared == "undeclared":
+        if not self.required:
             return self.declared
-        return f"{self.covered}/{self.required} pairs" + (f"; uncovered: {', '.join(self.uncovered)}" if self.uncovered else "")
+        what = "values" if " × " not in self.declared else "pairs"
+        return f"{self.covered}/{self.required} {what}" + (f"; uncovered: {', '.join(self.uncovered)}" if self.uncovered else "")
+
+    def listing(self) -> str:
+        """The declaration and what its cases cover, as ``--list-rules`` prints it."""
+        if not self.required:
+            return self.declared
+        return f"{self.declared}: {self.summary()}"
+
+    def as_json(self) -> dict:
+        return {"declared": self.declared, "required": self.required, "covered": self.covered,
+                "uncovered": list(self.uncovered)}
 
 
 def coverage(rule_id: str, cases: Iterable[Mapping[str, str]], decl: Declaration | None | bool = False) -> Coverage:

@@ -38,7 +38,17 @@ def worker(rank: int) -> Worker:
 
 class Feed:
     """The trainer side of one path: ``options(rank)`` for opening a rank's session, ``opened(session)``
-    after it opened, ``publish`` a version, ``settle(rank)`` after each update, ``close()``."""
+    after it opened, ``publish`` a version, ``settle(rank)`` after each update, ``close()``. ``worker_of(rank)``
+    is the worker each rank's session is opened as (default :func:`worker`; a :class:`Route` hands its own):
+    the feed writes a rank's files under that worker's physical GPU id, for its CUDA ordinal."""
+
+    worker_of: Callable[[int], Worker] = staticmethod(worker)
+
+    def gpu(self, rank: int) -> int:
+        return self.worker_of(rank).gpu_id
+
+    def ordinal(self, rank: int) -> int:
+        return int(self.worker_of(rank).selected)
 
     def options(self, rank: int) -> dict:
         return {}
@@ -68,10 +78,10 @@ class SnapshotFeed(Feed):
             os.remove(path)
         st = dict(sorted(tensors.items()))
         if self.level == "parts" and layout is not None:
-            paths = S.write_parts(self.loader.model_dir, rank, rank, {i: {n: st[n] for n in names}
-                                                                      for i, names in enumerate(layout)})
+            paths = S.write_parts(self.loader.model_dir, rank, self.gpu(rank), {i: {n: st[n] for n in names}
+                                                                                for i, names in enumerate(layout)})
         else:
-            paths = S.write_level(self.level, self.loader.model_dir, self.loader.shared_dir, rank, rank, st)
+            paths = S.write_level(self.level, self.loader.model_dir, self.loader.shared_dir, rank, self.gpu(rank), st)
         self.written[rank] = paths
         return f"{self.level} snapshot of version {version} for rank {rank}: {[os.path.basename(p) for p in paths]}"
 
@@ -89,8 +99,8 @@ class IpcFeed(Feed):
         old = self.exports.pop(rank, None)
         if old is not None:  # the worker holds its own copy of the previous version (IPC-WORKER-OWNS-COPY)
             old.close()
-        export = self.exports[rank] = I.Export(dict(tensors), device_id=0)  # the worker's CUDA ordinal
-        path = I.write_metas(I.meta_path(self.loader.shared_dir, rank), export.metas)
+        export = self.exports[rank] = I.Export(dict(tensors), device_id=self.ordinal(rank))  # the worker's CUDA ordinal
+        path = I.write_metas(I.meta_path(self.loader.shared_dir, self.gpu(rank)), export.metas)
         return f"ipc metas of version {version} for rank {rank}: {os.path.basename(path)}"
 
     def close(self) -> None:
@@ -226,20 +236,42 @@ MORE_PATHS = {
 ALL_PATHS = {**PATHS, **MORE_PATHS}
 
 
-def cases(*values, paths=None, extra: tuple[str, ...] = (), id_suffix: str = ""):
+# Paths whose updates a loader cannot stage: GDR hands each item to the model's own load_weights as it arrives.
+UNSTAGED = ("gdr", "gdr_ipc")
+
+
+def cases(*values, paths=None, extra: tuple[str, ...] = (), id_suffix: str = "", staged: bool = False):
     """One ``pytest.param(path, *values)`` per path (default: every path of ``PATHS``; ``paths`` may name
-    ``MORE_PATHS`` too), requiring its capability and ``extra``; ids ``{path}{id_suffix}``."""
-    return [pytest.param(p, *values, marks=pytest.mark.requires(*ALL_PATHS[p].capabilities, *extra), id=p + id_suffix)
-            for p in (paths or PATHS)]
+    ``MORE_PATHS`` too), requiring its capability and ``extra``; ids ``{path}{id_suffix}``. With ``staged``, each
+    param ends with a bool, False, and each path a loader can stage gets a second one ending with True (requiring
+    ``staged``, id ``...:staged``): the rule in both modes (conformance/modes.py: staged)."""
+    out = []
+    for p in (paths or PATHS):
+        caps = (*ALL_PATHS[p].capabilities, *extra)
+        if not staged:
+            out.append(pytest.param(p, *values, marks=pytest.mark.requires(*caps), id=p + id_suffix))
+            continue
+        out.append(pytest.param(p, *values, False, marks=pytest.mark.requires(*caps), id=p + id_suffix))
+        if p not in UNSTAGED:
+            out.append(pytest.param(p, *values, True, marks=pytest.mark.requires(*caps, "staged"), id=p + id_suffix + ":staged"))
+    return out
+
+
+def staged_options(staged: bool) -> dict:
+    """The session options of a case made by ``cases(..., staged=True)``."""
+    return {"staged": True} if staged else {}
 
 
 class Route:
-    """Sessions of one path, one per rank, and the trainer side feeding them."""
+    """Sessions of one path, one per rank, and the trainer side feeding them. ``worker_of(rank)``: the worker
+    each rank is (default :func:`worker`: rank r on physical GPU r, its ordinal 0)."""
 
-    def __init__(self, loader, path_id: str):
+    def __init__(self, loader, path_id: str, worker_of: Callable[[int], Worker] = worker):
         self.loader = loader
         self.path = ALL_PATHS[path_id]
         self.feed = self.path.feed(loader)
+        self.feed.worker_of = worker_of
+        self.worker_of = worker_of
         self.sessions: dict[int, object] = {}
 
     @property
@@ -248,7 +280,7 @@ class Route:
 
     def open(self, model, rank: int = 0, options=None):
         """``options``: added to the path's own (e.g. ``recapture``, capability ``model.recapture``)."""
-        session = self.loader.open(model, strategy=self.path.strategy, worker=worker(rank),
+        session = self.loader.open(model, strategy=self.path.strategy, worker=self.worker_of(rank),
                                    options={**self.feed.options(rank), **(options or {})})
         self.sessions[rank] = session
         self.feed.opened(session)
