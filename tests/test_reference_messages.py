@@ -542,7 +542,7 @@ def test_a_call_arriving_while_another_runs_is_refused_naming_both(running, refu
     assert issubclass(OperationInProgressError, RuntimeError)
 
 
-def _snapshot_manager(tmp_path):
+def _single_file_manager(tmp_path):
     from fixtures import models as M
     from fixtures import snapshot as S
     from reference import WeightManager
@@ -555,7 +555,7 @@ def _snapshot_manager(tmp_path):
 def test_clear_called_back_from_inside_an_update_is_refused(tmp_path):
     from reference.errors import OperationInProgressError
     from reference.status import Status
-    manager = _snapshot_manager(tmp_path)
+    manager = _single_file_manager(tmp_path)
     said = []
 
     def calls_back():
@@ -575,7 +575,7 @@ def test_update_from_another_thread_during_a_clear_is_refused(tmp_path):
     import time
     from reference.errors import OperationInProgressError
     from reference.status import Status
-    manager = _snapshot_manager(tmp_path)
+    manager = _single_file_manager(tmp_path)
     manager.update()
     inside, go = threading.Event(), threading.Event()
 
