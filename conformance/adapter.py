@@ -9,7 +9,10 @@ Paddle's cached parallel env, so implementations read it as they would in produc
 A session reads its identity at ``open`` and keeps it, whatever the environment says later.
 
 What the rules observe from outside (docs/adapters.md, "What the rules need from a session"):
-``status()`` is called from another thread while ``update()``/``clear()`` run; memory rules call
+``status()`` is called from another thread while ``update()``/``clear()`` run (so are ``observe()``,
+``version()`` and ``digest()``: each answers at once); a second ``clear()`` or ``update()`` called from another
+thread while one runs is refused at once (an Exception naming both operations, nothing changed) or waits
+until the first returned and then runs whole, never beside it (SPEC.md LIFE-CONCURRENT); memory rules call
 ``update()`` in a forked child of the test process (no threads or held locks between calls); after a
 call returns, no descriptor, mapping, shared-memory segment or thread of the session is left.
 

@@ -400,3 +400,42 @@ def concurrently(calls: dict, bound_s: float = 30.0) -> dict:
         if name not in out:
             out[name] = (StillRunning(f"{name}: still running after {bound_s:g}s (left behind)"), time.monotonic() - started)
     return out
+
+
+class Call:
+    """``fn()`` on a thread of its own, started at once (a second caller of a session, say): ``done`` is set
+    when it returned or raised, ``error`` holds what it raised (None: it returned), ``result`` what it returned,
+    ``ended_at`` when (``time.monotonic()``). :meth:`wait` bounds the wait from outside; a call that never
+    returns is left behind (a daemon thread) and the test fails naming it (``concurrently`` for many at once)."""
+
+    def __init__(self, name: str, fn):
+        import threading
+
+        self.name, self.fn = name, fn
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.result = None
+        self.ended_at: float | None = None
+        self._thread = threading.Thread(target=self._run, name=f"conformance-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # noqa: BLE001 (judged by the test)
+            self.error = e
+        finally:
+            self.ended_at = time.monotonic()
+            self.done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether it has returned (or raised) within ``timeout_s``."""
+        return self.done.wait(max(0.0, timeout_s))
+
+    def outcome(self) -> str:
+        """In words, for messages: ``returned``, ``raised Type: message`` or ``still running``."""
+        if not self.done.is_set():
+            return "still running"
+        return "returned" if self.error is None else f"raised {type(self.error).__name__}: {self.error}"

@@ -113,6 +113,8 @@ class BucketFeed(Feed):
     """One trainer (fixtures.buckets.Publisher) per rank, serving each published version once."""
 
     BUCKET_BYTES = 1024
+    WAIT_S = 5.0  # the trainer's wait for the receiver (and at a hold: ``Publisher.release``)
+    TIMEOUT_S = 2.0  # the receiver's wait for the trainer (the session's ``timeout_s``)
 
     def __init__(self, loader):
         self.loader = loader
@@ -122,11 +124,11 @@ class BucketFeed(Feed):
         from fixtures import buckets as B
 
         if rank not in self.publishers:
-            self.publishers[rank] = B.Publisher(self.BUCKET_BYTES, wait_s=5.0)
+            self.publishers[rank] = B.Publisher(self.BUCKET_BYTES, wait_s=self.WAIT_S)
         return self.publishers[rank]
 
     def options(self, rank: int) -> dict:
-        return self._publisher(rank).options(None, timeout_s=2.0)
+        return self._publisher(rank).options(None, timeout_s=self.TIMEOUT_S)
 
     def publish(self, rank: int, tensors, version: int, layout=None) -> str:
         """``layout``: a function given the packed update (``fixtures.buckets.Update``) to tamper with."""

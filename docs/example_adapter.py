@@ -17,11 +17,13 @@ conformance/adapter.py only, in three steps per update:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import stat
+import threading
 
 import numpy as np
 import paddle
@@ -298,12 +300,27 @@ class MineSession:
         if config.load_strategy != "ipc_snapshot":  # (not reached: the capabilities say so already)
             raise UnsupportedLoadPath(f"mine loads ipc_snapshot only, not {config.load_strategy}")
         self.loader = MineLoader(models, config.model_dir)  # captures only: nothing is loaded yet
+        self.running = None  # the clear or update in progress: one at a time (LIFE-CONCURRENT)
+        self.lock = threading.Lock()
 
     def update(self):
-        self.loader.reload()
+        with self.one_at_a_time("update"):
+            self.loader.reload()
 
     def clear(self):
-        self.loader.drop()
+        with self.one_at_a_time("clear"):
+            self.loader.drop()
+
+    @contextlib.contextmanager
+    def one_at_a_time(self, what):
+        with self.lock:  # a call arriving while another runs is refused at once, having changed nothing
+            if self.running is not None:
+                raise RuntimeError(f"{what}() refused: {self.running}() is in progress on this session")
+            self.running = what
+        try:
+            yield
+        finally:
+            self.running = None
 
     def observe(self):
         return observe_paddle(self.loader.params)

@@ -28,3 +28,8 @@ class SnapshotNotAFileError(ValueError):
 
 class MetaError(ValueError):
     """A stored IPC meta that is malformed; the message names the tensor and the field."""
+
+
+class OperationInProgressError(RuntimeError):
+    """``clear()`` or ``update()`` called while another clear or update of the same session runs (from another
+    thread, or from a hook inside it): refused at once, before it changed anything (SPEC LIFE-CONCURRENT)."""

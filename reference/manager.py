@@ -10,6 +10,9 @@ failure included, and none reports CLEARED or NORMAL unless all succeeded; tenso
 writes the shared status cell (``reference.status_cell``; never for the first load). ``finalize()`` is
 the commit point every path shares: verify, agree, adopt what a staged update kept
 (``reference.commit``), stamp the version, NORMAL.
+
+One clear or update at a time (``reference.operations``, SPEC LIFE-CONCURRENT): a clear or an update that
+arrives while another runs is refused at once with ``OperationInProgressError``, having changed nothing.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from . import apply, commit, hooks, identity, restart, storage, ties, transforms
 from .request_gate import RequestGate
 from . import digest as _digest
 from .agreement import Agreement, RankFailure, describe
+from .operations import OperationGuard
 from .phases import Phases, pulled
 from .status import Status
 from .status_cell import CellWriter, StatusCell
@@ -106,6 +110,7 @@ class WeightManager:
         self.changed_since_commit = False
         self._storage_before = None  # MODEL-STORAGE-KEPT: where the parameters' memory was when the update began
         self.phases = Phases()  # of the last clear/update cycle
+        self.operations = OperationGuard()  # LIFE-CONCURRENT: the clear or update in flight, if any
 
     def _capture(self) -> dict[str, paddle.Tensor]:
         # Never initialize here: capturing must not allocate (FastDeploy #7171, OOM on ipc).
@@ -129,75 +134,77 @@ class WeightManager:
     def clear(self, publish: bool = True) -> None:
         """``publish=False``: write nothing to the cell (a restarted worker releasing what the cell
         already says is released, ``reference.restart``)."""
-        self.requests.shut()  # before the status says so: a forward that sees CLEARING is held
-        self.status = Status.CLEARING
-        self.phases = Phases()
-        self.requests.drain()  # every forward in flight returns on the weights it started with
-        try:
-            span = self.phases.span("clear")
-            for param in self.params.values():
-                param._clear_data()
-            left = apply.still_loaded(self.params)
+        with self.operations.claim("clear"):  # LIFE-CONCURRENT: refused at once while another runs
+            self.requests.shut()  # before the status says so: a forward that sees CLEARING is held
+            self.status = Status.CLEARING
+            self.phases = Phases()
+            self.requests.drain()  # every forward in flight returns on the weights it started with
+            try:
+                span = self.phases.span("clear")
+                for param in self.params.values():
+                    param._clear_data()
+                left = apply.still_loaded(self.params)
+                span.end()
+                if left:
+                    raise RuntimeError(f"Model Parameter clearance verification failed: still initialized: {', '.join(left)}")
+            except Exception as e:
+                raised = self.failed("clear", e)
+                if raised is e:
+                    raise
+                raise raised from e
+            span = self.phases.span("clear_agree")
+            self.agreement.require_all("clear")
             span.end()
-            if left:
-                raise RuntimeError(f"Model Parameter clearance verification failed: still initialized: {', '.join(left)}")
-        except Exception as e:
-            raised = self.failed("clear", e)
-            if raised is e:
-                raise
-            raise raised from e
-        span = self.phases.span("clear_agree")
-        self.agreement.require_all("clear")
-        span.end()
-        self.status = Status.CLEARED
-        if publish:
-            self.cell.publish(Status.CLEARED, self.first_load)
-        log.info("cleared %d parameters", len(self.params))
+            self.status = Status.CLEARED
+            if publish:
+                self.cell.publish(Status.CLEARED, self.first_load)
+            log.info("cleared %d parameters", len(self.params))
 
     # -- update ------------------------------------------------------------------------------
     def update(self, version: int | None = None):
         """Load every parameter from the configured source, then verify; raises on any failure. Returns
         what the strategy returns (the streamed paths' cost dictionary; None for the others). ``version``: the
         version the caller asks for (the V1 control's ``update_weights``), announced before anything loads."""
-        if self.first_load:
-            restart.note_startup(self)
-        self._voted = self._committed = False
-        self._pending_version = None
-        self._stage = commit.Stage() if self.commit_options.staged else None
-        try:
-            # The streamed paths may update in place, without a clear (FastDeploy's rsync and GDR).
-            in_place = self.load_strategy in IN_PLACE_STRATEGIES and self.status != Status.CLEARING
-            # The first load may find the engine's placeholders allocated (an FP8 layout: APPLY-STRIDED-TARGET);
-            # FastDeploy's constructor loads into them, whatever they hold.
-            if self.status != Status.CLEARED and not in_place and not self.first_load:
-                raise RuntimeError(
-                    f"update() needs cleared weights, status is {self.status.name}: call clear() first"
-                )
-            if self.status != Status.CLEARED:
-                self.phases = Phases()  # no clear() started this cycle's spans
-            self.requests.shut()  # (shut since the clear, unless the update is in place)
-            self.status = Status.UPDATING
-            self.requests.drain()
-            self._storage_before = storage.snapshot(self.params)
-            self.trace = []
-            self.last_error = None
-            transforms.before_load(self.post_load)
-            self.announce(commit.read_version_file(self._version_dir()))
-            self.announce(version)
-            module, func = STRATEGIES[self.load_strategy].split(":")
-            span = self.phases.span("update")
-            result = getattr(importlib.import_module(module), func)(self)
-            self.finalize()
-            span.end()
-        except BaseException as e:
-            self._stage = None  # a staged update's tensors are dropped, never adopted
-            raised = self.failed("update", e) if not self._voted else e  # the others learn of it now
-            self.last_error = raised
-            log.error("update via %s failed: %s", self.load_strategy, e)
-            if raised is e:
-                raise
-            raise raised from e
-        return result
+        with self.operations.claim("update"):  # LIFE-CONCURRENT: refused at once while another runs
+            if self.first_load:
+                restart.note_startup(self)
+            self._voted = self._committed = False
+            self._pending_version = None
+            self._stage = commit.Stage() if self.commit_options.staged else None
+            try:
+                # The streamed paths may update in place, without a clear (FastDeploy's rsync and GDR).
+                in_place = self.load_strategy in IN_PLACE_STRATEGIES and self.status != Status.CLEARING
+                # The first load may find the engine's placeholders allocated (an FP8 layout: APPLY-STRIDED-TARGET);
+                # FastDeploy's constructor loads into them, whatever they hold.
+                if self.status != Status.CLEARED and not in_place and not self.first_load:
+                    raise RuntimeError(
+                        f"update() needs cleared weights, status is {self.status.name}: call clear() first"
+                    )
+                if self.status != Status.CLEARED:
+                    self.phases = Phases()  # no clear() started this cycle's spans
+                self.requests.shut()  # (shut since the clear, unless the update is in place)
+                self.status = Status.UPDATING
+                self.requests.drain()
+                self._storage_before = storage.snapshot(self.params)
+                self.trace = []
+                self.last_error = None
+                transforms.before_load(self.post_load)
+                self.announce(commit.read_version_file(self._version_dir()))
+                self.announce(version)
+                module, func = STRATEGIES[self.load_strategy].split(":")
+                span = self.phases.span("update")
+                result = getattr(importlib.import_module(module), func)(self)
+                self.finalize()
+                span.end()
+            except BaseException as e:
+                self._stage = None  # a staged update's tensors are dropped, never adopted
+                raised = self.failed("update", e) if not self._voted else e  # the others learn of it now
+                self.last_error = raised
+                log.error("update via %s failed: %s", self.load_strategy, e)
+                if raised is e:
+                    raise
+                raise raised from e
+            return result
 
     def failed(self, what: str, error: BaseException) -> BaseException:
         """This rank failed ``what`` ("clear" or "update", or what the worker loop does before one): its vote,

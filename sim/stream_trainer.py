@@ -17,8 +17,10 @@ its own (:func:`serve_process`, used by benchmarks/prefetch.py). Each ``hello`` 
 ============================  ===================================================================
 
 k = len(items) is the phase "after the last item, before the end". ``pause_s`` sleeps before every
-reply (a slow trainer); ``step``, when set, is the only step the stream answers (another gets
-``fail`` naming both). Everything received is kept in :attr:`events` (tensor bytes aside).
+reply (a slow trainer); ``hold_before`` = k holds the stream before item k (a trainer stopped where a test
+chooses: :attr:`Stream.holding` is set there, and it goes on once :attr:`Stream.release` is set); ``step``,
+when set, is the only step the stream answers (another gets ``fail`` naming both). Everything received is
+kept in :attr:`events` (tensor bytes aside).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from . import stream_wire as wire
 _WAKE_IDS = itertools.count()
 
 FAULTS = ("fail", "stall", "cancel", "end", "hang", "corrupt", "die-after-end")
+HOLD_MAX_S = 60.0  # a hold (``Stream.hold_before``) nobody lets go of ends by itself
 
 
 @dataclass
@@ -49,6 +52,11 @@ class Stream:
     pause_s: float = 0.0
     #: index -> seconds to sleep before that item only (a trainer slow at one point)
     pauses: Mapping[int, float] = field(default_factory=dict)
+    #: hold before this item (or the end, at len(items)) until ``release`` is set (at most HOLD_MAX_S),
+    #: ``holding`` set meanwhile
+    hold_before: int | None = None
+    holding: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self):
         if self.fault is not None and (len(self.fault) != 2 or self.fault[0] not in FAULTS):
@@ -116,6 +124,11 @@ class StreamTrainer:
         with self._lock:
             opened = list(self._open.values())
         return opened[stream_index].sent if opened else 0
+
+    def taken(self, stream: Stream) -> bool:
+        """Whether a receiver's hello has taken ``stream`` (one of the scripts served)."""
+        with self._lock:
+            return any(state.script is stream for state in self._open.values())
 
     def wait_for(self, predicate, timeout_s: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -187,6 +200,11 @@ class StreamTrainer:
         pause = script.pauses.get(k, script.pause_s)
         if pause:
             self._stop.wait(pause)
+        if script.hold_before == k and not script.holding.is_set():
+            script.holding.set()
+            until = time.monotonic() + HOLD_MAX_S
+            while not script.release.wait(0.05) and not self._stop.is_set() and time.monotonic() < until:
+                pass
         fault = script.fault
         if fault is not None and fault[0] not in ("corrupt", "die-after-end") and fault[1] == k:
             state.silent = True

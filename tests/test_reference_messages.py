@@ -520,6 +520,84 @@ def test_after_commit_names_every_failed_hook():
     assert len(ran) == 3
 
 
+# -- reference.operations: one clear or update at a time (LIFE-CONCURRENT) ------------------------------------
+
+def _refusal(refused, running):
+    return (f"{refused}() refused: {running}() is already in progress on this session (called from another "
+            f"thread, or from inside it); nothing was changed: call {refused}() again once {running}() has returned")
+
+
+@pytest.mark.parametrize("running, refused", [("update", "clear"), ("update", "update"), ("clear", "update"),
+                                              ("clear", "clear")])
+def test_a_call_arriving_while_another_runs_is_refused_naming_both(running, refused):
+    """Called on the same thread, inside the running operation (a hook calling back into its session): refused
+    at once, never deadlocked, and nothing changed."""
+    from reference.errors import OperationInProgressError
+    manager = _manager(["w1"])
+    before = manager.status
+    with manager.operations.claim(running):
+        raises(OperationInProgressError, getattr(manager, refused), _refusal(refused, running))
+        assert manager.operations.running == running and manager.status == before
+    assert manager.operations.running is None
+    assert issubclass(OperationInProgressError, RuntimeError)
+
+
+def _single_file_manager(tmp_path):
+    from fixtures import models as M
+    from fixtures import snapshot as S
+    from reference import WeightManager
+    spec = M.spec(("w1", "float32", (2, 2)))
+    S.write_level("single", tmp_path, tmp_path, 0, 0, M.state(spec, version=1))
+    return WeightManager(M.build_models(spec), model_dir=str(tmp_path), shared_dir=str(tmp_path),
+                         env={"CUDA_VISIBLE_DEVICES": "0", "FLAGS_selected_gpus": "0"})
+
+
+def test_clear_called_back_from_inside_an_update_is_refused(tmp_path):
+    from reference.errors import OperationInProgressError
+    from reference.status import Status
+    manager = _single_file_manager(tmp_path)
+    said = []
+
+    def calls_back():
+        with pytest.raises(OperationInProgressError) as excinfo:
+            manager.clear()
+        said.append(str(excinfo.value))
+
+    manager.hooks.register("calls back", calls_back)
+    manager.update()
+    assert said == [_refusal("clear", "update")]
+    assert manager.status == Status.NORMAL and manager.operations.running is None
+
+
+def test_update_from_another_thread_during_a_clear_is_refused(tmp_path):
+    """The clear is held draining a forward pass in flight; the update arrives from this thread."""
+    import threading
+    import time
+    from reference.errors import OperationInProgressError
+    from reference.status import Status
+    manager = _single_file_manager(tmp_path)
+    manager.update()
+    inside, go = threading.Event(), threading.Event()
+
+    def forward():
+        with manager.requests.forward():
+            inside.set()
+            go.wait(10)
+
+    threads = [threading.Thread(target=forward, daemon=True), threading.Thread(target=manager.clear, daemon=True)]
+    threads[0].start()
+    assert inside.wait(10)
+    threads[1].start()
+    deadline = time.monotonic() + 10
+    while manager.operations.running != "clear" and time.monotonic() < deadline:
+        time.sleep(0.001)
+    try:
+        raises(OperationInProgressError, manager.update, _refusal("update", "clear"))
+    finally:
+        go.set()
+        for t in threads:
+            t.join(10)
+    assert manager.status == Status.CLEARED and manager.operations.running is None
 # -- reference.manager.WeightManager.failed (several ranks failing one operation) ----------------------
 
 def test_a_failing_rank_names_every_other_failing_rank(monkeypatch):
