@@ -13,7 +13,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from wire.protocol import ALIGN, DTYPES, HANDLE_SIZE, PROTO, ManifestError, name_digest
+from wire.protocol import ALIGN, DTYPES, HANDLE_SIZE, PROTO, ManifestError, brief, name_digest
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def _field(message: Mapping, key: str, where: str, check, expect: str):
         raise ManifestError(f"{where}: field {key} is missing ({expect})")
     value = message[key]
     if not check(value):
-        raise ManifestError(f"{where}: field {key} is {value!r}, expected {expect}")
+        raise ManifestError(f"{where}: field {key} is {brief(value)}, expected {expect}")
     return value
 
 

@@ -259,8 +259,9 @@ def new_update_state(known, version) -> checks.UpdateState:
 def check_abort(message: dict, endpoint: str, state: checks.UpdateState) -> None:
     """A trainer's ``abort`` ends the update with its reason (never read as a malformed manifest)."""
     if message["type"] == protocol.ABORT:
+        reason = message.get("message", "(no reason given)")
         raise RuntimeError(f"ipc_bucket: the trainer at {endpoint} aborted {state.where()}: "
-                           f"{message.get('message', '(no reason given)')}")
+                           f"{reason if isinstance(reason, str) else protocol.brief(reason)}")
 
 
 def receive(link: Link, attached: Attachments, state: checks.UpdateState, staging: Staging, rank: int,

@@ -25,7 +25,7 @@ import paddle
 from wire.handles import HANDLE_SIZE, META_FIELDS, HandleError, attach_on_device, phi_dtype_codes
 
 from .dtypes import ITEMSIZE, paddle_dtype
-from .errors import MetaError
+from .errors import MetaError, brief
 from .host_memory import writable_bytes
 from .safe_pickle import load_restricted
 
@@ -56,7 +56,8 @@ def read_metas(path: str) -> dict:
         obj = {k: v for k, v in obj.items() if k != PADDLE_NAME_TABLE}
     bad = [k for k in obj if not isinstance(k, str)]
     if bad:
-        raise MetaError(f"{path}: tensor names must be str, found {bad!r}")
+        raise MetaError(f"{path}: tensor names must be str, found {', '.join(brief(k) for k in bad[:5])}"
+                        + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
     return obj
 
 
@@ -104,12 +105,12 @@ def normalize_meta(meta, *, name: str, device: int) -> tuple:
         raise MetaError(f"{where}: field handle has {len(handle)} bytes, expected {HANDLE_SIZE}")
     for field, value in (("offset_bytes", offset), ("size", size)):
         if not _is_int(value) or value < 0:
-            raise MetaError(f"{where}: field {field} is {value!r}, expected a non-negative int")
+            raise MetaError(f"{where}: field {field} is {brief(value)}, expected a non-negative int")
     dtype = dtype_of_code(type_idx)
     if dtype is None:
-        raise MetaError(f"{where}: field type_idx is {type_idx!r}, not a phi DataType this loader carries {phi_dtype_codes()}")
+        raise MetaError(f"{where}: field type_idx is {brief(type_idx)}, not a phi DataType this loader carries {phi_dtype_codes()}")
     if not isinstance(dims, (list, tuple)) or not all(_is_int(d) and d >= 0 for d in dims):
-        raise MetaError(f"{where}: field dims is {dims!r}, expected a list of non-negative ints")
+        raise MetaError(f"{where}: field dims is {brief(dims)}, expected a list of non-negative ints")
     numel = math.prod(dims)
     want = numel * ITEMSIZE[dtype]
     if size != want:

@@ -26,7 +26,7 @@ import numpy as np
 import paddle
 
 from .dtypes import ITEMSIZE, SAFETENSORS_TO_NAME, paddle_dtype
-from .errors import SnapshotFormatError, SnapshotPermissionError
+from .errors import SnapshotFormatError, SnapshotPermissionError, brief
 from .host_memory import advise_huge_pages, writable_bytes
 from .safe_pickle import load_restricted
 
@@ -36,6 +36,10 @@ PADDLE_NAME_TABLE = "StructuredToParameterName@@"
 # The safetensors library refuses headers above 100 MB (MAX_HEADER_SIZE); so do we.
 MAX_HEADER_BYTES = 100_000_000
 _LENGTH_BYTES = 8
+# The safetensors library parses the header with serde_json, whose recursion limit (128) refuses a header whose
+# arrays and objects nest 128 deep: at most 127 levels, the header object itself counting as one, are read. So
+# does this parser, never a RecursionError: a 2 KB header of 1000 "[" is a ValueError naming the file.
+MAX_HEADER_DEPTH = 127
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,23 @@ def _read_exact(fd: int, offset: int, n: int, path: str) -> bytes:
 
 def _shape(path: str, name: str, value) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
-        raise SnapshotFormatError(f"{path}: tensor {name!r} has shape {value!r}, expected a list of integers >= 0")
+        raise SnapshotFormatError(f"{path}: tensor {name!r} has shape {brief(value)}, expected a list of integers >= 0")
     return tuple(value)
+
+
+def _depth(value, limit: int) -> int:
+    """How deep ``value``'s lists and dicts nest (a scalar: 0), counted without recursion and no further than
+    ``limit`` + 1: the header's own nesting bound, whatever a crafted value holds."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if not isinstance(item, (list, dict)):
+            continue
+        deepest = max(deepest, level)
+        if deepest > limit:
+            return deepest
+        stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _parse_header(fd: int, path: str) -> _Header:
@@ -125,10 +144,14 @@ def _parse_header(fd: int, path: str) -> _Header:
             raise SnapshotFormatError(f"{path}: not a valid safetensors file: header names {dup} more than once")
         return obj
 
+    too_deep = (f"{path}: not a valid safetensors file: the JSON header nests deeper than {MAX_HEADER_DEPTH} levels "
+                "(the safetensors library's limit)")
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
     except SnapshotFormatError:
         raise
+    except RecursionError:  # thousands of levels: the decoder's own stack ran out, far past the limit
+        raise SnapshotFormatError(too_deep) from None
     except (UnicodeDecodeError, ValueError) as e:
         raise SnapshotFormatError(f"{path}: not a valid safetensors file: the JSON header does not parse ({e})") from None
     if not isinstance(header, dict):
@@ -141,16 +164,19 @@ def _parse_header(fd: int, path: str) -> _Header:
             continue
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
             raise SnapshotFormatError(
-                f"{path}: not a valid safetensors file: tensor {name!r} needs dtype, shape and data_offsets: {info!r:.80}"
+                f"{path}: not a valid safetensors file: tensor {name!r} needs dtype, shape and data_offsets: {brief(info)}"
             )
+        for key in info.keys() - {"dtype", "shape", "data_offsets"}:  # ignored, as safetensors ignores them
+            if 2 + _depth(info[key], MAX_HEADER_DEPTH) > MAX_HEADER_DEPTH:
+                raise SnapshotFormatError(f"{too_deep}: tensor {name!r}, key {key!r}")
         raw_dtype = info["dtype"]
-        if raw_dtype not in SAFETENSORS_TO_NAME:
-            raise SnapshotFormatError(f"{path}: tensor {name!r} has dtype {raw_dtype}, which Paddle cannot hold")
+        if not isinstance(raw_dtype, str) or raw_dtype not in SAFETENSORS_TO_NAME:
+            raise SnapshotFormatError(f"{path}: tensor {name!r} has dtype {brief(raw_dtype)}, which Paddle cannot hold")
         dtype = SAFETENSORS_TO_NAME[raw_dtype]
         shape = _shape(path, name, info["shape"])
         offsets = info["data_offsets"]
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
-            raise SnapshotFormatError(f"{path}: tensor {name!r} has data_offsets {offsets!r}, expected [begin, end]")
+            raise SnapshotFormatError(f"{path}: tensor {name!r} has data_offsets {brief(offsets)}, expected [begin, end]")
         begin, end = offsets
         if end < begin:
             raise SnapshotFormatError(f"{path}: tensor {name!r} has data_offsets [{begin}, {end}] that end before they begin")
@@ -276,11 +302,16 @@ def load_pickle_state_dict(path: str) -> Iterator[tuple[str, paddle.Tensor]]:
     is made, so the file's bytes are held about once, not as arrays and tensors both."""
     obj = load_restricted(path, allow_arrays=True)
     if not isinstance(obj, dict):
-        raise SnapshotFormatError(f"{path}: expected a dict of arrays, found {obj!r:.80}")
+        raise SnapshotFormatError(f"{path}: expected a dict of arrays, found {brief(obj)}")
     obj.pop(PADDLE_NAME_TABLE, None)
     for name, value in obj.items():
+        if not isinstance(name, str):
+            raise SnapshotFormatError(f"{path}: entry {brief(name)} is named by a {type(name).__name__}, expected a str")
         if not isinstance(value, np.ndarray):
-            raise SnapshotFormatError(f"{path}: entry {name!r} is {value!r:.80}, expected an array")
+            raise SnapshotFormatError(f"{path}: entry {name!r} is {brief(value)}, expected an array")
+        if value.dtype.hasobject or value.dtype.kind not in "biufc":  # (object arrays hold any Python value)
+            raise SnapshotFormatError(f"{path}: entry {name!r} is an array of dtype {value.dtype.name}, "
+                                      "expected numbers (object, string and structured arrays are not tensors)")
     return _tensors_from(obj)
 
 
