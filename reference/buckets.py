@@ -248,8 +248,8 @@ def stage_bucket(staging: Staging, segment: Segment, entries) -> None:
 def check_targets(bucket: checks.Bucket, targets, source: str) -> None:
     """dtype, then shape, against the model's parameter (the APPLY rules' errors)."""
     where = f"{source}, bucket {bucket.index} of version {bucket.version}"
-    for e in bucket.entries:
-        apply.check_match(e.name, e.dtype, e.shape, targets[e.name], where)
+    apply.raise_all([problem for e in bucket.entries  # every entry at fault (APPLY-EVERY-PROBLEM)
+                     if (problem := apply.mismatch(e.name, e.dtype, e.shape, targets[e.name], where)) is not None])
 
 
 def new_update_state(known, version) -> checks.UpdateState:

@@ -130,12 +130,18 @@ def plan_metas(path: str, metas: dict, device: int, params) -> list[tuple[str, t
     tensor is adopted.
     """
     planned = []  # (an empty file: manager.apply raises "No parameter found", naming the file)
+    bad = []
     for name, meta in metas.items():
         try:
             fixed = normalize_meta(meta, name=name, device=device)
-        except MetaError as e:
-            raise MetaError(f"{path}: {e}") from None
+        except MetaError as e:  # every bad meta of the file is named, not only the first (APPLY-EVERY-PROBLEM)
+            bad.append(e)
+            continue
         planned.append((name, fixed if name in params else None))
+    if len(bad) == 1:
+        raise MetaError(f"{path}: {bad[0]}") from None
+    if bad:
+        raise MetaError(f"{path}: {len(bad)} bad metas: " + "; ".join(str(e) for e in bad)) from None
     return planned
 
 
@@ -166,5 +172,14 @@ def update_from_ipc_meta(manager) -> None:
     planned = plan_metas(path, read_metas(path), worker_device(manager), manager.params)
     # Open everything before applying: a vanished trainer or a range outside its segment must not
     # leave half the parameters replaced. Peak host memory is one copy of the model.
-    tensors = [(name, None if meta is None else open_tensor(name, meta, path)) for name, meta in planned]
+    tensors, bad = [], []
+    for name, meta in planned:
+        try:
+            tensors.append((name, None if meta is None else open_tensor(name, meta, path)))
+        except MetaError as e:  # every handle that cannot be opened or read is named
+            bad.append(e)
+    if len(bad) > 1:
+        raise MetaError(f"{len(bad)} metas of {path} cannot be read: " + "; ".join(str(e) for e in bad))
+    if bad:
+        raise bad[0]
     manager.apply(tensors, LABEL, path)  # (logs "Updated n/m parameters from raw source {path}")

@@ -26,18 +26,33 @@ def update_from_snapshot(manager) -> None:
         )
     # Validate every safetensors header before any parameter changes: a bad part 7 must not leave
     # parts 0-6 applied. (The pickle fallback has no header; it is validated as it is applied.)
-    headers = {}
+    # Every file is read before anything is refused, so that the error names every file at fault (a
+    # truncated part 2 and part 5 both), and then every tensor of them that does not match (APPLY-EVERY-PROBLEM).
+    headers, unreadable, mismatched = {}, [], []
     for src in plan.sources:
         if src.fmt != "safetensors":
             continue
-        infos = headers[src.path] = read_header(src.path)
+        try:
+            infos = headers[src.path] = read_header(src.path)
+        except (ValueError, OSError) as e:  # the file's own error (FILE-*): corrupt, truncated, unreadable
+            unreadable.append(e)
+            continue
         if not infos:
-            raise ValueError(f"No parameter found in state dict from {src.path} ({src.label}): file holds no tensors; "
-                             f"{manager.landed_of_sent(0)}")
+            unreadable.append(ValueError(f"No parameter found in state dict from {src.path} ({src.label}): file holds "
+                                         f"no tensors; {manager.landed_of_sent(0)}"))
+            continue
         for info in infos:
             target = manager.params.get(info.name)
             if target is not None:
-                apply.check_match(info.name, info.dtype, info.shape, target, src.path)
+                problem = apply.mismatch(info.name, info.dtype, info.shape, target, src.path)
+                if problem is not None:
+                    mismatched.append(problem)
+    if len(unreadable) > 1:  # the first file's error type; every file named
+        raise type(unreadable[0])(f"{len(unreadable)} snapshot files cannot be loaded: "
+                                  + "; ".join(str(e) for e in unreadable)) from None
+    if unreadable:
+        raise unreadable[0]
+    apply.raise_all(mismatched)
 
     count = len(plan.sources)
     for position, src in enumerate(plan.sources, 1):
