@@ -193,6 +193,35 @@ def test_truncated_file_is_value_error(loader, where, kind):
     _rejects_then_recovers(loader, where, bad, names=names, what=f"a file truncated ({kind})")
 
 
+# Two of three parts at fault: the error names both (every header is read before anything is applied).
+SEVERAL_BAD_PARTS = {
+    "first-and-last-truncated": {0: "half-data", 2: "minus-one-byte"},
+    "middle-and-last-truncated": {1: "inside-json", 2: "half-data"},
+    "first-truncated-last-garbage": {0: "minus-one-byte", 2: "garbage-json"},
+}
+
+
+@pytest.mark.rule("FILE-TRUNCATED")
+@pytest.mark.requires("snapshot.parts")
+@pytest.mark.parametrize("case", list(SEVERAL_BAD_PARTS))
+def test_every_bad_part_is_named(loader, case):
+    damages = SEVERAL_BAD_PARTS[case]
+    paths = []
+    for i, group in enumerate(S.split(_state(SPEC, 1), 3)):
+        paths.append(S.part_path(loader.model_dir, 0, 0, i))
+        _good(paths[-1], group, False)
+        if i in damages:
+            F.damage_safetensors(paths[-1], damages[i])
+    bad = [paths[i] for i in damages]
+    what = f"parts {[os.path.basename(p) for p in bad]} damaged ({case})"
+    session = loader.open(SPEC)
+    with check.raises(ValueError, match=re.escape(bad[0]), names=bad, where=what):
+        session.update()
+    if _has(loader, "status"):
+        check.status_not(session, "NORMAL", f"after the update rejected {what}")
+    _recover(loader, session, ("part", 0), what)
+
+
 # -- FILE-CORRUPT-HEADER -----------------------------------------------------------------------
 # Every damage on the single file, and each once more on a part (first, middle or last) or legacy.
 CORRUPTIONS = [
@@ -293,6 +322,113 @@ def test_header_exactly_at_the_size_limit_loads(loader, where):
     session.update()
     check.params_equal(session.observe(), v1, f"header of exactly {HEADER_LIMIT} bytes at {path}")
     os.unlink(path)  # 100 MB: not kept until the session's tmp_path is cleaned
+
+
+# -- FILE-CORRUPT-HEADER: nesting -------------------------------------------------------------
+# The safetensors library parses a header with serde_json, whose recursion limit (128) refuses arrays and objects
+# nested 128 deep: a header nests at most 127 levels, the header object counting as one and a tensor's entry as
+# the second, so a key the entry does not define (ignored, as safetensors ignores it) may hold 125 more. kind ->
+# (where, arrays or objects, depth of the nested value, loads?); a 2 KB header nesting a thousand levels is a
+# ValueError naming the file, never a RecursionError.
+NESTINGS = {
+    "unknown-key-127-levels-arrays": ("unknown-key", "array", 125, True),
+    "unknown-key-127-levels-objects": ("unknown-key", "object", 125, True),
+    "unknown-key-128-levels-arrays": ("unknown-key", "array", 126, False),
+    "unknown-key-128-levels-objects": ("unknown-key", "object", 126, False),
+    "unknown-key-1000-arrays-2KB": ("unknown-key", "array", 1000, False),
+    "shape-1000-arrays": ("shape", "array", 1000, False),
+    "dtype-1000-objects": ("dtype", "object", 1000, False),
+    "data_offsets-1000-arrays": ("data_offsets", "array", 1000, False),
+    "metadata-value-1000-arrays": ("metadata", "array", 1000, False),
+    "header-1100-arrays-2KB": ("header", "array", 1100, False),
+    "header-10000-objects": ("header", "object", 10_000, False),
+    "header-5000-unclosed-arrays": ("header-unclosed", "array", 5000, False),
+}
+# The shared pickle: (where, kind, depth) of a value no pickler writes (fixtures.files.write_nested_pickle); a
+# tuple nested 300 000 deep as a dict key crashes a C unpickler's process when it is hashed (200 KB suffice).
+PICKLE_NESTINGS = {
+    "pickle-file-list-20000": ("file", "list", 20_000),
+    "pickle-entry-list-10000": ("entry", "list", 10_000),
+    "pickle-entry-dicts-5000": ("entry", "dict", 5000),
+    "pickle-key-tuple-300000": ("key", "tuple", 300_000),
+    "pickle-object-array-list-10000": ("object-array", "list", 10_000),
+}
+NESTING_BOUND_S = 30.0  # each location's child: a loader that overflows its stack or runs on fails there
+
+
+def _nesting_cases():
+    """Every header nesting on the single file and some once more on a part or legacy; the pickle ones on the shared
+    fallback: one case per location, its kinds run one after another in one forked child."""
+    yield pytest.param(SINGLE.values[0], list(NESTINGS), marks=SINGLE.marks, id="single")
+    for where, kinds in ((PART_FIRST, ["unknown-key-128-levels-objects"]), (PART_MIDDLE, ["shape-1000-arrays"]),
+                         (PART_LAST, ["unknown-key-127-levels-arrays", "unknown-key-1000-arrays-2KB"]),
+                         (LEGACY, ["header-1100-arrays-2KB"])):
+        yield pytest.param(where.values[0], kinds, marks=where.marks, id=where.id)
+    yield pytest.param(SHARED.values[0], list(PICKLE_NESTINGS), marks=SHARED.marks, id="shared")
+
+
+def _nesting_progress(loader) -> str:
+    return os.path.join(os.path.dirname(loader.model_dir.rstrip("/")), "nesting-case")
+
+
+def _nested_cases(loader, where, kinds) -> bool:
+    """In the child: each kind in turn; a nested file refused naming it, then a fixed file loads; or, within the
+    limit, it loads. The case under way is written down first, for the parent to name if the child dies."""
+    for kind in kinds:
+        with open(_nesting_progress(loader), "w", encoding="utf-8") as f:
+            f.write(kind)
+        _nested_case(loader, where, kind)
+    return True
+
+
+def _nested_case(loader, where, kind) -> None:
+    if kind in PICKLE_NESTINGS:
+        spot, nesting, depth = PICKLE_NESTINGS[kind]
+
+        def bad(path, tensors, _pickled):
+            F.write_nested_pickle(path, list(tensors.items()), spot, nesting, depth)
+
+        _rejects_then_recovers(loader, where, bad, what=f"a pickle nested {depth} deep ({kind})")
+        return
+    spot, nesting, depth, loads = NESTINGS[kind]
+    facts = {}
+
+    def nested(path, tensors, _pickled):
+        _good(path, tensors, False)
+        facts.update(F.write_nested_header(path, spot, nesting, depth))
+
+    if loads:
+        v1 = _state(SPEC, 1)
+        path, _, _ = _write(loader, where, v1, nested)
+        check.equal(facts["levels"], 127, f"fixture precondition: the nesting of {path}'s header")
+        session = loader.open(SPEC)
+        session.update()
+        check.params_equal(session.observe(), v1, f"header nesting 127 levels ({kind}) at {path}")
+        return
+    _rejects_then_recovers(loader, where, nested, what=f"a header nesting {depth} levels at its {spot} ({kind})")
+
+
+@pytest.mark.rule("FILE-CORRUPT-HEADER")
+@pytest.mark.parametrize("where,kinds", list(_nesting_cases()))
+def test_header_nested_deep_is_a_clear_error(loader, where, kinds):
+    """A header (or the shared pickle) nested far deeper than any tensor needs: at safetensors' limit it loads, past
+    it a ValueError names the file and a fixed file loads. Run in a forked child with a deadline: a loader that
+    overflows the C stack (a segmentation fault) or runs without end fails the case, naming the kind it was at,
+    not the run."""
+    from conformance.harness import ChildFailed, in_child
+
+    if where[0] != "shared":
+        _safetensors_only(where, "a header nesting")
+    try:
+        done = in_child(_nested_cases, loader, where, kinds, timeout_s=NESTING_BOUND_S)
+    except ChildFailed as e:
+        try:
+            with open(_nesting_progress(loader), encoding="utf-8") as f:
+                kind = f.read()
+        except OSError:
+            kind = "before the first kind"
+        raise AssertionError(f"{where}: at {kind}: {e}") from None
+    check.that(done is True, f"{where}: the nesting cases {kinds} did not complete")
 
 
 # -- FILE-PICKLE-NO-EXEC -----------------------------------------------------------------------

@@ -26,8 +26,28 @@ def update_from_snapshot(manager) -> None:
         )
     # Validate every safetensors header before any parameter changes: a bad part 7 must not leave
     # parts 0-6 applied. (The pickle fallback has no header; it is validated as it is applied.)
-    # Every file is read before anything is refused, so that the error names every file at fault (a
-    # truncated part 2 and part 5 both), and then every tensor of them that does not match (APPLY-EVERY-PROBLEM).
+    headers = check_headers(manager, plan)
+
+    count = len(plan.sources)
+    for position, src in enumerate(plan.sources, 1):
+        log.info("Loading snapshot %s (%d/%d) from %s", src.label, position, count, src.path)
+        if src.fmt == "safetensors":  # read only if it is still the file whose header was checked (parsed once)
+            tensors = iter_safetensors(src.path, expect=headers[src.path])
+        else:
+            tensors = load_pickle_state_dict(src.path)
+        manager.apply(tensors, src.label, src.path)
+        # Only one file's tensors may be alive at once (FastDeploy #6852, host-memory peak). They were
+        # read into memory the parameters now own, and what was not adopted (a name the model lacks, a
+        # tensor a later part replaces) is freed by reference counting when the last reference goes:
+        # here, not at a full garbage collection (FastDeploy's gc.collect() per part, ~60 ms each).
+        del tensors
+    log.info("IPC snapshot update completed from %d file(s) for %s", count, plan.base_name)
+
+
+def check_headers(manager, plan) -> dict:
+    """path -> ``read_header`` of every safetensors source of ``plan``, each tensor checked against its parameter.
+    Every file is read before anything is refused, so that the error names every file at fault (a truncated
+    part 2 and part 5 both: FILE-TRUNCATED), then every tensor of them that does not match (APPLY-EVERY-PROBLEM)."""
     headers, unreadable, mismatched = {}, [], []
     for src in plan.sources:
         if src.fmt != "safetensors":
@@ -53,18 +73,4 @@ def update_from_snapshot(manager) -> None:
     if unreadable:
         raise unreadable[0]
     apply.raise_all(mismatched)
-
-    count = len(plan.sources)
-    for position, src in enumerate(plan.sources, 1):
-        log.info("Loading snapshot %s (%d/%d) from %s", src.label, position, count, src.path)
-        if src.fmt == "safetensors":  # read only if it is still the file whose header was checked (parsed once)
-            tensors = iter_safetensors(src.path, expect=headers[src.path])
-        else:
-            tensors = load_pickle_state_dict(src.path)
-        manager.apply(tensors, src.label, src.path)
-        # Only one file's tensors may be alive at once (FastDeploy #6852, host-memory peak). They were
-        # read into memory the parameters now own, and what was not adopted (a name the model lacks, a
-        # tensor a later part replaces) is freed by reference counting when the last reference goes:
-        # here, not at a full garbage collection (FastDeploy's gc.collect() per part, ~60 ms each).
-        del tensors
-    log.info("IPC snapshot update completed from %d file(s) for %s", count, plan.base_name)
+    return headers
