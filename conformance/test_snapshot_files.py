@@ -969,3 +969,87 @@ def test_large_tensors_load_bit_exact(loader, where):
     session = loader.open(LARGE)
     session.update()
     check.params_equal(session.observe(), state, f"{where}: tensors of 4 MiB and 8 MiB + 12 bytes from {paths}")
+
+
+# -- FILE-MANY-TENSORS ---------------------------------------------------------------------------------------------
+# A file naming N tensors against one naming 10 N, side by side in one session each, through the adapter: a loader
+# linear in the header takes about 10x as long for the second (less, where a fixed cost per update counts), one with
+# a step quadratic in the number of tensors about 100x. Most names are zero-element tensors the model does not hold
+# (one part of a per-expert checkpoint; ignored, APPLY-UNKNOWN-IGNORED, and reported): every loader must still
+# parse, check and skip them, while the model stays four small parameters that cost nothing to build.
+MANY_SPEC = M.spec(*((f"kept.{i}.w", "float32", (4,)) for i in range(4)))
+MANY_SIZES = {"small": (1000, 10_000), "large": (10_000, 100_000)}  # large: the huge tier (-m huge)
+MANY_BOUND = 30.0  # linear: about 10 (CPU time, the heap frozen); quadratic: 60 and more at these sizes, about 100 once the quadratic step dominates
+MANY_ROUNDS = 3  # the best (least disturbed) time of each size over up to this many interleaved rounds
+
+
+def _many_cases():
+    for path in ("single", "parts", "legacy"):
+        for size, mark in (("small", ()), ("large", (pytest.mark.huge,))):
+            caps = {"single": "snapshot.single", "parts": "snapshot.parts", "legacy": "snapshot.legacy"}[path]
+            yield pytest.param(path, size, marks=[pytest.mark.requires(caps), pytest.mark.modes(path=path, size=size), *mark],
+                               id=f"{path}-{size}")
+
+
+def _many_session(loader, directory, path, count):
+    """A session of MANY_SPEC whose model_dir holds a snapshot at ``path`` of ``count`` ignored tensors beside the kept
+    ones (parts: the many in part 1 of 3, the kept spread over the other two); returns (session, files)."""
+    kept = M.state(MANY_SPEC, version=1)
+    os.makedirs(directory, exist_ok=True)
+    if path == "single":
+        files = [F.write_many(S.single_path(directory, 0, 0), count, kept)]
+    elif path == "legacy":
+        files = [F.write_many(S.legacy_path(directory, 0), count, kept)]
+    else:
+        names = list(kept)
+        files = [S.write_safetensors(S.part_path(directory, 0, 0, 0), {n: kept[n] for n in names[:2]}),
+                 F.write_many(S.part_path(directory, 0, 0, 1), count, {}),
+                 S.write_safetensors(S.part_path(directory, 0, 0, 2), {n: kept[n] for n in names[2:]})]
+    return loader.open(MANY_SPEC, model_dir=str(directory)), files
+
+
+def _update_seconds(session, first: bool) -> float:
+    """CPU seconds of this process (every thread) spent in one update (after a clear, but for the first): CPU time,
+    not wall time, so that the other jobs of a loaded machine do not count. The heap is collected and frozen
+    beforehand (``gc.freeze``): the collector's full passes over what the test process held already (pytest,
+    Paddle, the suite) cost the same for any file, and would add a step between N and 10 N that is no loader's."""
+    import gc
+
+    if not first:
+        session.clear()
+    gc.collect()
+    gc.freeze()
+    try:
+        start = time.process_time()
+        session.update()
+        return time.process_time() - start
+    finally:
+        gc.unfreeze()
+
+
+@pytest.mark.rule("FILE-MANY-TENSORS")
+@pytest.mark.parametrize("path,size", list(_many_cases()))
+def test_many_tensors_load_in_linear_time(loader, tmp_path, caplog, path, size):
+    """N and 10 N tensors (small: 1000 and 10 000, every run; large: 10 000 and 100 000, the huge tier), an update of
+    each timed in turn (process CPU time), up to MANY_ROUNDS rounds: the best time of 10 N within MANY_BOUND times
+    the best of N (a round that settles it ends the measuring)."""
+    import logging
+
+    if path == "legacy":
+        _safetensors_only(("legacy", None), "a header of many tensors")
+    caplog.set_level(logging.CRITICAL)  # the ignored names' records: tens of thousands of names, not the point here
+    few, many = MANY_SIZES[size]
+    sessions = {n: _many_session(loader, tmp_path / f"n{n}", path, n) for n in (few, many)}
+    best = {few: float("inf"), many: float("inf")}
+    for round_ in range(MANY_ROUNDS):
+        for n, (session, _files) in sessions.items():
+            best[n] = min(best[n], _update_seconds(session, first=round_ == 0))
+        if not MANY_BOUND * best[few] <= best[many] <= 3 * MANY_BOUND * best[few]:
+            break  # settled: within the bound, or so far past it (100x) that no disturbance explains it
+    ratio = best[many] / max(best[few], 1e-6)
+    check.that(ratio < MANY_BOUND,
+               f"{path}: an update from a file naming {many} tensors took {best[many]:.3f} CPU s, {ratio:.0f}x the "
+               f"{best[few]:.3f}s of one naming {few} (best of up to {MANY_ROUNDS} rounds): a step of the loader is not "
+               f"linear in the number of tensors of a file (bound {MANY_BOUND:g}x; linear is about 10x)")
+    for n, (session, files) in sessions.items():
+        check.params_equal(session.observe(), M.state(MANY_SPEC, version=1), f"{path} snapshot naming {n} tensors: {files}")

@@ -32,7 +32,7 @@ def update_from_snapshot(manager) -> None:
     for position, src in enumerate(plan.sources, 1):
         log.info("Loading snapshot %s (%d/%d) from %s", src.label, position, count, src.path)
         if src.fmt == "safetensors":  # read only if it is still the file whose header was checked (parsed once)
-            tensors = iter_safetensors(src.path, expect=headers[src.path])
+            tensors = iter_safetensors(src.path, expect=headers[src.path], wanted=manager.params)
         else:
             tensors = load_pickle_state_dict(src.path)
         manager.apply(tensors, src.label, src.path)
