@@ -82,7 +82,7 @@ def _expected(path: str, problem: str, x: str, y: str):
 CASES = modes.params(RULE)
 
 
-@pytest.mark.rule(RULE)
+@pytest.mark.rule("APPLY-EVERY-PROBLEM")
 @pytest.mark.parametrize("combo", CASES)
 def test_every_problem_is_named(route, caplog, combo):
     path, problem = combo["path"], combo["problem"]
@@ -133,7 +133,7 @@ META_CASES = {  # case -> the (position, field) of each bad meta
 }
 
 
-@pytest.mark.rule(RULE)
+@pytest.mark.rule("APPLY-EVERY-PROBLEM")
 @pytest.mark.requires("ipc.meta")
 @pytest.mark.parametrize("case", list(META_CASES))
 def test_every_bad_meta_is_named(loader, case):
@@ -180,7 +180,7 @@ def _spoil_entry(e: dict, what: str) -> None:
         e["shape"] = [2, 16]  # 32 items as [32]: the sizes still agree
 
 
-@pytest.mark.rule(RULE)
+@pytest.mark.rule("APPLY-EVERY-PROBLEM")
 @pytest.mark.requires("ipc.buckets")
 @pytest.mark.parametrize("case", list(BKT_CASES))
 def test_every_bad_entry_of_a_manifest_is_named(loader, case):

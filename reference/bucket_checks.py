@@ -4,7 +4,8 @@
 constants); this module holds what only the receiver does with a message: parse it into
 :class:`Bucket`/:class:`Entry`, validate it against the update so far (:class:`UpdateState`) before a
 byte of the buffer is read, and check the closing message. Each check is a separate function so that
-SPEC.md can name it and a mutant can break it alone. The dependency runs one way: this module imports
+SPEC.md can name it and a mutant can break it alone; each names every entry at fault, and a manifest's
+problems are raised together (``raise_all``, APPLY-EVERY-PROBLEM). The dependency runs one way: this module imports
 ``wire.protocol``, which imports neither ``reference`` nor ``sim``.
 """
 from __future__ import annotations

@@ -9,8 +9,8 @@ The file is never mapped: a mapping would make a trainer that truncates the file
 kill this process with SIGBUS, and parameters adopting views of it would change when the file is
 rewritten (FILE-DETACHED). Instead the header is parsed here, validated as strictly as the
 safetensors library does (offsets contiguous, in order, starting at 0 and covering the data exactly;
-dtype x shape = byte length), and each tensor's bytes are read with ``os.preadv`` into the tensor's
-own allocation. A short read (the file shrank) or a file whose identity (device, inode, size,
+dtype x shape = byte length; arrays and objects nested at most 127 levels, its serde_json bound), and each
+tensor's bytes are read with ``os.preadv`` into the tensor's own allocation. A short read (the file shrank) or a file whose identity (device, inode, size,
 mtime, ctime) changed between the header check and the end of the read is a SnapshotFormatError
 naming the file (FILE-CHANGED-DURING-LOAD).
 """
