@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from . import SUITE_PROTOCOL, SUITE_VERSION, check, harness
+from . import modes as mode_space
 from . import expectations as expect
 from . import report as rep
 from .capabilities import CAPABILITIES
@@ -39,7 +40,7 @@ LISTING_KEY = pytest.StashKey[list]()
 NOTHING_TESTED_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED
 STATUSES = rep.STATUSES
 CONFORMANCE_DIR = os.path.dirname(os.path.abspath(__file__))
-PROPERTY_KEYS = ("rule", "level", "area", "requires", "device", "race")
+PROPERTY_KEYS = ("rule", "level", "area", "requires", "device", "race", "modes")
 
 
 def pytest_addoption(parser):
@@ -190,13 +191,16 @@ def pytest_collection_modifyitems(session, config, items):
                 errors.append(f"{item.nodeid}: unknown capabilities {unknown}")
         if item.get_closest_marker("xfail") is not None:
             errors.append(f"{item.nodeid}: a conformance test cannot be marked xfail (it would hide a failure)")
+        if rule_id in known:
+            errors += _mode_errors(item, rule_id)
     if errors:
         raise pytest.UsageError("conformance collection errors:\n  " + "\n  ".join(errors))
     for item in conformance_items:
         rule_id = rule_of(item)
         requires = sorted({c for m in item.iter_markers("requires") for c in m.args})
         item.user_properties.extend([("rule", rule_id), ("level", levels()[rule_id]), ("area", area(rule_id)),
-                                     ("requires", ",".join(requires)), ("device", devices().get(rule_id, ""))])
+                                     ("requires", ",".join(requires)), ("device", devices().get(rule_id, "")),
+                                     ("modes", mode_space.encode(mode_space.item_modes(item)))])
         race = item.get_closest_marker("race")  # a verdict that depends on a race with the implementation
         if race is not None:
             item.user_properties.append(("race", " ".join(map(str, race.args)) or "race"))
@@ -223,11 +227,29 @@ def pytest_collection_modifyitems(session, config, items):
         items[:] = keep
 
 
-def _listing(items) -> list[tuple[str, str, str, str, str]]:
+def _mode_errors(item, rule_id: str) -> list[str]:
+    """A ``modes`` mark naming a value its rule's ``Modes:`` line does not declare for that axis (a typo would
+    leave a pair uncovered without saying why), or a value outside a known axis's vocabulary."""
+    decl = mode_space.declarations().get(rule_id)
+    errors = []
+    for mark in item.iter_markers("modes"):
+        for axis, value in mark.kwargs.items():
+            allowed = decl.axes.get(axis) if decl is not None and axis in decl.axes else mode_space.AXES.get(axis)
+            bad = [v for v in mode_space.values_of(value) if allowed is not None and v not in allowed]
+            if bad:
+                errors.append(f"{item.nodeid}: modes mark {axis}={value!r}: {', '.join(map(repr, bad))} is not a value "
+                              f"of axis {axis} ({', '.join(allowed)}) declared for {rule_id}")
+    return errors
+
+
+def _listing(items) -> list[tuple[str, str, str, str, str, str]]:
     caps: dict[str, set] = defaultdict(set)
+    cases: dict[str, list] = defaultdict(list)
     for item in items:
         caps[rule_of(item)].update(c for m in item.iter_markers("requires") for c in m.args)
-    return [(rule_id, levels()[rule_id], area(rule_id), ",".join(sorted(caps[rule_id])) or "-", title)
+        cases[rule_of(item)].append(mode_space.item_modes(item))
+    return [(rule_id, levels()[rule_id], area(rule_id), ",".join(sorted(caps[rule_id])) or "-", title,
+             mode_space.coverage(rule_id, cases[rule_id]).listing())
             for rule_id, title in rules().items() if rule_id in caps]
 
 
@@ -414,6 +436,7 @@ def _record(config, nodeid: str, props: dict) -> dict:
         "message": "",
         "expectation": entry.as_json() if entry else None,
         "repro": repro_command(config, nodeid),
+        "modes": mode_space.decode(props.get("modes", "")),
         "_entry": entry,
         "_race": bool(props.get("race")),
     }
@@ -639,8 +662,18 @@ def _print_listing(terminalreporter, listing) -> None:
         table.add_column(name, no_wrap=True)
     table.add_column("capabilities", ratio=2, overflow="fold")
     table.add_column("title", ratio=3, overflow="fold")
-    for rule_id, level, area_name, caps, title in listing:
+    for rule_id, level, area_name, caps, title, _ in listing:
         table.add_row(rule_id, level, area_name, caps.replace(",", ", "), title)
+    terminalreporter.write_line("")
+    _print_rich(terminalreporter, table)
+    # The mode space of each rule (SPEC.md's Modes: lines, conformance/modes.py) and the pairs of mode values the
+    # collected cases cover, uncovered pairs by name.
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, title_justify="left",
+                  title="modes of each rule (SPEC.md Modes:) and the pairs of values its collected cases cover:")
+    table.add_column("id", no_wrap=True)
+    table.add_column("modes: declared, covered, uncovered", overflow="fold")
+    for rule_id, *_, modes in listing:
+        table.add_row(rule_id, modes)
     terminalreporter.write_line("")
     _print_rich(terminalreporter, table)
 

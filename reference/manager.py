@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import apply, commit, hooks, identity, restart, storage, transforms
+from . import apply, commit, hooks, identity, restart, storage, ties, transforms
 from .request_gate import RequestGate
 from . import digest as _digest
 from .agreement import Agreement
@@ -245,8 +245,10 @@ class WeightManager:
         if self._committed:
             return
         span = self.phases.span("finalize")
-        staged = self._stage.holds if self._stage is not None else (lambda name: False)
-        missing = [name for name in apply.unloaded(self.params) if not staged(name)]
+        missing = apply.unloaded(self.params)
+        if self._stage is not None:  # a staged tensor loads its parameter at the commit, under every tied name
+            uncarried = set(ties.missing(self.params, self._stage.tensors))
+            missing = [name for name in missing if name in uncarried]
         span.end()
         if missing:
             # A name the trainer renamed shows twice: missing here, and ignored where it arrived (APPLY-EVERY-PROBLEM).
