@@ -555,11 +555,11 @@ def test_meta_file_that_is_not_a_dict_of_metas_is_a_clear_error(loader, trainer,
 # model lacks (validated all the same: IPC-UNKNOWN-VALIDATED), a dict key that is a tuple nested 300 000 deep
 # (hashing it recurses in C: it crashes a C unpickler's process).
 NESTED_FILES = {
-    "file-list-20000": ("file", "list", 20_000),
-    "meta-list-10000": ("meta", "list", 10_000),
-    "dims-list-10000": ("dims", "list", 10_000),
-    "handle-dicts-5000": ("handle", "dict", 5000),
-    "unknown-name-meta-list-10000": ("unknown", "list", 10_000),
+    "file-list-5000": ("file", "list", 5000),
+    "meta-list-5000": ("meta", "list", 5000),
+    "dims-list-5000": ("dims", "list", 5000),
+    "handle-dicts-3000": ("handle", "dict", 3000),
+    "unknown-name-meta-list-5000": ("unknown", "list", 5000),
     "key-tuple-300000": ("key", "tuple", 300_000),
 }
 NESTED_BOUND_S = 30.0

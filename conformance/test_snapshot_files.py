@@ -404,11 +404,11 @@ NESTINGS = {
 # The shared pickle: (where, kind, depth) of a value no pickler writes (fixtures.files.write_nested_pickle); a
 # tuple nested 300 000 deep as a dict key crashes a C unpickler's process when it is hashed (200 KB suffice).
 PICKLE_NESTINGS = {
-    "pickle-file-list-20000": ("file", "list", 20_000),
-    "pickle-entry-list-10000": ("entry", "list", 10_000),
-    "pickle-entry-dicts-5000": ("entry", "dict", 5000),
+    "pickle-file-list-5000": ("file", "list", 5000),
+    "pickle-entry-list-5000": ("entry", "list", 5000),
+    "pickle-entry-dicts-3000": ("entry", "dict", 3000),
     "pickle-key-tuple-300000": ("key", "tuple", 300_000),
-    "pickle-object-array-list-10000": ("object-array", "list", 10_000),
+    "pickle-object-array-list-5000": ("object-array", "list", 5000),
 }
 NESTING_BOUND_S = 30.0  # each location's child: a loader that overflows its stack or runs on fails there
 
@@ -1135,14 +1135,13 @@ def _many_session(loader, directory, path, count):
 
 def _update_seconds(session, first: bool) -> float:
     """CPU seconds of this process (every thread) spent in one update (after a clear, but for the first): CPU time,
-    not wall time, so that the other jobs of a loaded machine do not count. The heap is collected and frozen
-    beforehand (``gc.freeze``): the collector's full passes over what the test process held already (pytest,
-    Paddle, the suite) cost the same for any file, and would add a step between N and 10 N that is no loader's."""
+    not wall time, so that the other jobs of a loaded machine do not count. What the test process holds already
+    (pytest, Paddle, the suite) is frozen beforehand (``gc.freeze``): the collector's full passes over it cost the
+    same for any file, and would add a step between N and 10 N that is no loader's."""
     import gc
 
     if not first:
         session.clear()
-    gc.collect()
     gc.freeze()
     try:
         start = time.process_time()

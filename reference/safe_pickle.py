@@ -7,10 +7,11 @@ callable it names is ever looked up, let alone called.
 
 The unpickler is Python's own (``pickle._Unpickler``), not its C twin: a 200 KB pickle of a tuple nested
 200 000 deep used as a dict key crashes the C unpickler's process (hashing a tuple recurses in C with no
-recursion check: a segmentation fault, not an exception). Here every dict key and set member is checked
-for its tuple nesting before it is hashed, and a file nesting them past ``MAX_KEY_DEPTH`` is an error
-naming it. Nothing else in a pickle recurses while it is loaded (lists and dicts are built from a stack),
-and a value nested thousands deep is only ever shown through ``errors.brief``.
+recursion check: a segmentation fault, not an exception). Here a tuple nesting tuples past ``MAX_TUPLE_DEPTH``
+is refused as it is built, naming the file (neither format nests tuples more than three deep), so no key or set
+member can make a hash recurse, and such a file is refused after a few opcodes, not 200 000. Nothing else in a
+pickle recurses while it is loaded (lists and dicts are built from a stack), and a value nested thousands deep
+is only ever shown through ``errors.brief``.
 """
 from __future__ import annotations
 
@@ -32,19 +33,20 @@ ARRAY_GLOBALS = frozenset(
 )
 
 
-# No key of either format is a tuple at all (names are str); a few levels are let through for plain pickles.
-MAX_KEY_DEPTH = 16
+# Neither format nests tuples deeper than three (numpy's reconstruction arguments); a few more levels are let through.
+MAX_TUPLE_DEPTH = 16
 
 
-def _check_hashable(key, path: str) -> None:
-    """Refuse a key whose tuples nest past MAX_KEY_DEPTH before anything hashes it (tuple hashing recurses in C)."""
-    stack, level = [key], 0
+def _check_tuple(new: tuple, path: str) -> None:
+    """Refuse a tuple whose tuples nest past MAX_TUPLE_DEPTH (hashing one recurses in C), walking no further down
+    than that: each tuple the unpickler builds is checked, so a chain is refused at its 17th level."""
+    level, stack = 1, [new]
     while stack:
-        level += 1
-        if level > MAX_KEY_DEPTH:
-            raise pickle.UnpicklingError(f"{path}: a dict key or set member nests tuples deeper than "
-                                         f"{MAX_KEY_DEPTH} levels")
-        stack = [item for t in stack if isinstance(t, tuple) for item in t if isinstance(item, tuple)]
+        stack = [item for t in stack for item in t if type(item) is tuple]
+        if stack:
+            level += 1
+            if level > MAX_TUPLE_DEPTH:
+                raise pickle.UnpicklingError(f"{path}: a tuple nests tuples deeper than {MAX_TUPLE_DEPTH} levels")
 
 
 class _Restricted(pickle._Unpickler):
@@ -53,36 +55,14 @@ class _Restricted(pickle._Unpickler):
         self._path = path
         self._allowed = allowed
 
-    # The opcodes that hash values taken from the stream check them first (see the module docstring). After a
-    # MARK, ``self.stack`` holds exactly the items pushed since it (the base class keeps the outer stack aside).
-    def _load_setitem(self):
-        _check_hashable(self.stack[-2], self._path)
-        pickle._Unpickler.load_setitem(self)
+    # Every opcode that builds a tuple checks it (see the module docstring).
+    def _built(self, load):
+        load(self)
+        _check_tuple(self.stack[-1], self._path)
 
-    def _load_setitems(self):
-        for key in self.stack[0::2]:
-            _check_hashable(key, self._path)
-        pickle._Unpickler.load_setitems(self)
-
-    def _load_dict(self):
-        for key in self.stack[0::2]:
-            _check_hashable(key, self._path)
-        pickle._Unpickler.load_dict(self)
-
-    def _load_set_items(self):  # ADDITEMS and FROZENSET: every member is hashed
-        for item in self.stack:
-            _check_hashable(item, self._path)
-
-    def _load_additems(self):
-        self._load_set_items()
-        pickle._Unpickler.load_additems(self)
-
-    def _load_frozenset(self):
-        self._load_set_items()
-        pickle._Unpickler.load_frozenset(self)
-
-    dispatch = {**pickle._Unpickler.dispatch, pickle.SETITEM[0]: _load_setitem, pickle.SETITEMS[0]: _load_setitems,
-                pickle.DICT[0]: _load_dict, pickle.ADDITEMS[0]: _load_additems, pickle.FROZENSET[0]: _load_frozenset}
+    dispatch = {**pickle._Unpickler.dispatch,
+                **{op[0]: (lambda load: lambda self: _Restricted._built(self, load))(pickle._Unpickler.dispatch[op[0]])
+                   for op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)}}
 
     def find_class(self, module, name):
         if (module, name) not in self._allowed:
