@@ -70,8 +70,8 @@ def _published(spec, combo):
 
 def _expected(path: str, problem: str, x: str, y: str):
     """(exception type, the phrases the message must hold) for a refusal of ``problem`` on ``path``."""
-    if problem.startswith("missing"):
-        return (ValueError if path == "rsync" else RuntimeError), [x] + ([y] if problem == "missing" else [])
+    if problem.startswith("missing"):  # APPLY-MISSING-FAILS' RuntimeError; rsync's first load: either (RSYNC-SUBSET)
+        return ((ValueError, RuntimeError) if path == "rsync" else RuntimeError), [x] + ([y] if problem == "missing" else [])
     if path == "rsync":  # RSYNC-VALIDATE-ALL: one ValueError listing every key at fault
         return ValueError, [x, y]
     first = {"dtypes": "Type", "dtype-and-shape": "Type", "both-and-shape": "Type"}[problem]

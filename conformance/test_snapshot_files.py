@@ -1099,7 +1099,7 @@ def test_large_tensors_load_bit_exact(loader, combo):
 # -- FILE-MANY-TENSORS ---------------------------------------------------------------------------------------------
 # A file naming N tensors against one naming 10 N, side by side in one session each, through the adapter: a loader
 # linear in the header takes about 10x as long for the second (less, where a fixed cost per update counts), one with
-# a step quadratic in the number of tensors about 100x. Most names are zero-element tensors the model does not hold
+# a step quadratic in the number of tensors about 100x. Most names are one-element tensors the model does not hold
 # (one part of a per-expert checkpoint; ignored, APPLY-UNKNOWN-IGNORED, and reported): every loader must still
 # parse, check and skip them, while the model stays four small parameters that cost nothing to build.
 MANY_SPEC = M.spec(*((f"kept.{i}.w", "float32", (4,)) for i in range(4)))
