@@ -2,7 +2,7 @@
 
     python -m benchmarks.digest_throughput --model-mib 1024 --repeat 7
 
-One buffer of random bytes (``--model-mib``, at least 1 GiB for the figures in the README) is hashed
+One buffer of random bytes (``--model-mib``, at least 1 GiB for the figures in docs/benchmarks.md) is hashed
 whole with MD5, SHA-256 and XXH3-128, and the same bytes, carved into the tensors of the mixed-dtype
 decoder of ``sim.cli.model_spec`` (views, no copy), are digested as a model by ``reference.digest``:
 the trainer's side (numpy arrays) and the receiver's side (Paddle CPU tensors, ``WeightManager``'s

@@ -32,6 +32,18 @@ the new version (held), or, if that update fails, until one commits; a pass befo
 it; otherwise a pass runs at once, beside the others. Never refuse a pass, and never run one on cleared or partly loaded parameters (SPEC.md
 SERVE-NO-MIXED-VERSIONS).
 
+The V1 control surface (SPEC.md § CTL, docs/adapters.md "The V1 control path"), engine-neutral, each behind its
+capability: ``control.pause``: ``session.pause()``, ``session.resume()``, ``session.is_paused() -> bool`` and
+``session.generate(step, steps) -> ("finished" | "aborted", steps run)`` (one request whose forward steps the engine
+runs as ``step(i)``); ``control.sleep``: ``session.sleep(tags)`` / ``session.wakeup(tags)`` with the tag ``"weight"``
+(``tags`` a sequence of tag names, None for every tag): every captured model's weights released, then reloaded from
+the configured source, verified and recaptured (``options["recapture"]``); ``control.kv_cache``: the tag
+``"kv_cache"``, the engine's KV cache that the suite plays (``options["engine"]``: ``release_kv_cache()``,
+``rebuild_kv_cache()``; ``options["cuda_graph"]``: graphs need it rebuilt before the weights' recapture);
+``control.update_in_place``: ``session.update_weights(version=, verify_checksum=) -> dict`` on the ``rsync`` path;
+``control.routed``: ``session.routed_control()`` with the legacy ``clear_load_weight(timeout_s)`` /
+``update_model_weight(timeout_s)`` routed through sleep and wakeup, each ``(code, message)``.
+
 Optional session methods, each behind its capability: ``digest()`` (``digest.model``: the model digest
 of the parameters as landed, ``{"model": {alg: hex}, "tensors": {name: {alg: hex}}}`` with ``xxh3`` and
 ``md5``, SPEC.md § DIGEST) and ``debug_digest(tensor)`` (``digest.debug``: FastDeploy's debug digest

@@ -47,6 +47,20 @@ CAPABILITIES = {
     "serve": "session.serve(fn) runs fn() as one forward pass of a request, the way the engine runs one: a pass "
     "in flight when a clear or an update begins returns before any byte changes (drained); one arriving from then "
     "until the update commits waits and runs on the new version (held) (SPEC.md SERVE-NO-MIXED-VERSIONS)",
+    "control.pause": "session.pause(), session.resume(), session.is_paused() and session.generate(step, steps): the "
+    "engine's pause of request generation (FastDeploy /v1/pause, /v1/resume, /v1/is_paused; SPEC.md § CTL); "
+    "generate runs step(i) for i < steps as one request's forward steps and returns ('finished' | 'aborted', steps run)",
+    "control.sleep": "session.sleep(tags) / session.wakeup(tags) with the tag 'weight' (tags: a sequence of tag names): "
+    "the weights of every captured model released, then reloaded from the configured source, verified and recaptured "
+    "(FastDeploy /v1/sleep, /v1/wakeup; SPEC.md § CTL)",
+    "control.kv_cache": "the tag 'kv_cache' of sleep / wakeup: the engine's KV cache, released and rebuilt through "
+    "options['engine'] (engine.release_kv_cache(), engine.rebuild_kv_cache()); with options['cuda_graph'] True the "
+    "weights' graphs are recaptured only with the KV cache there",
+    "control.update_in_place": "session.update_weights(version=, verify_checksum=) -> dict: the loaded weights "
+    "refreshed in place from the configured stream, the result's 'version' the version loaded (FastDeploy "
+    "/v1/update_weights; SPEC.md § CTL)",
+    "control.routed": "session.routed_control(): clear_load_weight(timeout_s) and update_model_weight(timeout_s), each "
+    "returning (code, message), routed through sleep and wakeup (FastDeploy's FD_ENABLE_V1_UPDATE_WEIGHTS=1)",
     "multirank": "sessions run one per rank under paddle.distributed (gloo on CPU): ranks agree through the "
     "default process group before CLEARED or NORMAL, each collective bounded by options['agree_timeout_s']",
 }

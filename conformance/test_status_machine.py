@@ -74,12 +74,14 @@ def _modes(non_blocking: int, blocking: int):
 
 
 @pytest.mark.rule("STATUS-REQUEST-KEPT")
+@pytest.mark.modes(op=("clear", "update"), call=("first", "second"))  # (every seed runs several cycles)
 @_modes(24, 6)
 def test_request_never_overwritten(loader, cell, block, count):
     _judged(loader, cell, L.KEPT, block=block, count=count, base=500 if block else 100)
 
 
 @pytest.mark.rule("STATUS-NO-RUN-AFTER-CHANGE")
+@pytest.mark.modes(op=("clear", "update"), call=("first", "second"))
 @_modes(6, 2)
 def test_model_never_runs_in_the_changing_iteration(loader, cell, block, count):
     outcome, where = _judged(loader, cell, L.NO_RUN, block=block, count=count, base=600 if block else 200)
@@ -89,12 +91,14 @@ def test_model_never_runs_in_the_changing_iteration(loader, cell, block, count):
 
 @pytest.mark.rule("STATUS-NONBLOCK-RETURNS")
 @pytest.mark.requires(*LOOP)
+@pytest.mark.modes(call=("first", "second"))
 def test_nonblocking_loop_returns_at_cleared(loader, cell):
     _judged(loader, cell, L.NONBLOCK, block=False, count=5, base=300)
 
 
 @pytest.mark.rule("STATUS-BLOCK-WAITS")
 @pytest.mark.requires(*LOOP)
+@pytest.mark.modes(call=("first", "second"))
 def test_blocking_loop_stays_until_updated(loader, cell):
     outcome, where = _judged(loader, cell, L.BLOCK, block=True, count=3, base=700)
     # The seeds write UPDATING at most 12 ms after CLEARED: a loop that polls every 10 ms and returns at CLEARED
@@ -161,7 +165,8 @@ WRITERS = [  # (rank, world, tp_size option, writes)
 @pytest.mark.rule("STATUS-RANK0-WRITES")
 @pytest.mark.parametrize(
     "rank,world,tp_size,writes",
-    [pytest.param(*w, marks=pytest.mark.requires("status.cell", L.ANY_LEVEL),
+    [pytest.param(*w, marks=[pytest.mark.requires("status.cell", L.ANY_LEVEL),
+                             pytest.mark.modes(op=("clear", "update"), rank="rank0" if w[3] else "follower")],
                   id=f"rank{w[0]}of{w[1]}:tp{w[2] or 'world'}") for w in WRITERS],
 )
 def test_only_tensor_parallel_rank0_writes(loader, monkeypatch, rank, world, tp_size, writes):
@@ -197,6 +202,7 @@ def _runs(loop, count, timeout_s=3.0):
 
 @pytest.mark.rule("STATUS-UPDATE-WHILE-NORMAL")
 @pytest.mark.requires("status.cell", "control", L.ANY_LEVEL)
+@pytest.mark.modes(call=("first", "second"))  # (an update requested while NORMAL, twice in one session)
 def test_update_while_normal_reloads_nothing(loader, impl, cell):
     session = _loaded(loader, cell)
     control = impl.control(cell.name)
@@ -365,6 +371,7 @@ def _follower(loader, monkeypatch, cell, **options):
 
 @pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
 @pytest.mark.requires("status.cell", L.ANY_LEVEL)
+@pytest.mark.modes(op=("clear", "update"))
 def test_follower_waits_for_rank0_write(loader, monkeypatch, cell):
     sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=5.0)
     for request, written, want, version in ((C.CLEARING, C.CLEARED, "cleared", None), (C.UPDATING, C.NORMAL, "updated", 2)):
@@ -396,7 +403,8 @@ FOLLOWER_DEADLINE_S = 0.15  # a follower's agree_timeout_s where rank 0 never wr
 
 @pytest.mark.rule("STATUS-FOLLOWERS-WAIT")
 @pytest.mark.requires("status.cell", "multirank", L.ANY_LEVEL)
-@pytest.mark.parametrize("request_value", [C.CLEARING, C.UPDATING], ids=["CLEARING", "UPDATING"])
+@pytest.mark.parametrize("request_value", [pytest.param(C.CLEARING, marks=pytest.mark.modes(op="clear"), id="CLEARING"),
+                                           pytest.param(C.UPDATING, marks=pytest.mark.modes(op="update"), id="UPDATING")])
 def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell, request_value):
     sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=FOLLOWER_DEADLINE_S)
     if request_value == C.UPDATING:  # rank 0 wrote CLEARED; the follower cleared; now it updates alone

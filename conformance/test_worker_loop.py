@@ -33,7 +33,7 @@ class Probe:
 
     def __init__(self, session, cell: C.Cell, kv: C.Cell | None = None):
         self.session, self.cell, self.kv = session, cell, kv
-        self.versions = {v: {n: a.tobytes() for n, a in M.state(SPEC, version=v).items()} for v in (1, 2)}
+        self.versions = {v: {n: a.tobytes() for n, a in M.state(SPEC, version=v).items()} for v in (1, 2, 3)}
         self.calls: list[tuple] = []
         self.lock = threading.Lock()
 
@@ -123,9 +123,17 @@ def _loaded(loader, cell, **options):
     return session
 
 
-def _cycle(session, cell: C.Cell, probe: Probe, block: bool) -> tuple[WorkerThread, str]:
+def _cycles(session, cell: C.Cell, probe: Probe, block: bool, loader) -> str:
+    """Two of :func:`_cycle` (versions 2 and 3): the loop's first and second clear and update (modes: call)."""
+    _, first = _cycle(session, cell, probe, block)
+    L.publish(loader.model_dir, SPEC, 3, L.level_of(loader.adapter))
+    _, second = _cycle(session, cell, probe, block, version=3)
+    return f"{first}; then {second}"
+
+
+def _cycle(session, cell: C.Cell, probe: Probe, block: bool, version: int = 2) -> tuple[WorkerThread, str]:
     """The API's clear, then its update once the cell reads CLEARED; the worker loop runs throughout.
-    Returns the worker and where it ran, after checking the cycle completed with version 2 loaded."""
+    Returns the worker and where it ran, after checking the cycle completed with ``version`` loaded."""
     mode = "blocking" if block else "non-blocking"
     worker = WorkerThread(session, probe, block)
     cell.write(C.CLEARING)
@@ -136,24 +144,25 @@ def _cycle(session, cell: C.Cell, probe: Probe, block: bool) -> tuple[WorkerThre
     where = f"{mode} worker loop, one clear/update cycle (iterations: {worker.results}; runner: {probe.show()})"
     check.that(cleared and not worker.is_alive() and worker.results[-1:] == ["updated"],
                f"{where}: the cycle did not complete within {CYCLE_TIMEOUT_S:g}s (cell {C.name_of(cell.read())})")
-    check.params_equal(session.observe(), M.state(SPEC, version=2), f"{where}: after the update")
+    check.params_equal(session.observe(), M.state(SPEC, version=version), f"{where}: after the update")
     return worker, where
 
 
 @pytest.mark.rule("STATUS-REQUESTS-CLEARED")
 @pytest.mark.requires(*NEEDS)
+@pytest.mark.modes(op=("clear", "update"), call=("first", "second"))
 @MODES
 def test_requests_cleared_before_the_weights_change(loader, block):
     with C.Cell(C.NORMAL) as cell:
         session = _loaded(loader, cell)
         probe = Probe(session, cell)
-        _, where = _cycle(session, cell, probe, block)
+        where = _cycles(session, cell, probe, block, loader)
         calls = probe.of("clear_requests")
-        before_clear = [c for c in calls if c[1:3] == ("v1", "CLEARING")]
+        before_clear = [c for c in calls if c[1] in ("v1", "v2") and c[2] == "CLEARING"]  # a version whole, loaded
         before_update = [c for c in calls if c[1:3] == ("cleared", "UPDATING")]
         wrong = [c for c in calls if c not in before_clear and c not in before_update]
         check.that(before_clear and before_update and not wrong,
-                   f"{where}: clear_requests() must come before the clear (version 1 loaded, cell CLEARING) and "
+                   f"{where}: clear_requests() must come before each clear (a version loaded whole, cell CLEARING) and "
                    f"before the update (weights cleared, cell UPDATING), never once the weights changed or in an "
                    f"iteration that changes nothing; got {len(before_clear)} before the clear, {len(before_update)} "
                    f"before the update, at the wrong moment: {wrong}")
@@ -161,12 +170,13 @@ def test_requests_cleared_before_the_weights_change(loader, block):
 
 @pytest.mark.rule("STATUS-COMM-GROUPS")
 @pytest.mark.requires(*NEEDS)
+@pytest.mark.modes(op=("clear", "update"), call=("first", "second"))
 @MODES
 def test_comm_groups_shut_down_only_when_asked(loader, block):
     with C.Cell(C.NORMAL) as cell:
         session = _loaded(loader, cell)
         probe = Probe(session, cell)
-        _, where = _cycle(session, cell, probe, block)
+        where = _cycles(session, cell, probe, block, loader)
         shut = probe.of("shutdown:")
         restarted = probe.of("restart:")
         if not block:
@@ -184,13 +194,14 @@ def test_comm_groups_shut_down_only_when_asked(loader, block):
 
 @pytest.mark.rule("STATUS-KV-CELL")
 @pytest.mark.requires(*NEEDS)
+@pytest.mark.modes(op=("clear", "update"), call=("first", "second"))
 @MODES
 def test_kv_cache_cell_told_before_the_weights_change(loader, block):
     with C.Cell(C.NORMAL) as cell, C.Cell(C.NORMAL, name=f"{cell.name}-kv") as kv:
         session = _loaded(loader, cell, kv_cache_cell=kv.name)
         probe = Probe(session, cell, kv)
         check.equal(C.name_of(kv.read()), "NORMAL", "the KV cache's cell after the first load (the loop's only)")
-        _, where = _cycle(session, cell, probe, block)
+        where = _cycles(session, cell, probe, block, loader)
         calls = probe.of("clear_requests") + probe.of("end:")
         late = [c for c in probe.of("clear_requests") if (c[2], c[3]) not in (("CLEARING", "CLEARING"), ("UPDATING", "UPDATING"))]
         foreign = [c for c in calls if c[3] not in ("NORMAL", "CLEARING", "UPDATING")]
@@ -208,6 +219,7 @@ RANK0_AFTER_S = 0.15  # rank 0 writes this long after the follower started its c
 
 @pytest.mark.rule("STATUS-ONCE-PER-REQUEST")
 @pytest.mark.requires(*NEEDS)
+@pytest.mark.modes(op=("clear", "update"))
 @MODES
 def test_follower_acts_once_per_request(loader, monkeypatch, block):
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")

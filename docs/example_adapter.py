@@ -13,7 +13,7 @@ conformance/adapter.py only, in three steps per update:
 
 ``MineSession`` / ``MineAdapter`` at the end are the adapter. docs/adapters.md walks through it. Run:
 
-    pytest conformance --impl=docs/example_adapter.py:MineAdapter
+    .venv/bin/python -m pytest conformance --impl=docs/example_adapter.py:MineAdapter
 """
 from __future__ import annotations
 

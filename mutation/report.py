@@ -1,6 +1,6 @@
 """Run mutmut over ``reference/`` and judge its survivors against ``mutation/justified.toml``.
 
-    python -m mutation.report --run            # mutmut run (hours on 2 cores: README), then the report
+    python -m mutation.report --run            # mutmut run (hours on 2 cores: docs/mutation.md), then the report
     python -m mutation.report                  # the report from the last run's results in mutants/
     python -m mutation.report --only 'reference.buckets.*'   # run (and report) a subset
 

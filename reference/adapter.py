@@ -6,6 +6,7 @@ from conformance.adapter import LoaderConfig, LoadEvent, Observed, observe_paddl
 from . import __version__, worker_loop
 from . import digest as _digest
 from .control import WeightControl
+from .control_v1 import Control, RoutedControl
 from .manager import WeightManager
 
 
@@ -18,6 +19,7 @@ class ReferenceSession:
             shared_dir=config.shared_dir,
             options=config.options,
         )
+        self.control = Control(self.manager, config.options)  # the V1 control surface (SPEC.md § CTL)
 
     def update(self):
         return self.manager.update()
@@ -56,6 +58,31 @@ class ReferenceSession:
     def phases(self) -> dict[str, float]:
         """Seconds per span of the last clear/update cycle (``reference.phases``; benchmarks only)."""
         return dict(self.manager.phases)
+
+    # -- the V1 control surface (capabilities control.*; reference.control_v1) ------------------------------
+    def pause(self) -> None:
+        self.control.pause()
+
+    def resume(self) -> None:
+        self.control.resume()
+
+    def is_paused(self) -> bool:
+        return self.control.is_paused()
+
+    def generate(self, step, steps: int) -> tuple[str, int]:
+        return self.control.generate(step, steps)
+
+    def sleep(self, tags=None) -> None:
+        self.control.sleep(tags)
+
+    def wakeup(self, tags=None) -> None:
+        self.control.wakeup(tags)
+
+    def update_weights(self, version=None, verify_checksum: bool = False) -> dict:
+        return self.control.update_weights(version, verify_checksum)
+
+    def routed_control(self) -> RoutedControl:
+        return RoutedControl(self.control)
 
     def worker_iteration(self, run_model, *, block: bool, sync=None, runner=None) -> str:
         return worker_loop.iteration(self.manager, run_model, block=block, sync=sync, runner=runner)
@@ -97,6 +124,11 @@ class ReferenceAdapter:
             "version",
             "multirank",
             "serve",
+            "control.pause",
+            "control.sleep",
+            "control.kv_cache",
+            "control.update_in_place",
+            "control.routed",
         }
     )
     session_class = ReferenceSession

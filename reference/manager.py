@@ -24,7 +24,7 @@ import paddle
 from . import apply, commit, hooks, identity, restart, storage, ties, transforms
 from .request_gate import RequestGate
 from . import digest as _digest
-from .agreement import Agreement
+from .agreement import Agreement, RankFailure, describe
 from .phases import Phases, pulled
 from .status import Status
 from .status_cell import CellWriter, StatusCell
@@ -34,14 +34,15 @@ log = logging.getLogger("reference.manager")
 DEFAULT_SHARED_DIR = "/shared_ipc_meta"
 
 # Strategy name -> "module:function" taking the manager. Imported lazily so that a path's extra
-# dependencies (zmq for buckets) are only needed when that path is used.
+# dependencies (zmq for buckets) are only needed when that path is used. Named from this package's own name:
+# "reference" in the checkout, "weightsync.reference" installed (weightsync/__init__.py).
 STRATEGIES = {
-    "ipc_snapshot": "reference.snapshot:update_from_snapshot",
-    "ipc": "reference.ipc_meta:update_from_ipc_meta",
-    "ipc_bucket": "reference.buckets:update_from_buckets",
-    "rsync": "reference.rsync:update_from_rsync",
-    "gdr": "reference.gdr:update_from_gdr",
-    "gdr_ipc": "reference.gdr:update_from_gdr_ipc",
+    "ipc_snapshot": f"{__package__}.snapshot:update_from_snapshot",
+    "ipc": f"{__package__}.ipc_meta:update_from_ipc_meta",
+    "ipc_bucket": f"{__package__}.buckets:update_from_buckets",
+    "rsync": f"{__package__}.rsync:update_from_rsync",
+    "gdr": f"{__package__}.gdr:update_from_gdr",
+    "gdr_ipc": f"{__package__}.gdr:update_from_gdr_ipc",
 }
 # Streamed strategies write into loaded parameters (FastDeploy runs rsync and GDR without a clear), so
 # they may start from NORMAL, or again after a failure; never during a clear.
@@ -142,8 +143,10 @@ class WeightManager:
             if left:
                 raise RuntimeError(f"Model Parameter clearance verification failed: still initialized: {', '.join(left)}")
         except Exception as e:
-            self.agreement.report_failure("clear", e)
-            raise
+            raised = self.failed("clear", e)
+            if raised is e:
+                raise
+            raise raised from e
         span = self.phases.span("clear_agree")
         self.agreement.require_all("clear")
         span.end()
@@ -153,9 +156,10 @@ class WeightManager:
         log.info("cleared %d parameters", len(self.params))
 
     # -- update ------------------------------------------------------------------------------
-    def update(self):
+    def update(self, version: int | None = None):
         """Load every parameter from the configured source, then verify; raises on any failure. Returns
-        what the strategy returns (the streamed paths' cost dictionary; None for the others)."""
+        what the strategy returns (the streamed paths' cost dictionary; None for the others). ``version``: the
+        version the caller asks for (the V1 control's ``update_weights``), announced before anything loads."""
         if self.first_load:
             restart.note_startup(self)
         self._voted = self._committed = False
@@ -181,19 +185,32 @@ class WeightManager:
             self.last_error = None
             transforms.before_load(self.post_load)
             self.announce(commit.read_version_file(self._version_dir()))
+            self.announce(version)
             module, func = STRATEGIES[self.load_strategy].split(":")
             span = self.phases.span("update")
             result = getattr(importlib.import_module(module), func)(self)
             self.finalize()
             span.end()
         except BaseException as e:
-            self.last_error = e
             self._stage = None  # a staged update's tensors are dropped, never adopted
-            if not self._voted:  # the other ranks learn of it now, not at their deadline
-                self.agreement.report_failure("update", e)
+            raised = self.failed("update", e) if not self._voted else e  # the others learn of it now
+            self.last_error = raised
             log.error("update via %s failed: %s", self.load_strategy, e)
-            raise
+            if raised is e:
+                raise
+            raise raised from e
         return result
+
+    def failed(self, what: str, error: BaseException) -> BaseException:
+        """This rank failed ``what`` ("clear" or "update", or what the worker loop does before one): its vote,
+        so that every other rank learns of it now, not at its deadline. Returns what to raise: ``error``
+        itself, or, when other ranks failed ``what`` too, a ``RankFailure`` naming each of them beside this
+        rank's own error (its cause): every rank names every failing rank (MR-FAILURE-EVERY-RANK)."""
+        others = self.agreement.report_failure(what, error) or []
+        if not others:
+            return error
+        return RankFailure(f"rank {self.rank}: {what} failed on this rank ({type(error).__name__}: {error}) and on "
+                           f"{len(others)} other rank(s): {describe(others)}")
 
     def close(self) -> None:
         """Release what outlives an update: the streamed paths' cached transfer handle."""

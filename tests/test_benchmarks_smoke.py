@@ -15,10 +15,10 @@ from tests.conftest import REPO
 RUNS_BEFORE_THE_JOBS = True
 
 
-def test_snapshot_memory_benchmark_smoke(tmp_path):
+def _snapshot_memory_smoke(tmp_path, model_mib: str, *extra: str) -> dict:
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "benchmarks.snapshot_memory", "--model-mib", "64", "--parts", "2",
-           "--tensors", "4", "--repeat", "1", "--work-dir", str(tmp_path), "--json", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.snapshot_memory", "--model-mib", model_mib, "--parts", "2",
+           "--tensors", "4", "--repeat", "1", "--work-dir", str(tmp_path), "--json", str(out), *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-3000:]}"
@@ -42,6 +42,19 @@ def test_snapshot_memory_benchmark_smoke(tmp_path):
         )
         assert r["load_over_read_median"] == r["load_seconds"][0] / r["read_seconds"][0], f"{key}: {r}"
     assert list(tmp_path.glob("snapshot-memory-*")) == [], "the benchmark left its snapshot files behind"
+    return report
+
+
+def test_snapshot_memory_benchmark_smoke(tmp_path):
+    """RL's cycle: a load, clear(), then the update measured."""
+    report = _snapshot_memory_smoke(tmp_path, "64")
+    assert "--first-load" not in report["command"], report["command"]
+
+
+def test_snapshot_memory_first_load_smoke(tmp_path):
+    """``--first-load``: the first load of the lazily built model measured instead."""
+    report = _snapshot_memory_smoke(tmp_path, "32", "--first-load")
+    assert "--first-load" in report["command"], report["command"]
 
 
 def test_snapshot_parts_benchmark_smoke(tmp_path):

@@ -1,23 +1,40 @@
-"""CI runs what the README tells a new user to run: every test command of the README's first code block is
-a line of ``.ci/run`` (as run from the fresh venv)."""
+"""CI runs what the README tells a new user to run: the README's "Install once" block and its four commands are
+lines of ``.ci/run``, the commands in the same order (every other command of the README and docs/ is checked by
+tests/test_docs_commands.py)."""
 import os
 import re
 
 from tests.conftest import REPO
 
 
-def _readme_commands() -> list[str]:
+def _block(heading: str) -> list[str]:
+    """The command lines of the first ``bash`` block under the README's ``## heading``, comments stripped."""
     text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
-    return [line.split(" && ")[-1].strip() for line in block.splitlines() if "-m pytest" in line]
+    section = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert section, f"README.md has no section '## {heading}'"
+    block = re.search(r"```bash\n(.*?)```", section.group(1), re.S)
+    assert block, f"README.md's section '## {heading}' has no bash block"
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for line in block.group(1).splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _ci_lines() -> list[str]:
+    return open(os.path.join(REPO, ".ci", "run"), encoding="utf-8").read().splitlines()
 
 
 def test_ci_runs_every_readme_command():
-    commands = _readme_commands()
-    ci = open(os.path.join(REPO, ".ci", "run"), encoding="utf-8").read().splitlines()
-    assert len(commands) >= 3, f"expected the README's test commands (quick run, project tests, tiers), got {commands}"
-    missing = [c for c in commands if c not in ci]
-    assert not missing, f".ci/run does not run these README commands: {missing}"
+    commands = _block("The four commands")
+    assert len(commands) == 4 and all(c.startswith(".venv/bin/python -m pytest ") for c in commands), (
+        f"the README's four commands (quick run, project tests, tiers, two hosts), got {commands}")
+    ci = [line for line in _ci_lines() if line.startswith(".venv/bin/python -m pytest ")]
+    assert ci == commands, f".ci/run's test commands {ci} are not the README's four, in order: {commands}"
+
+
+def test_ci_installs_as_the_readme_says():
+    install = _block("Install once")
+    assert install and install[0] == "python3 -m venv .venv", install
+    missing = [line for line in install if line not in _ci_lines()]
+    assert not missing, f".ci/run does not run these lines of the README's 'Install once': {missing}"
 
 
 def _chromium_step(tmp_path, apt_script: str | None, present: bool = False):
@@ -73,12 +90,3 @@ def test_ci_runs_the_chromium_step_before_the_tests():
     step = next(i for i, line in enumerate(ci) if line.startswith(".ci/chromium"))
     tests = next(i for i, line in enumerate(ci) if line.startswith(".venv/bin/python -m pytest tests"))
     assert step < tests, ".ci/chromium must run before the project tests"
-
-
-def test_readme_commands_run_with_the_venvs_interpreter():
-    """A new user has the venv of the first code block, not an activated one: every ``python -m`` command in the
-    README's code blocks is ``.venv/bin/python -m`` (a bare ``python`` fails with ModuleNotFoundError: zmq)."""
-    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
-    bare = [line for block in blocks for line in block.splitlines() if re.search(r"(^|[\s;&|])python3? -m (?!venv)", line)]
-    assert blocks and not bare, f"README commands without the venv's interpreter: {bare}"

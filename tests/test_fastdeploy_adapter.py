@@ -13,6 +13,9 @@ stand-ins stand for them here, where FastDeploy cannot be fetched.
   one (SPEC.md levels), every other test passes or is not applicable for a capability the adapter does
   not claim (or the device). ``test_a_new_regression_turns_the_gate_red``: a regressed stand-in under
   the same file fails the run.
+* ``test_the_v1_path_judges_the_managers_own_split_operations``: the V1 control path (SPEC.md § CTL) is judged on
+  FastDeploy's own ``clear_model_weight`` / ``reload_model_weights``: the v1 stand-in regressed, or fixed, turns
+  its gate red.
 * ``test_adapter_derives_the_generation``: the calling convention, levels, formats and capabilities the
   adapter reads from each class, and the reasons it prints for what it does not claim.
 * The adapter's mechanics: stubs, usage errors, the status cell, worker identity, ``/shared_ipc_meta``.
@@ -50,7 +53,7 @@ pytestmark = pytest.mark.timeout(900)
 
 STANDINS = os.path.join(REPO, "tests", "fd_standins")
 FROZEN_HEAP = ("-p", "tests.gc_frozen")  # the stand-ins' gc.collect() per part skips the suite's own heap
-GENERATIONS = ("dwm_old", "dwm0", "ep", "rsync_tp0", "parts", "gdr")
+GENERATIONS = ("dwm_old", "dwm0", "ep", "rsync_tp0", "v1", "parts", "gdr")
 MULTIRANK = ("parts", "gdr")  # generations with snapshot parts: the multi-rank job's snapshot path
 KINDS = ("notimpl", "bug", "never", "flaky")
 KIND_LEVEL = {"bug": "contract", "never": "hardening"}  # notimpl / flaky: either level
@@ -83,14 +86,19 @@ FACTS = {
                caps={"snapshot.legacy", "trace", "status", "mtp"}),
     "rsync_tp0": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels={"legacy": "safetensors"},
                       caps={"snapshot.legacy", "trace", "status", "mtp"}),
+    "v1": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels=ALL_LEVELS,
+               caps=ALL_SNAPSHOT | {"trace", "status", "mtp"}),
     "parts": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels=ALL_LEVELS,
                   caps=ALL_SNAPSHOT | {"trace", "status", "mtp"}),
     "gdr": dict(init=("fd_config", "models", "local_rank"), runner_finalizes=True, levels=ALL_LEVELS,
                 caps=ALL_SNAPSHOT | {"trace", "status", "mtp"}),
 }
 # The streamed paths each generation has, driven against the CheckpointTransfer stand-in (streams.py).
-STREAM_CAPS = {"rsync_tp0": {"stream.rsync"}, "parts": {"stream.rsync"},
+STREAM_CAPS = {"rsync_tp0": {"stream.rsync"}, "v1": {"stream.rsync"}, "parts": {"stream.rsync"},
                "gdr": {"stream.rsync", "stream.gdr", "stream.gdr_ipc"}}
+# /v1/update_weights: the runner's update_weights is the manager's update_weights_by_rdma (every rsync generation).
+for _gen in STREAM_CAPS:
+    STREAM_CAPS[_gen] = STREAM_CAPS[_gen] | {"control.update_in_place"}
 for _gen, _caps in STREAM_CAPS.items():
     FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | _caps
 # Every generation has a check_model_weights_status the adapter drives (loop.py), whatever its signature.
@@ -99,6 +107,10 @@ for _gen in FACTS:
 # The runner's capture_model(), which the adapter plays for every generation (session.py, MODEL-STORAGE-KEPT).
 for _gen in FACTS:
     FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | {"model.recapture"}
+# #6761's split operations, which the runner's V1 sleep / wakeup of the weights call (session.py, SPEC.md § CTL).
+SPLIT_OPERATIONS = ("v1", "parts", "gdr")
+for _gen in SPLIT_OPERATIONS:
+    FACTS[_gen]["caps"] = FACTS[_gen]["caps"] | {"control.sleep"}
 _TYPING_OLD = "from typing import Any, Dict"
 _BASE = {"import os", "import time", "from multiprocessing.shared_memory import SharedMemory", "import numpy as np",
          "import paddle", "from paddleformers.utils.log import logger", "from fastdeploy.config import FDConfig"}
@@ -114,6 +126,7 @@ IMPORTS = {
     "ep": _BASE | {"from typing import Any, Dict, List", "from fastdeploy.inter_communicator import ModelWeightsStatus"},
     "rsync_tp0": _BASE | {"import io", "from typing import Any, Dict, List",
                           "from fastdeploy.inter_communicator import KVCacheStatus, ModelWeightsStatus"},
+    "v1": (_PARTS - {"import yaml"}) | {"import io"},
     "parts": _PARTS,
     "gdr": (_PARTS - {"from typing import Any, Dict, List"})
     | {"import asyncio", "from typing import Any, Dict, Iterable, List, Optional, Tuple", "from fastdeploy import envs"},
@@ -742,3 +755,33 @@ def test_gdr_flag_is_set_per_session_never_for_the_process(monkeypatch):
     waiter.join(5)
     assert order == ["shared", "gdr done", ("rsync", "0")], order
     assert stubs.GDR_FLAG not in os.environ, "the process flag was not restored"
+
+
+# -- the V1 control path: the split operations are FastDeploy's own ---------------------------------------------
+_DRAFT_KEPT = ("    def _drop_weights(self):\n        for model in self.model_list:\n",
+               "    def _drop_weights(self):\n        for model in self.model_list[:1]:  # regression: the draft kept\n")
+_RELOAD_VERIFIED = ("        self._strategy_handler()()\n        logger.info(f\"finish reload model weights!",
+                    "        self._strategy_handler()()\n        self._verify_parameters(\"update\")  # a fix: verified\n"
+                    "        logger.info(f\"finish reload model weights!")
+
+
+@pytest.mark.parametrize("change, rule, turns", [
+    pytest.param(_DRAFT_KEPT, "CTL-SLEEP-RELEASES", "failed", id="clear_model_weight-keeps-the-draft"),
+    pytest.param(_RELOAD_VERIFIED, "CTL-WAKEUP-RELOADS", "unexpected_pass", id="reload_model_weights-verifies"),
+])
+def test_the_v1_path_judges_the_managers_own_split_operations(tmp_path, change, rule, turns):
+    """The adapter drives FastDeploy's ``clear_model_weight`` / ``reload_model_weights`` as the runner calls them,
+    never its own: a v1 stand-in whose ``clear_model_weight`` forgets the draft model fails CTL-SLEEP-RELEASES under
+    the v1 expectations (the gate red), and one whose ``reload_model_weights`` verifies what it loaded passes the
+    ``missing`` cases pinned as FastDeploy's bug (the gate red too: an expected failure that passes)."""
+    source = open(standin("v1"), encoding="utf-8").read()
+    old, new = change
+    assert source.count(old) == 1, f"the v1 stand-in no longer reads {old!r}; update the regression"
+    changed = tmp_path / "dynamic_weight_manager.py"
+    changed.write_text(source.replace(old, new))
+    code, report, output = run_conformance(["--impl=fastdeploy", f"--impl-opt=source={changed}",
+                                            f"--expectations={expectations_path('v1')}", f"--rule={rule}"],
+                                           tmp_path / "report.json", list(FROZEN_HEAP), timeout=600)
+    assert report is not None and code == 1, f"exit {code}:\n{output[-3000:]}"
+    status = {r["id"]: r["status"] for r in report["rules"]}
+    assert status.get(rule) == {"failed": "failed", "unexpected_pass": "unexpected_pass"}[turns], (status, output[-2000:])

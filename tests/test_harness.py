@@ -309,7 +309,7 @@ def test_builtin_name_from_conformance_dir_and_file_from_repo_root(runs):
     run = runs["conformance_cwd"]
     assert run.code == 0 and run.report is not None, f"exit {run.code}:\n{run.output[-3000:]}"
     assert run.report["run_info"]["implementation"] == "reference"
-    assert run.report["run_info"]["adapter"] == "reference.adapter:ReferenceAdapter"
+    assert run.report["run_info"]["adapter"] == "weightsync.reference.adapter:ReferenceAdapter"
     assert _statuses(run.report) == {"SNAP-GPU-ID": "passed"}, _statuses(run.report)
     # From the repository root: see test_docs_example_adapter_passes_its_rules.
 

@@ -74,6 +74,22 @@ def test_every_kind_of_site_is_mutated_once(tmp_path):
     assert not any("plain" in t for t in targets), "an undecorated function is mutmut's"
 
 
+def test_the_command_line_lists_and_checks():
+    """``python -m mutation.extra --list`` prints one line per mutant of today's code, and ``--check`` passes (exit 0,
+    no stale entry), as docs/mutation.md shows them."""
+    import subprocess
+    import sys
+
+    listed = subprocess.run([sys.executable, "-m", "mutation.extra", "--list"], cwd=extra.REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    names = [line.split("\t", 1)[0] for line in listed.stdout.splitlines()]
+    assert names == [m.name for m, _, _ in extra.generate()] and len(names) > 100, listed.stdout[-2000:]
+    checked = subprocess.run([sys.executable, "-m", "mutation.extra", "--check"], cwd=extra.REPO, capture_output=True,
+                             text=True, timeout=120)
+    assert checked.returncode == 0 and "stale:" not in checked.stdout, checked.stdout + checked.stderr
+
+
 def test_the_justifications_match_todays_mutants():
     entries = extra.load_justified()
     gone = extra.stale(entries, [m for m, _, _ in extra.generate()])

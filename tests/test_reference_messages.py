@@ -520,6 +520,24 @@ def test_after_commit_names_every_failed_hook():
     assert len(ran) == 3
 
 
+# -- reference.manager.WeightManager.failed (several ranks failing one operation) ----------------------
+
+def test_a_failing_rank_names_every_other_failing_rank(monkeypatch):
+    from reference import agreement as A
+    from reference.agreement import RankFailure
+    manager = _manager(["w1"])
+    votes = [A.Vote(0, 1, "update", False, "TypeError: mine"), A.Vote(1, 1, "update", True),
+             A.Vote(2, 1, "update", False, "RuntimeError: no norm.bias"), A.Vote(3, 1, "update", False, "")]
+    monkeypatch.setattr(manager.agreement, "vote", lambda what, ok, error="": votes)
+    raised = manager.failed("update", TypeError("mine"))
+    assert type(raised) is RankFailure
+    assert str(raised) == ("rank 0: update failed on this rank (TypeError: mine) and on 2 other rank(s): "
+                           "rank 2: RuntimeError: no norm.bias; rank 3: failed")
+    monkeypatch.setattr(manager.agreement, "vote", lambda what, ok, error="": votes[:2])
+    alone = TypeError("mine")
+    assert manager.failed("update", alone) is alone  # no other rank failed: its own error, as it was
+
+
 # -- reference.__getattr__ (the package's lazy exports) -----------------------------------------------
 
 def test_package_exports_and_unknown_names():
@@ -891,3 +909,120 @@ def test_missing_parameters_name_the_tensors_ignored(tmp_path):
     raises(RuntimeError, manager.update,
            "Model Parameter update verification failed: 1 of 2 parameter(s) landed; 1 parameter(s) not loaded: b; "
            "1 tensor(s) the sources carried were ignored, no parameter takes them: model.b")
+
+# -- the V1 control surface (reference.control_v1) -----------------------------------------------------------
+def _control(options=None, **manager):
+    from reference import control_v1 as V
+    from reference.agreement import Agreement
+    from reference.request_gate import RequestGate
+    from reference.status import Status
+
+    fake = SimpleNamespace(requests=RequestGate(served=True), agreement=Agreement(1.0), load_strategy="rsync",
+                           IN_PLACE=frozenset({"rsync", "gdr"}), options={}, version=None, status=Status.NORMAL, rank=0)
+    fake.__dict__.update(manager)
+    return V.Control(fake, options or {})
+
+
+@pytest.mark.parametrize("tags, expected", [
+    ("weights", "unknown tag(s) ['weights']: the tags are weight, kv_cache"),
+    (["weight", "kv"], "unknown tag(s) ['kv']: the tags are weight, kv_cache"),
+    ([], "unknown tag(s) []: the tags are weight, kv_cache"),
+    ([7], "unknown tag(s) [7]: the tags are weight, kv_cache"),
+])
+def test_parse_tags_names_every_unknown_tag(tags, expected):
+    from reference import control_v1 as V
+
+    with pytest.raises(V.TagError) as info:
+        V.parse_tags(tags)
+    assert str(info.value) == expected
+
+
+def test_parse_tags_orders_and_defaults():
+    from reference import control_v1 as V
+
+    assert V.parse_tags(None) == ("weight", "kv_cache")
+    assert V.parse_tags("kv_cache, weight") == ("weight", "kv_cache")
+    assert V.parse_tags(["kv_cache"]) == ("kv_cache",)
+
+
+@pytest.mark.parametrize("version", ["step-3", "3.0", "", "٣", True, -1])
+def test_step_version_refuses_what_is_no_step_number(version):
+    from reference import control_v1 as V
+
+    with pytest.raises(ValueError) as info:
+        V._step_version(version)
+    assert str(info.value) == f"update_weights: version {version!r} is not a step number (decimal digits)"
+
+
+def test_control_options_are_named():
+    with pytest.raises(ValueError) as info:
+        _control({"engine": object()})
+    assert str(info.value).startswith("options['engine'] must have release_kv_cache() and rebuild_kv_cache(), got <object")
+    with pytest.raises(ValueError) as info:
+        _control({"cuda_graph": "yes"})
+    assert str(info.value) == "options['cuda_graph'] must be a bool, got 'yes'"
+
+
+def test_update_weights_refusals():
+    from reference import control_v1 as V
+
+    control = _control()
+    with pytest.raises(RuntimeError) as info:
+        control.update_weights("2")
+    assert str(info.value) == V.PAUSE_FIRST == "Pause LLM Engine first before calling updating weights"
+    control.pause()
+    control.asleep.add("weight")
+    with pytest.raises(RuntimeError) as info:
+        control.update_weights("2")
+    assert str(info.value) == ("update_weights: the weights are asleep; wake them up (wakeup with tag weight) before "
+                               "updating them in place")
+    control.asleep.clear()
+    control.manager.load_strategy = "ipc_snapshot"
+    with pytest.raises(ValueError) as info:
+        control.update_weights("2")
+    assert str(info.value) == ("update_weights updates in place: the ipc_snapshot strategy loads into cleared weights "
+                               "(in place: gdr, rsync)")
+    control.manager.load_strategy = "rsync"
+    with pytest.raises(ValueError) as info:
+        control.update_weights("2", verify_checksum=1)
+    assert str(info.value) == "update_weights: verify_checksum must be a bool, got 1"
+    control.manager.version = 5
+    with pytest.raises(Exception) as info:
+        control.update_weights("4")
+    assert str(info.value).startswith("update_weights on rank 0: version 4 is older than the version 5 this worker reports")
+
+
+def test_wakeup_of_the_weights_alone_with_graphs_is_fastdeploys_refusal():
+    from reference import control_v1 as V
+
+    control = _control({"cuda_graph": True})
+    control.asleep |= {"weight", "kv_cache"}
+    with pytest.raises(RuntimeError) as info:
+        control.wakeup(["weight"])
+    assert str(info.value) == V.GRAPH_ORDER == (
+        "Waking up [weight] alone is not supported when CUDA Graph is enabled, as recapturing the graph requires the "
+        "KV cache to be rebuilt first. Please wake up [kv_cache] first.")
+
+
+def test_pause_that_outlasts_its_deadline_says_how_many_steps_run(monkeypatch):
+    from reference import control_v1 as V
+
+    monkeypatch.setattr(V, "PAUSE_TIMEOUT_S", 0.01)
+    control = _control()
+    control._stepping = 2
+    with pytest.raises(TimeoutError) as info:
+        control.pause()
+    assert str(info.value) == "pause: 2 request step(s) still running after 0.01s"
+
+
+def test_routed_failure_names_it():
+    from reference import control_v1 as V
+
+    control = _control()
+    control.asleep.add("weight")
+
+    def wakeup(tags):
+        raise RuntimeError("no snapshot")
+
+    control.wakeup = wakeup
+    assert V.RoutedControl(control).update_model_weight(1.0) == (500, "update model weight failed: RuntimeError: no snapshot")

@@ -55,6 +55,8 @@ LEVEL_CAPABILITY = {"parts": "snapshot.parts", "single": "snapshot.single", "leg
 SUITE_FORMATS = {"parts": ("safetensors",), "single": ("safetensors",), "legacy": ("safetensors", "paddle.save"),
                  "shared": ("paddle.save",)}
 CONSTRUCTOR_PARAMS = ("fd_config", "model", "models", "local_rank")
+# What the runner's V1 sleep / wakeup of the weights calls on the manager (#6761), EP's buffers aside.
+SPLIT_OPERATIONS = ("clear_model_weight", "reload_model_weights", "clear_communication_group", "restart_communication_group")
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,19 @@ def derive(cls) -> Generation:
     # The runner's capture_model() (fd-spec §2.7 step 3: after update_parameters, before finalize_update), which
     # the adapter plays: options["recapture"] is called where FastDeploy's runner recaptures its CUDA graphs.
     capabilities.add("model.recapture")
+    # The V1 control path (fd-spec §2.8): what the manager holds of it is #6761's split operations, which the
+    # runner's sleep / wakeup of the weights call (session.py); the rest is the engine's and the runner's.
+    split = [m for m in SPLIT_OPERATIONS if not hasattr(cls, m)]
+    if split:
+        not_claimed["control.sleep"] = f"no {', '.join(split)} (the runner's split operations came with #6761)"
+    else:
+        capabilities.add("control.sleep")
+    not_claimed["control.pause"] = ("pause, resume and is_paused are the engine's (common_engine.py _control_pause, "
+                                    "_control_resume, _control_is_paused), not the manager's")
+    not_claimed["control.kv_cache"] = ("the KV cache is the runner's (gpu_model_runner.py clear_cache, "
+                                       "initialize_kv_cache), and so are its sleep / wakeup tag loop and graph order")
+    not_claimed["control.routed"] = ("the legacy pair's routing through sleep and wakeup (FD_ENABLE_V1_UPDATE_WEIGHTS) "
+                                     "is the api server's and the engine's")
     not_claimed["ipc.meta"] = _ipc_reason(cls)
     not_claimed["ipc.buckets"] = "FastDeploy has no bucket path (fd-spec §3.7)"
     # SERVE-NO-MIXED-VERSIONS: the manager has no request gate; the engine keeps forward passes off a change by

@@ -11,6 +11,13 @@ FastDeploy's own method (legacy shared-memory control path, fd-spec §2.2 and §
   the runner (DWM-0's ``update_parameters`` finalizes itself).
 * ``worker_iteration(run_model, block=, sync=, runner=)``: FastDeploy's own ``check_model_weights_status``
   in worker_process.py's loop (loop.py), where the class has one.
+* ``sleep(["weight"])`` / ``wakeup(["weight"])`` (the V1 control path, where the class has #6761's split
+  operations): the runner's ``sleep`` / ``wakeup`` of the weight tag, which call the manager's own
+  ``clear_model_weight()`` and ``clear_communication_group()``, then ``restart_communication_group()`` and
+  ``reload_model_weights()``, and the runner's ``capture_model()`` (fd-spec §2.8). The runner's bookkeeping of
+  what sleeps (``is_weight_sleeping``: a call that finds the weights already asleep, or awake, does nothing) is
+  the runner's, played here; the tag loop, the KV cache, pausing and resuming are the runner's and the engine's,
+  not claimed. The V1 path writes nothing to the status cell (FastDeploy's engine uses no cell there).
 
 Status: FastDeploy writes an int32 into the shared-memory cell ``model_weights_status.{pid}``.
 
@@ -159,6 +166,7 @@ class FastDeploySession:
         if options.get("kv_cache_cell") is not None:
             loop.check_cell(options["kv_cache_cell"], "kv_cache_cell")
             self.kv_cell_name = options["kv_cache_cell"]
+        self._weight_sleeping = False  # the runner's is_weight_sleeping (the V1 path: sleep / wakeup)
         self._recapture = options.get("recapture")
         if self._recapture is not None and not callable(self._recapture):
             raise ValueError(f"options['recapture'] must be a callable, got {self._recapture!r}")
@@ -246,6 +254,51 @@ class FastDeploySession:
         """The runner's ``clear_parameters(pid)``: the manager's, ``shutdown_process_group`` passed where it takes it."""
         with self._fastdeploy(groups):
             self.manager.clear_parameters(pid, **_flag(self.manager.clear_parameters, "shutdown_process_group", shutdown))
+
+    # -- the V1 control path: the runner's sleep / wakeup of the weights (capability control.sleep) ------------
+    V1_COMM_GROUPS = True  # shutdown_comm_group_if_worker_idle: FastDeploy's default without EP (its DOC)
+
+    def _v1_world(self):
+        return self._fastdeploy()
+
+    @staticmethod
+    def _weight_tag(tags) -> bool:
+        """Whether the call names the weights; the KV cache is the runner's (not claimed: control.kv_cache)."""
+        names = ["weight", "kv_cache"] if tags is None else (tags.split(",") if isinstance(tags, str) else list(tags))
+        other = [t for t in names if t != "weight"]
+        if other:
+            raise NotImplementedError(f"FastDeploy adapter: tag(s) {other}: the KV cache lives in FastDeploy's runner "
+                                      "(clear_cache / initialize_kv_cache), not in DynamicWeightManager")
+        return "weight" in names
+
+    def sleep(self, tags=None) -> None:
+        """The runner's ``sleep("weight")`` (fd-spec §2.8): ``clear_deepep_buffer()`` under EP (never here),
+        ``clear_model_weight()``, then ``clear_communication_group()`` with the engine's flag; nothing if the weights
+        already sleep (the runner's bookkeeping, ``is_weight_sleeping``)."""
+        if not self._weight_tag(tags) or self.manager is None or self._weight_sleeping:
+            return
+        with self._v1_world():
+            self.manager.clear_model_weight()
+            if self.V1_COMM_GROUPS:
+                self.manager.clear_communication_group()
+        self._weight_sleeping = True
+
+    def wakeup(self, tags=None) -> None:
+        """The runner's ``wakeup("weight")``: ``restart_communication_group()`` with the engine's flag,
+        ``recreate_deepep_buffer()`` under EP (never here), ``reload_model_weights()``, then ``capture_model()``;
+        the weights are awake only once all returned; nothing if they do not sleep."""
+        if not self._weight_tag(tags) or self.manager is None or not self._weight_sleeping:
+            return
+        with self._v1_world():
+            if self.V1_COMM_GROUPS:
+                self.manager.restart_communication_group()
+            self.manager.reload_model_weights()
+        self.capture_model()
+        self._weight_sleeping = False
+
+    def update_weights(self, version=None, verify_checksum: bool = False):
+        raise NotImplementedError("FastDeploy adapter: update_weights is the rsync path's (update_weights_by_rdma): "
+                                  "open the session with load_strategy 'rsync'")
 
     def worker_iteration(self, run_model, *, block: bool, sync=None, runner=None) -> str:
         """One pass of the worker's loop around FastDeploy's own ``check_model_weights_status`` (loop.py)."""

@@ -56,7 +56,9 @@ def capabilities(cls, standin: bool) -> tuple[set, dict]:
     caps, why = set(), {}
     reason = None if standin else "a real checkpoint_transfer is installed; the suite's trainer speaks the stand-in's protocol"
     for cap, method in (("stream.rsync", "update_weights_by_rdma"), ("stream.gdr", "update_weights_by_gdr"),
-                        ("stream.gdr_ipc", "update_weights_by_gdr")):
+                        ("stream.gdr_ipc", "update_weights_by_gdr"),
+                        # /v1/update_weights: the runner's update_weights calls update_weights_by_rdma (fd-spec §2.8)
+                        ("control.update_in_place", "update_weights_by_rdma")):
         if not hasattr(cls, method):
             why[cap] = f"no {method}"
         elif reason:
@@ -211,6 +213,21 @@ class StreamSession(FastDeploySession):
                     self._write(NORMAL)  # the control API reports success; nothing else writes the cell
             self._cleared = False
         return self._result
+
+    def _v1_world(self):
+        return self._world()
+
+    def update_weights(self, version=None, verify_checksum: bool = False):
+        """The runner's ``update_weights(version, verify_checksum)`` behind ``/v1/update_weights``: the manager's
+        ``update_weights_by_rdma`` (the #7951 era routes it by ``rsync_config['transfer_mode']``), each argument
+        where the method takes it; its result returned. Nothing is finalized and nothing written to the cell: the
+        V1 path's engine copies the result's version into its config (fd-spec §2.8)."""
+        if self.manager is None:
+            raise RuntimeError("FastDeploy adapter: update_weights before the worker's first load")
+        method = self.manager.update_weights_by_rdma
+        with self._world():
+            return method(**_kwargs(method, version=None if version is None else str(version),
+                                    verify_checksum=bool(verify_checksum)))
 
     def clear(self) -> None:
         with self._world():
