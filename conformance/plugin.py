@@ -61,7 +61,7 @@ MARKERS = (
     "cycles: many clear/update cycles with resources compared (tier: runs with -m cycles)",
     "restart: a worker SIGKILLed at every phase on every path, then restarted (tier: runs with -m restart)",
     "hosts: a multirank test that only two hosts can prove (runs with -m multirank --hosts 2)",
-    "huge: a tensor over 2 GiB from a sparse file, about 7 GiB of memory and a minute (tier: runs with -m huge)",
+    "huge: a tensor over 2 GiB from a sparse file, about 7 GiB of memory and a minute; headers of 10^5 tensors (tier: runs with -m huge)",
 )
 # pytest-timeout's limit for a conformance test whose run sets none (no --timeout, no PYTEST_TIMEOUT, no ini
 # timeout) and that has no timeout marker of its own: a backstop behind the suite's own bounded waits.

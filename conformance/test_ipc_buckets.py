@@ -1395,6 +1395,52 @@ def test_manifest_fields_present_and_typed(loader, publisher, case):
               where=f"bucket 0 with {case}")
 
 
+# -- BKT-FIELDS: nesting ----------------------------------------------------------------------------------------
+# The wire's nesting bound is msgpack's own decoder's (msgpack-python's fixed stack): a frame whose arrays and maps
+# nest at most 1024 levels, the message's map counting as one, is decoded, and a field no message defines is ignored
+# whatever it holds; one nesting 1025 levels is refused naming the bucket. A known field nested a thousand levels
+# deep (within the bound, where an error message that shows the value whole would raise RecursionError) is refused
+# naming the field. case -> (manifest or its first entry, field, arrays or maps, levels of the value, bucket, loads?)
+NESTED_FIELDS = {
+    "unknown-field-1024-levels-arrays": ("manifest", "note", "array", 1023, 2, True),
+    "unknown-field-1024-levels-maps": ("manifest", "note", "map", 1023, 0, True),
+    "unknown-field-1025-levels-arrays": ("manifest", "note", "array", 1024, 0, False),
+    "unknown-field-1025-levels-maps": ("manifest", "note", "map", 1024, 2, False),
+    "entry-unknown-field-1025-levels": ("entry", "note", "array", 1022, 1, False),
+    "entry-shape-1000-arrays": ("entry", "shape", "array", 1000, 0, False),
+    "version-1000-maps": ("manifest", "version", "map", 1000, 2, False),
+    "handle-1000-arrays": ("manifest", "handle", "array", 1000, 1, False),
+    "type-1000-arrays": ("manifest", "type", "array", 1000, 0, False),
+    "entries-5000-arrays": ("manifest", "entries", "array", 5000, 2, False),
+}
+
+
+@pytest.mark.rule("BKT-FIELDS")
+@pytest.mark.requires("ipc.buckets")
+@pytest.mark.parametrize("case", list(NESTED_FIELDS))
+def test_manifest_nested_deep(loader, publisher, case):
+    """SPEC's 256-byte buckets, three of them: the nesting in bucket 0, 1 or the last; nothing is loaded after a
+    refusal, every tensor bit for bit where the nesting is within the bound in an unknown field."""
+    spot, field, kind, depth, k, loads = NESTED_FIELDS[case]
+    levels = depth + (1 if spot == "manifest" else 3)
+
+    def tamper(update):
+        manifest = update.buckets[k]
+        target = manifest if spot == "manifest" else manifest["entries"][0]
+        target[field] = B.nested(kind, depth)
+
+    where = f"bucket {k}'s {spot} with {field} nesting {depth} {kind}s ({levels} levels in the frame)"
+    if loads:
+        state = M.state(SPEC, version=VERSION)
+        pub, session, updates = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=256, tamper=tamper)
+        check.equal(len(updates[0].buckets), 3, "fixture precondition: the number of buckets")
+        session.update()
+        check.params_equal(session.observe(), state, f"{pub.endpoint}: {where}")
+        return
+    named = [f"bucket {k}"] + ([field] if field not in ("note", "entries") else [])
+    _rejected(loader, publisher, tamper, match=re.escape(f"bucket {k}"), names=named, bucket_bytes=256, where=where)
+
+
 # -- every rule in every pair of its modes (SPEC.md Modes:) ---------------------------------------------------------
 # The cases above hold each rule's boundaries on a plain session's first update of the main model; the cases below
 # run a representative of them in every pair of the rule's declared modes (conformance/modes.py): staged, a later

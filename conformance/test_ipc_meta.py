@@ -550,6 +550,76 @@ def test_meta_file_that_is_not_a_dict_of_metas_is_a_clear_error(loader, trainer,
     check.not_loaded(session.observe(), NAMES, where)
 
 
+# A meta file nested far deeper than a meta needs (fixtures.files.pickle_nesting: no pickler writes it). case ->
+# (where, kind, depth): the whole file, the meta of the last tensor, one field of it, the meta of a name the
+# model lacks (validated all the same: IPC-UNKNOWN-VALIDATED), a dict key that is a tuple nested 300 000 deep
+# (hashing it recurses in C: it crashes a C unpickler's process).
+NESTED_FILES = {
+    "file-list-5000": ("file", "list", 5000),
+    "meta-list-5000": ("meta", "list", 5000),
+    "dims-list-5000": ("dims", "list", 5000),
+    "handle-dicts-3000": ("handle", "dict", 3000),
+    "unknown-name-meta-list-5000": ("unknown", "list", 5000),
+    "key-tuple-300000": ("key", "tuple", 300_000),
+}
+NESTED_BOUND_S = 30.0
+
+
+def _nested_metas_cases(loader, metas) -> bool:
+    """In the child: each nested file refused with a ValueError naming the file (and the tensor and field where a
+    meta holds the nesting); nothing loaded."""
+    from fixtures import files as F
+
+    path = _meta_file(loader)
+    extra = "extra.unknown.weight"
+    for case, (where, kind, depth) in NESTED_FILES.items():
+        with open(_nesting_progress(loader), "w", encoding="utf-8") as f:
+            f.write(case)
+        ops = F.nested_pickle_ops(kind, depth)
+        named = [path]
+        if where == "file":
+            F.write_bytes(path, b"\x80\x02" + ops + b".")
+        else:
+            obj = {n: list(m) for n, m in metas.items()}
+            if where == "meta":
+                obj[LAST], named = F.NESTED, named + [LAST]
+            elif where in ("dims", "handle"):
+                obj[LAST][{"dims": 4, "handle": 0}[where]], named = F.NESTED, named + [LAST, where]
+            elif where == "unknown":
+                obj[extra], named = F.NESTED, named + [extra]
+            else:
+                obj[F.NESTED] = list(metas[LAST])
+            F.write_bytes(path, F.pickle_nesting(obj, ops))
+        session = loader.open(SPEC, strategy="ipc")
+        where_ = f"{path}: {case} ({kind} nested {depth} deep at the {where})"
+        with check.raises(ValueError, match=re.escape(path), names=named, where=where_):
+            session.update()
+        check.not_loaded(session.observe(), NAMES, where_)
+    return True
+
+
+def _nesting_progress(loader) -> str:
+    return os.path.join(os.path.dirname(loader.shared_dir.rstrip("/")), "ipc-nesting-case")
+
+
+@pytest.mark.rule("IPC-FILE-CONTENT")
+@pytest.mark.requires("ipc.meta")
+def test_meta_file_nested_deep_is_a_clear_error(loader, trainer):
+    """Every nesting in turn, in a forked child with a deadline: a loader whose error message recurses into the value
+    (RecursionError), or whose unpickler crashes on the tuple key, fails naming the case, never the run."""
+    export = trainer(M.state(SPEC))
+    try:
+        done = harness.in_child(_nested_metas_cases, loader, export.metas, timeout_s=NESTED_BOUND_S)
+    except harness.ChildFailed as e:
+        try:
+            with open(_nesting_progress(loader), encoding="utf-8") as f:
+                case = f.read()
+        except OSError:
+            case = "before the first case"
+        raise AssertionError(f"at {case}: {e}") from None
+    check.that(done is True, f"the nested meta file cases {list(NESTED_FILES)} did not complete")
+
+
 @pytest.mark.rule("IPC-SEGMENT-GONE")
 @pytest.mark.requires("ipc.meta")
 @pytest.mark.parametrize("position", list(POSITIONS))

@@ -245,6 +245,13 @@ FILE_BOUND_S = 20.0  # each path's child: a blocked read (a FIFO) or an unbounde
 VERSION_ENTRIES = {"at-limit": True, "one-past": False, "sparse-1GiB": False, "directory": False,
                    "dangling-link": False, "link-to-dev-null": False, "link-to-proc-self-mem": False,
                    "link-to-dev-zero": False, "fifo": False}
+# Version files nested deep (fixtures.version_entries.NESTED), judged once (a cap on the reads changes nothing for a
+# file of a few KiB): 64 levels of mappings and sequences load, the file's mapping counting as one; 65, thousands
+# (flow sequences, flow mappings, block mappings by indentation), step itself nested 3000 deep, and step an alias of
+# 9**9 items once expanded are refused naming the file, within the child's deadline.
+NESTED_ENTRIES = {"nested-64-levels": True, "nested-65-levels": False, "nested-3000-sequences": False,
+                  "nested-2000-mappings": False, "nested-200-block-mappings": False, "step-nested-3000": False,
+                  "step-billion-laughs": False}
 # The capped case's cap: it divides the 64 KiB limit, so a reader that counts its pieces lands exactly on the
 # limit after 16 of them (where "< limit" and "<= limit" part), and it cuts the at-limit file's step line
 # (fixtures.version_entries.STEP_AT) in two.
@@ -273,6 +280,10 @@ def _capped(capped) -> str:
     return f", every read of the loading process capped at {VERSION_CAP} bytes"
 
 
+def _entries(capped) -> dict:
+    return VERSION_ENTRIES if capped is not None else {**NESTED_ENTRIES, **VERSION_ENTRIES}
+
+
 def _entries_on_snapshot_or_ipc(loader, kind, capped=None):
     """In the child: version 2 loaded, version 3 published, its version.yaml replaced by each entry in
     turn (cleared before each update); each refused (at the limit: version 3 loaded), then a fixed file
@@ -285,7 +296,7 @@ def _entries_on_snapshot_or_ipc(loader, kind, capped=None):
         session = _load(src, SPEC, 2)
         path = os.path.join(loader.model_dir if kind == "snapshot" else loader.shared_dir, "version.yaml")
         src.publish(SPEC, 3)
-        for entry, accepted in VERSION_ENTRIES.items():
+        for entry, accepted in _entries(capped).items():
             session.clear()
             _make_entry(path, entry, 3)
             where = f"{kind}: update with {path} a {entry}{cap}"
@@ -322,7 +333,7 @@ def _entries_on_stream(loader, strategy, capped=None):
     state = M.state(SPEC, version=3)
     path = os.path.join(loader.model_dir, "version.yaml")
     with ST.trainer() as trainer:
-        for entry, accepted in VERSION_ENTRIES.items():
+        for entry, accepted in _entries(capped).items():
             session, _ = open_stream(loader, trainer, SPEC, strategy, version=None)
             _make_entry(path, entry, 3)
             where = f"{strategy}: bootstrap load with {path} a {entry}{cap}"

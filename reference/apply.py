@@ -12,14 +12,34 @@ import paddle
 from .dtypes import dtype_name
 
 
-def check_match(name: str, src_dtype: str, src_shape, dst: paddle.Tensor, source: str = "") -> None:
-    """Raise TypeError on dtype mismatch, then ValueError on shape mismatch."""
+def mismatch(name: str, src_dtype: str, src_shape, dst: paddle.Tensor, source: str = "") -> Exception | None:
+    """The error of a tensor that does not match its parameter, else None: a TypeError for its dtype, checked
+    first (a tensor wrong in both is named for its dtype), then a ValueError for its shape."""
     where = f" (from {source})" if source else ""
     dst_dtype = dtype_name(dst)
     if src_dtype != dst_dtype:
-        raise TypeError(f"Type mismatch for {name}: {src_dtype} vs {dst_dtype}{where}")
+        return TypeError(f"Type mismatch for {name}: {src_dtype} vs {dst_dtype}{where}")
     if tuple(src_shape) != tuple(dst.shape):
-        raise ValueError(f"Shape mismatch for {name}: {list(src_shape)} vs {list(dst.shape)}{where}")
+        return ValueError(f"Shape mismatch for {name}: {list(src_shape)} vs {list(dst.shape)}{where}")
+    return None
+
+
+def check_match(name: str, src_dtype: str, src_shape, dst: paddle.Tensor, source: str = "") -> None:
+    """Raise TypeError on dtype mismatch, then ValueError on shape mismatch."""
+    found = mismatch(name, src_dtype, src_shape, dst, source)
+    if found is not None:
+        raise found
+
+
+def raise_all(found: list[Exception], what: str = "tensor(s) do not match their parameters") -> None:
+    """Raise every problem of an input at once (APPLY-EVERY-PROBLEM): one alone as it is; several as one error
+    listing each, of the type dtype-before-shape gives (a TypeError when any is one), else the first's type."""
+    if not found:
+        return
+    if len(found) == 1:
+        raise found[0]
+    kind = TypeError if any(isinstance(e, TypeError) for e in found) else type(found[0])
+    raise kind(f"{len(found)} {what}: " + "; ".join(str(e) for e in found))
 
 
 def adopt(name: str, new: paddle.Tensor, target: paddle.Tensor) -> None:
@@ -84,14 +104,19 @@ def apply_tensors(
     seen = 0
     unknown = []
     matched: list[tuple[str, paddle.Tensor, paddle.Tensor]] = []
+    found: list[Exception] = []
     for name, tensor in tensors:
         seen += 1
         target = targets.get(name)
         if target is None:
             unknown.append(name)
             continue
-        check_match(name, dtype_name(tensor), tensor.shape, target, source)
+        problem = mismatch(name, dtype_name(tensor), tensor.shape, target, source)
+        if problem is not None:
+            found.append(problem)
+            continue
         matched.append((name, tensor, target))
+    raise_all(found)  # every tensor of the source at fault, not only the first
     with paddle.no_grad():
         for name, tensor, target in matched:
             (land or adopt)(name, tensor, target)

@@ -4,7 +4,8 @@
 constants); this module holds what only the receiver does with a message: parse it into
 :class:`Bucket`/:class:`Entry`, validate it against the update so far (:class:`UpdateState`) before a
 byte of the buffer is read, and check the closing message. Each check is a separate function so that
-SPEC.md can name it and a mutant can break it alone. The dependency runs one way: this module imports
+SPEC.md can name it and a mutant can break it alone; each names every entry at fault, and a manifest's
+problems are raised together (``raise_all``, APPLY-EVERY-PROBLEM). The dependency runs one way: this module imports
 ``wire.protocol``, which imports neither ``reference`` nor ``sim``.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from wire.protocol import ALIGN, DTYPES, HANDLE_SIZE, PROTO, ManifestError, name_digest
+from wire.protocol import ALIGN, DTYPES, HANDLE_SIZE, PROTO, ManifestError, brief, name_digest
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,20 @@ class UpdateState:
         return [n for n in self.order if n not in self.completed_in]
 
 
+def raise_all(problems: Sequence[Exception], where: str) -> None:
+    """Raise the problems found in one manifest: one as it is, several as one ManifestError listing each."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ManifestError(f"{where}: {len(problems)} problems: " + "; ".join(str(p) for p in problems))
+
+
 def _field(message: Mapping, key: str, where: str, check, expect: str):
     if key not in message:
         raise ManifestError(f"{where}: field {key} is missing ({expect})")
     value = message[key]
     if not check(value):
-        raise ManifestError(f"{where}: field {key} is {value!r}, expected {expect}")
+        raise ManifestError(f"{where}: field {key} is {brief(value)}, expected {expect}")
     return value
 
 
@@ -128,7 +137,14 @@ def parse_bucket(message: Mapping, state: UpdateState) -> Bucket:
     handle = _field(message, "handle", where, lambda v: isinstance(v, bytes) and len(v) == HANDLE_SIZE,
                     f"{HANDLE_SIZE} bytes (an IPC handle)")
     raw = _field(message, "entries", where, lambda v: isinstance(v, list), "a list of entries")
-    return Bucket(version, index, handle, tuple(parse_entry(e, where) for e in raw))
+    entries, bad = [], []
+    for e in raw:  # every malformed entry is named, not only the first (APPLY-EVERY-PROBLEM)
+        try:
+            entries.append(parse_entry(e, where))
+        except ManifestError as problem:
+            bad.append(problem)
+    raise_all(bad, where)
+    return Bucket(version, index, handle, tuple(entries))
 
 
 # The checks below are separate functions so that each can be named in SPEC.md and broken alone.
@@ -158,71 +174,80 @@ def check_nbytes(e: Entry, where: str) -> None:
 
 
 def check_ranges(entries: Sequence[Entry], segment_size: int, where: str) -> None:
-    for e in entries:
-        if e.end > segment_size:
-            raise ManifestError(f"{where}, tensor {e.name!r}: offset {e.offset} + nbytes {e.nbytes} = {e.end} is out "
-                                f"of range of the {segment_size}-byte buffer")
+    raise_all([ManifestError(f"{where}, tensor {e.name!r}: offset {e.offset} + nbytes {e.nbytes} = {e.end} is out "
+                             f"of range of the {segment_size}-byte buffer") for e in entries if e.end > segment_size], where)
 
 
 def check_alignment(entries: Sequence[Entry], where: str, align: int = ALIGN) -> None:
-    for e in entries:
-        if e.offset % align:
-            raise ManifestError(f"{where}, tensor {e.name!r}: offset {e.offset} is not aligned to {align} bytes "
-                                f"(misaligned by {e.offset % align})")
+    raise_all([ManifestError(f"{where}, tensor {e.name!r}: offset {e.offset} is not aligned to {align} bytes "
+                             f"(misaligned by {e.offset % align})") for e in entries if e.offset % align], where)
 
 
 def check_overlaps(entries: Sequence[Entry], where: str) -> None:
     spans = sorted((e.offset, e.end, e.name) for e in entries if e.nbytes)
-    for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
-        if b0 < a1:
-            raise ManifestError(f"{where}: tensors {a!r} [{a0}, {a1}) and {b!r} [{b0}, {b1}) overlap in the buffer")
+    raise_all([ManifestError(f"{where}: tensors {a!r} [{a0}, {a1}) and {b!r} [{b0}, {b1}) overlap in the buffer")
+               for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]) if b0 < a1], where)
 
 
 def check_known(entries: Sequence[Entry], state: UpdateState, where: str) -> None:
-    for e in entries:
-        if e.name not in state.known:
-            raise ManifestError(f"{where}, tensor {e.name!r}: not a parameter of the model (field name)")
+    raise_all([ManifestError(f"{where}, tensor {e.name!r}: not a parameter of the model (field name)")
+               for e in entries if e.name not in state.known], where)
 
 
 def check_unique(entries: Sequence[Entry], state: UpdateState, where: str) -> None:
     """A name appears once per update, except the consecutive chunks of one split tensor."""
     here: set[str] = set()
+    found = []
     for e in entries:
         restarted = e.chunk_offset == 0 and (e.name in here or e.name in state.received)
         if restarted or e.name in state.completed_in:
             first = "this bucket" if e.name in here else f"bucket {state.completed_in.get(e.name, '?')}"
-            raise ManifestError(f"{where}, tensor {e.name!r}: duplicate name (already announced in {first})")
+            found.append(ManifestError(f"{where}, tensor {e.name!r}: duplicate name (already announced in {first})"))
         here.add(e.name)
+    raise_all(found, where)
 
 
 def check_chunks(entries: Sequence[Entry], state: UpdateState, where: str) -> None:
     """Chunks of a split tensor arrive in order and contiguous, all with the same total size."""
     progress = dict(state.received)
     totals = dict(state.totals)
+    found = []
     for e in entries:
         have = progress.get(e.name, 0)
         if e.chunk_offset != have:
-            raise ManifestError(f"{where}, tensor {e.name!r}: chunk_offset {e.chunk_offset}, expected {have} "
-                                "(chunks of a split tensor must be contiguous and in order)")
-        if totals.setdefault(e.name, e.total_nbytes) != e.total_nbytes:
-            raise ManifestError(f"{where}, tensor {e.name!r}: total_nbytes {e.total_nbytes} differs from the "
-                                f"{totals[e.name]} announced with its first chunk")
+            found.append(ManifestError(f"{where}, tensor {e.name!r}: chunk_offset {e.chunk_offset}, expected {have} "
+                                       "(chunks of a split tensor must be contiguous and in order)"))
+        elif totals.setdefault(e.name, e.total_nbytes) != e.total_nbytes:
+            found.append(ManifestError(f"{where}, tensor {e.name!r}: total_nbytes {e.total_nbytes} differs from the "
+                                       f"{totals[e.name]} announced with its first chunk"))
         progress[e.name] = have + e.nbytes
+    raise_all(found, where)
 
 
 def validate_bucket(bucket: Bucket, state: UpdateState, segment_size: int) -> None:
     """Every check of one bucket manifest; raises before the receiver reads any byte of it."""
     where = f"ipc_bucket manifest for bucket {bucket.index} of version {bucket.version}"
+    found: list[ManifestError] = []  # every problem of the manifest is named, not only the first
+
+    def run(check, *args) -> bool:
+        try:
+            check(*args)
+            return True
+        except ManifestError as e:
+            found.append(e)
+            return False
+
     for e in bucket.entries:
-        check_name_text(e, where)
-        check_dtype(e, where)
-        check_nbytes(e, where)
-    check_ranges(bucket.entries, segment_size, where)
-    check_alignment(bucket.entries, where)
-    check_overlaps(bucket.entries, where)
-    check_known(bucket.entries, state, where)
-    check_unique(bucket.entries, state, where)
-    check_chunks(bucket.entries, state, where)
+        run(check_name_text, e, where)
+        if run(check_dtype, e, where):  # (a size needs a known dtype)
+            run(check_nbytes, e, where)
+    run(check_ranges, bucket.entries, segment_size, where)
+    run(check_alignment, bucket.entries, where)
+    run(check_overlaps, bucket.entries, where)
+    run(check_known, bucket.entries, state, where)
+    run(check_unique, bucket.entries, state, where)
+    run(check_chunks, bucket.entries, state, where)
+    raise_all(found, where)
 
 
 def validate_end(message: Mapping, state: UpdateState) -> None:

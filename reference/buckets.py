@@ -248,8 +248,8 @@ def stage_bucket(staging: Staging, segment: Segment, entries) -> None:
 def check_targets(bucket: checks.Bucket, targets, source: str) -> None:
     """dtype, then shape, against the model's parameter (the APPLY rules' errors)."""
     where = f"{source}, bucket {bucket.index} of version {bucket.version}"
-    for e in bucket.entries:
-        apply.check_match(e.name, e.dtype, e.shape, targets[e.name], where)
+    apply.raise_all([problem for e in bucket.entries  # every entry at fault (APPLY-EVERY-PROBLEM)
+                     if (problem := apply.mismatch(e.name, e.dtype, e.shape, targets[e.name], where)) is not None])
 
 
 def new_update_state(known, version) -> checks.UpdateState:
@@ -259,8 +259,9 @@ def new_update_state(known, version) -> checks.UpdateState:
 def check_abort(message: dict, endpoint: str, state: checks.UpdateState) -> None:
     """A trainer's ``abort`` ends the update with its reason (never read as a malformed manifest)."""
     if message["type"] == protocol.ABORT:
+        reason = message.get("message", "(no reason given)")
         raise RuntimeError(f"ipc_bucket: the trainer at {endpoint} aborted {state.where()}: "
-                           f"{message.get('message', '(no reason given)')}")
+                           f"{reason if isinstance(reason, str) else protocol.brief(reason)}")
 
 
 def receive(link: Link, attached: Attachments, state: checks.UpdateState, staging: Staging, rank: int,

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import paddle
 
 from . import apply, storage
-from .version_file import VersionError, read_version_bytes
+from .errors import brief
+from .version_file import VersionError, load_version_yaml, read_version_bytes
 
 VERSION_FILE = "version.yaml"
 
@@ -58,17 +59,12 @@ def read_version_file(directory: str | None) -> int | None:
     text = read_version_bytes(path)  # YAML detects its own encoding
     if text is None:
         return None
-    import yaml
-
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise VersionError(f"{path}: not valid YAML ({e.__class__.__name__})") from None
+    data = load_version_yaml(text, path)
     step = data.get("step") if isinstance(data, dict) else None
     if isinstance(step, str) and step.strip().isascii() and step.strip().isdigit():
         step = int(step)
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise VersionError(f"{path}: field step is {step!r}, expected a non-negative integer version")
+        raise VersionError(f"{path}: field step is {brief(step)}, expected a non-negative integer version")
     return step
 
 

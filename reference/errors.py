@@ -33,3 +33,17 @@ class MetaError(ValueError):
 class OperationInProgressError(RuntimeError):
     """``clear()`` or ``update()`` called while another clear or update of the same session runs (from another
     thread, or from a hook inside it): refused at once, before it changed anything (SPEC LIFE-CONCURRENT)."""
+
+
+def brief(value, limit: int = 80) -> str:
+    """A short repr of an input value for an error message, whatever the value: a structure nested thousands of
+    levels deep (a crafted header, pickle or manifest) or aliased exponentially (YAML anchors) is cut at a few
+    levels and items (``reprlib``), never walked whole; the builtin ``repr`` would raise RecursionError or run
+    without end."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxtuple, short.maxdict, short.maxset = 3, 4, 4, 4, 4
+    short.maxstring, short.maxother, short.maxlong = limit, limit, limit
+    text = short.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -25,7 +25,7 @@ import paddle
 from wire.handles import HANDLE_SIZE, META_FIELDS, HandleError, attach_on_device, phi_dtype_codes
 
 from .dtypes import ITEMSIZE, paddle_dtype
-from .errors import MetaError
+from .errors import MetaError, brief
 from .host_memory import writable_bytes
 from .safe_pickle import load_restricted
 
@@ -56,7 +56,8 @@ def read_metas(path: str) -> dict:
         obj = {k: v for k, v in obj.items() if k != PADDLE_NAME_TABLE}
     bad = [k for k in obj if not isinstance(k, str)]
     if bad:
-        raise MetaError(f"{path}: tensor names must be str, found {bad!r}")
+        raise MetaError(f"{path}: tensor names must be str, found {', '.join(brief(k) for k in bad[:5])}"
+                        + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
     return obj
 
 
@@ -104,12 +105,12 @@ def normalize_meta(meta, *, name: str, device: int) -> tuple:
         raise MetaError(f"{where}: field handle has {len(handle)} bytes, expected {HANDLE_SIZE}")
     for field, value in (("offset_bytes", offset), ("size", size)):
         if not _is_int(value) or value < 0:
-            raise MetaError(f"{where}: field {field} is {value!r}, expected a non-negative int")
+            raise MetaError(f"{where}: field {field} is {brief(value)}, expected a non-negative int")
     dtype = dtype_of_code(type_idx)
     if dtype is None:
-        raise MetaError(f"{where}: field type_idx is {type_idx!r}, not a phi DataType this loader carries {phi_dtype_codes()}")
+        raise MetaError(f"{where}: field type_idx is {brief(type_idx)}, not a phi DataType this loader carries {phi_dtype_codes()}")
     if not isinstance(dims, (list, tuple)) or not all(_is_int(d) and d >= 0 for d in dims):
-        raise MetaError(f"{where}: field dims is {dims!r}, expected a list of non-negative ints")
+        raise MetaError(f"{where}: field dims is {brief(dims)}, expected a list of non-negative ints")
     numel = math.prod(dims)
     want = numel * ITEMSIZE[dtype]
     if size != want:
@@ -129,12 +130,18 @@ def plan_metas(path: str, metas: dict, device: int, params) -> list[tuple[str, t
     tensor is adopted.
     """
     planned = []  # (an empty file: manager.apply raises "No parameter found", naming the file)
+    bad = []
     for name, meta in metas.items():
         try:
             fixed = normalize_meta(meta, name=name, device=device)
-        except MetaError as e:
-            raise MetaError(f"{path}: {e}") from None
+        except MetaError as e:  # every bad meta of the file is named, not only the first (APPLY-EVERY-PROBLEM)
+            bad.append(e)
+            continue
         planned.append((name, fixed if name in params else None))
+    if len(bad) == 1:
+        raise MetaError(f"{path}: {bad[0]}") from None
+    if bad:
+        raise MetaError(f"{path}: {len(bad)} bad metas: " + "; ".join(str(e) for e in bad)) from None
     return planned
 
 
@@ -165,5 +172,14 @@ def update_from_ipc_meta(manager) -> None:
     planned = plan_metas(path, read_metas(path), worker_device(manager), manager.params)
     # Open everything before applying: a vanished trainer or a range outside its segment must not
     # leave half the parameters replaced. Peak host memory is one copy of the model.
-    tensors = [(name, None if meta is None else open_tensor(name, meta, path)) for name, meta in planned]
+    tensors, bad = [], []
+    for name, meta in planned:
+        try:
+            tensors.append((name, None if meta is None else open_tensor(name, meta, path)))
+        except MetaError as e:  # every handle that cannot be opened or read is named
+            bad.append(e)
+    if len(bad) > 1:
+        raise MetaError(f"{len(bad)} metas of {path} cannot be read: " + "; ".join(str(e) for e in bad))
+    if bad:
+        raise bad[0]
     manager.apply(tensors, LABEL, path)  # (logs "Updated n/m parameters from raw source {path}")

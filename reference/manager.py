@@ -89,6 +89,7 @@ class WeightManager:
         # SERVE-NO-MIXED-VERSIONS: forward passes (the engine's requests) against clears and updates
         self.requests = RequestGate(served=self.status == Status.NORMAL)
         self.trace: list[LoadEvent] = []
+        self.ignored: list[str] = []  # names this update's sources carried that no parameter takes
         self.last_error: BaseException | None = None
         self.commit_options = commit.CommitOptions.parse(self.options)
         self.agreement = Agreement(self.commit_options.agree_timeout_s)
@@ -187,6 +188,7 @@ class WeightManager:
                 self.requests.drain()
                 self._storage_before = storage.snapshot(self.params)
                 self.trace = []
+                self.ignored = []
                 self.last_error = None
                 transforms.before_load(self.post_load)
                 self.announce(commit.read_version_file(self._version_dir()))
@@ -248,6 +250,7 @@ class WeightManager:
             raise ValueError(f"No parameter found in state dict from {source or label} ({label}); "
                              f"{self.landed_of_sent(landed)}")
         if unknown:  # ignored as the contract says (APPLY-UNKNOWN-IGNORED), never silently (APPLY-UNKNOWN-REPORTED)
+            self.ignored.extend(unknown)
             log.warning("Ignored %d tensor(s) from %s that no parameter takes: %s", len(unknown), source or label,
                         ", ".join(unknown))
         self.trace.append(LoadEvent(label, source, applied, seen))
@@ -272,9 +275,12 @@ class WeightManager:
             missing = [name for name in missing if name in uncarried]
         span.end()
         if missing:
+            # A name the trainer renamed shows twice: missing here, and ignored where it arrived (APPLY-EVERY-PROBLEM).
+            ignored = (f"; {len(self.ignored)} tensor(s) the sources carried were ignored, no parameter takes them: "
+                       + ", ".join(self.ignored)) if self.ignored else ""
             raise RuntimeError(
                 f"Model Parameter update verification failed: {self.landed_of_sent(len(self.params) - len(missing))}; "
-                f"{len(missing)} parameter(s) not loaded: " + ", ".join(missing)
+                f"{len(missing)} parameter(s) not loaded: " + ", ".join(missing) + ignored
             )
         self._voted = True
         span = self.phases.span("update_agree")

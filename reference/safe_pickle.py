@@ -4,6 +4,14 @@ Paddle's ``paddle.save`` writes a state dict as a protocol-4 pickle whose only g
 numpy arrays; the ``ipc_metas_{id}`` file holds plain lists, strings and ints. Both are read here
 with ``find_class`` limited to that allow-list, so a crafted file raises UnsafePickleError and no
 callable it names is ever looked up, let alone called.
+
+The unpickler is Python's own (``pickle._Unpickler``), not its C twin: a 200 KB pickle of a tuple nested
+200 000 deep used as a dict key crashes the C unpickler's process (hashing a tuple recurses in C with no
+recursion check: a segmentation fault, not an exception). Here a tuple nesting tuples past ``MAX_TUPLE_DEPTH``
+is refused as it is built, naming the file (neither format nests tuples more than three deep), so no key or set
+member can make a hash recurse, and such a file is refused after a few opcodes, not 200 000. Nothing else in a
+pickle recurses while it is loaded (lists and dicts are built from a stack), and a value nested thousands deep
+is only ever shown through ``errors.brief``.
 """
 from __future__ import annotations
 
@@ -25,11 +33,36 @@ ARRAY_GLOBALS = frozenset(
 )
 
 
-class _Restricted(pickle.Unpickler):
+# Neither format nests tuples deeper than three (numpy's reconstruction arguments); a few more levels are let through.
+MAX_TUPLE_DEPTH = 16
+
+
+def _check_tuple(new: tuple, path: str) -> None:
+    """Refuse a tuple whose tuples nest past MAX_TUPLE_DEPTH (hashing one recurses in C), walking no further down
+    than that: each tuple the unpickler builds is checked, so a chain is refused at its 17th level."""
+    level, stack = 1, [new]
+    while stack:
+        stack = [item for t in stack for item in t if type(item) is tuple]
+        if stack:
+            level += 1
+            if level > MAX_TUPLE_DEPTH:
+                raise pickle.UnpicklingError(f"{path}: a tuple nests tuples deeper than {MAX_TUPLE_DEPTH} levels")
+
+
+class _Restricted(pickle._Unpickler):
     def __init__(self, file, path: str, allowed: frozenset):
         super().__init__(file)
         self._path = path
         self._allowed = allowed
+
+    # Every opcode that builds a tuple checks it (see the module docstring).
+    def _built(self, load):
+        load(self)
+        _check_tuple(self.stack[-1], self._path)
+
+    dispatch = {**pickle._Unpickler.dispatch,
+                **{op[0]: (lambda load: lambda self: _Restricted._built(self, load))(pickle._Unpickler.dispatch[op[0]])
+                   for op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)}}
 
     def find_class(self, module, name):
         if (module, name) not in self._allowed:

@@ -26,24 +26,13 @@ def update_from_snapshot(manager) -> None:
         )
     # Validate every safetensors header before any parameter changes: a bad part 7 must not leave
     # parts 0-6 applied. (The pickle fallback has no header; it is validated as it is applied.)
-    headers = {}
-    for src in plan.sources:
-        if src.fmt != "safetensors":
-            continue
-        infos = headers[src.path] = read_header(src.path)
-        if not infos:
-            raise ValueError(f"No parameter found in state dict from {src.path} ({src.label}): file holds no tensors; "
-                             f"{manager.landed_of_sent(0)}")
-        for info in infos:
-            target = manager.params.get(info.name)
-            if target is not None:
-                apply.check_match(info.name, info.dtype, info.shape, target, src.path)
+    headers = check_headers(manager, plan)
 
     count = len(plan.sources)
     for position, src in enumerate(plan.sources, 1):
         log.info("Loading snapshot %s (%d/%d) from %s", src.label, position, count, src.path)
         if src.fmt == "safetensors":  # read only if it is still the file whose header was checked (parsed once)
-            tensors = iter_safetensors(src.path, expect=headers[src.path])
+            tensors = iter_safetensors(src.path, expect=headers[src.path], wanted=manager.params)
         else:
             tensors = load_pickle_state_dict(src.path)
         manager.apply(tensors, src.label, src.path)
@@ -53,3 +42,35 @@ def update_from_snapshot(manager) -> None:
         # here, not at a full garbage collection (FastDeploy's gc.collect() per part, ~60 ms each).
         del tensors
     log.info("IPC snapshot update completed from %d file(s) for %s", count, plan.base_name)
+
+
+def check_headers(manager, plan) -> dict:
+    """path -> ``read_header`` of every safetensors source of ``plan``, each tensor checked against its parameter.
+    Every file is read before anything is refused, so that the error names every file at fault (a truncated
+    part 2 and part 5 both: FILE-TRUNCATED), then every tensor of them that does not match (APPLY-EVERY-PROBLEM)."""
+    headers, unreadable, mismatched = {}, [], []
+    for src in plan.sources:
+        if src.fmt != "safetensors":
+            continue
+        try:
+            infos = headers[src.path] = read_header(src.path)
+        except (ValueError, OSError) as e:  # the file's own error (FILE-*): corrupt, truncated, unreadable
+            unreadable.append(e)
+            continue
+        if not infos:
+            unreadable.append(ValueError(f"No parameter found in state dict from {src.path} ({src.label}): file holds "
+                                         f"no tensors; {manager.landed_of_sent(0)}"))
+            continue
+        for info in infos:
+            target = manager.params.get(info.name)
+            if target is not None:
+                problem = apply.mismatch(info.name, info.dtype, info.shape, target, src.path)
+                if problem is not None:
+                    mismatched.append(problem)
+    if len(unreadable) > 1:  # the first file's error type; every file named
+        raise type(unreadable[0])(f"{len(unreadable)} snapshot files cannot be loaded: "
+                                  + "; ".join(str(e) for e in unreadable)) from None
+    if unreadable:
+        raise unreadable[0]
+    apply.raise_all(mismatched)
+    return headers

@@ -9,8 +9,8 @@ The file is never mapped: a mapping would make a trainer that truncates the file
 kill this process with SIGBUS, and parameters adopting views of it would change when the file is
 rewritten (FILE-DETACHED). Instead the header is parsed here, validated as strictly as the
 safetensors library does (offsets contiguous, in order, starting at 0 and covering the data exactly;
-dtype x shape = byte length), and each tensor's bytes are read with ``os.preadv`` into the tensor's
-own allocation. A short read (the file shrank) or a file whose identity (device, inode, size,
+dtype x shape = byte length; arrays and objects nested at most 127 levels, its serde_json bound), and each
+tensor's bytes are read with ``os.preadv`` into the tensor's own allocation. A short read (the file shrank) or a file whose identity (device, inode, size,
 mtime, ctime) changed between the header check and the end of the read is a SnapshotFormatError
 naming the file (FILE-CHANGED-DURING-LOAD).
 """
@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import paddle
 
 from .dtypes import ITEMSIZE, SAFETENSORS_TO_NAME, paddle_dtype
-from .errors import SnapshotFormatError, SnapshotPermissionError
+from .errors import SnapshotFormatError, SnapshotPermissionError, brief
 from .host_memory import advise_huge_pages, writable_bytes
 from .safe_pickle import load_restricted
 
@@ -36,17 +38,22 @@ PADDLE_NAME_TABLE = "StructuredToParameterName@@"
 # The safetensors library refuses headers above 100 MB (MAX_HEADER_SIZE); so do we.
 MAX_HEADER_BYTES = 100_000_000
 _LENGTH_BYTES = 8
+# The safetensors library parses the header with serde_json, whose recursion limit (128) refuses a header whose
+# arrays and objects nest 128 deep: at most 127 levels, the header object itself counting as one, are read. So
+# does this parser, never a RecursionError: a 2 KB header of 1000 "[" is a ValueError naming the file.
+MAX_HEADER_DEPTH = 127
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+_BY_OFFSETS = operator.itemgetter(3, 4)  # an _Entry's (begin, end)
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+# Named tuples, not dataclasses: a header of 10**5 tensors makes 10**5 of each (FILE-MANY-TENSORS).
+class TensorInfo(NamedTuple):
     name: str
     dtype: str
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
     name: str
     dtype: str  # canonical name
     shape: tuple[int, ...]
@@ -89,9 +96,28 @@ def _read_exact(fd: int, offset: int, n: int, path: str) -> bytes:
 
 
 def _shape(path: str, name: str, value) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
-        raise SnapshotFormatError(f"{path}: tensor {name!r} has shape {value!r}, expected a list of integers >= 0")
-    return tuple(value)
+    if type(value) is list:
+        for d in value:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return tuple(value)
+    raise SnapshotFormatError(f"{path}: tensor {name!r} has shape {brief(value)}, expected a list of integers >= 0")
+
+
+def _depth(value, limit: int) -> int:
+    """How deep ``value``'s lists and dicts nest (a scalar: 0), counted without recursion and no further than
+    ``limit`` + 1: the header's own nesting bound, whatever a crafted value holds."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if not isinstance(item, (list, dict)):
+            continue
+        deepest = max(deepest, level)
+        if deepest > limit:
+            return deepest
+        stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _parse_header(fd: int, path: str) -> _Header:
@@ -125,10 +151,14 @@ def _parse_header(fd: int, path: str) -> _Header:
             raise SnapshotFormatError(f"{path}: not a valid safetensors file: header names {dup} more than once")
         return obj
 
+    too_deep = (f"{path}: not a valid safetensors file: the JSON header nests deeper than {MAX_HEADER_DEPTH} levels "
+                "(the safetensors library's limit)")
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
     except SnapshotFormatError:
         raise
+    except RecursionError:  # thousands of levels: the decoder's own stack ran out, far past the limit
+        raise SnapshotFormatError(too_deep) from None
     except (UnicodeDecodeError, ValueError) as e:
         raise SnapshotFormatError(f"{path}: not a valid safetensors file: the JSON header does not parse ({e})") from None
     if not isinstance(header, dict):
@@ -139,18 +169,23 @@ def _parse_header(fd: int, path: str) -> _Header:
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
                 raise SnapshotFormatError(f"{path}: not a valid safetensors file: __metadata__ must map strings to strings")
             continue
-        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        if type(info) is not dict or not _ENTRY_KEYS <= info.keys():
             raise SnapshotFormatError(
-                f"{path}: not a valid safetensors file: tensor {name!r} needs dtype, shape and data_offsets: {info!r:.80}"
+                f"{path}: not a valid safetensors file: tensor {name!r} needs dtype, shape and data_offsets: {brief(info)}"
             )
+        if len(info) > 3:
+            for key in info.keys() - _ENTRY_KEYS:  # ignored, as safetensors ignores them
+                if 2 + _depth(info[key], MAX_HEADER_DEPTH) > MAX_HEADER_DEPTH:
+                    raise SnapshotFormatError(f"{too_deep}: tensor {name!r}, key {key!r}")
         raw_dtype = info["dtype"]
-        if raw_dtype not in SAFETENSORS_TO_NAME:
-            raise SnapshotFormatError(f"{path}: tensor {name!r} has dtype {raw_dtype}, which Paddle cannot hold")
+        if not isinstance(raw_dtype, str) or raw_dtype not in SAFETENSORS_TO_NAME:
+            raise SnapshotFormatError(f"{path}: tensor {name!r} has dtype {brief(raw_dtype)}, which Paddle cannot hold")
         dtype = SAFETENSORS_TO_NAME[raw_dtype]
         shape = _shape(path, name, info["shape"])
         offsets = info["data_offsets"]
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
-            raise SnapshotFormatError(f"{path}: tensor {name!r} has data_offsets {offsets!r}, expected [begin, end]")
+        if not (type(offsets) is list and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int
+                and offsets[0] >= 0 and offsets[1] >= 0):
+            raise SnapshotFormatError(f"{path}: tensor {name!r} has data_offsets {brief(offsets)}, expected [begin, end]")
         begin, end = offsets
         if end < begin:
             raise SnapshotFormatError(f"{path}: tensor {name!r} has data_offsets [{begin}, {end}] that end before they begin")
@@ -162,7 +197,7 @@ def _parse_header(fd: int, path: str) -> _Header:
             )
         entries.append(_Entry(name, dtype, shape, begin, end))
     data_start = _LENGTH_BYTES + n
-    entries.sort(key=lambda e: (e.begin, e.end))
+    entries.sort(key=_BY_OFFSETS)
     _check_layout(path, entries, data_start, size)
     return _Header(tuple(entries), data_start, _identity(st))
 
@@ -208,7 +243,7 @@ def read_header(path: str) -> Header:
         header = _parse_header(fd, path)
     finally:
         os.close(fd)
-    infos = Header(TensorInfo(e.name, e.dtype, e.shape) for e in header.entries)
+    infos = Header(header.entries)  # each has the name, dtype and shape of a TensorInfo (one object per tensor, not two)
     infos.identity = header.identity
     infos.parsed = header
     return infos
@@ -238,11 +273,13 @@ def _validated(fd: int, path: str, expect) -> tuple[_Header, tuple | None]:
     return _parse_header(fd, path), expect
 
 
-def iter_safetensors(path: str, expect=None) -> Iterator[tuple[str, paddle.Tensor]]:
+def iter_safetensors(path: str, expect=None, wanted=None) -> Iterator[tuple[str, paddle.Tensor | None]]:
     """Yield (name, tensor) from a safetensors file, each tensor owning its memory. ``expect`` is
     ``read_header(path)`` (or its ``identity``) from when the header was validated; the file must be
     that file still. Each tensor is read with ``os.preadv`` straight into its own allocation, 2 MiB
-    pages asked for first."""
+    pages asked for first. ``wanted`` (the names the model has): any other entry is yielded as
+    ``(name, None)``, never allocated nor read: a name the model lacks is ignored (APPLY-UNKNOWN-IGNORED), and
+    100 000 of them (one part of a per-expert checkpoint) cost their names, not a tensor each."""
     fd = _open_fd(path)
     try:
         header, expect = _validated(fd, path, expect)
@@ -253,6 +290,9 @@ def iter_safetensors(path: str, expect=None) -> Iterator[tuple[str, paddle.Tenso
             )
         tensors = []
         for e in header.entries:
+            if wanted is not None and e.name not in wanted:
+                tensors.append((e.name, None))
+                continue
             tensor = paddle.empty(list(e.shape), dtype=paddle_dtype(e.dtype))
             nbytes = e.end - e.begin
             if nbytes:
@@ -276,11 +316,16 @@ def load_pickle_state_dict(path: str) -> Iterator[tuple[str, paddle.Tensor]]:
     is made, so the file's bytes are held about once, not as arrays and tensors both."""
     obj = load_restricted(path, allow_arrays=True)
     if not isinstance(obj, dict):
-        raise SnapshotFormatError(f"{path}: expected a dict of arrays, found {obj!r:.80}")
+        raise SnapshotFormatError(f"{path}: expected a dict of arrays, found {brief(obj)}")
     obj.pop(PADDLE_NAME_TABLE, None)
     for name, value in obj.items():
+        if not isinstance(name, str):
+            raise SnapshotFormatError(f"{path}: entry {brief(name)} is named by a {type(name).__name__}, expected a str")
         if not isinstance(value, np.ndarray):
-            raise SnapshotFormatError(f"{path}: entry {name!r} is {value!r:.80}, expected an array")
+            raise SnapshotFormatError(f"{path}: entry {name!r} is {brief(value)}, expected an array")
+        if value.dtype.hasobject or value.dtype.kind not in "biufc":  # (object arrays hold any Python value)
+            raise SnapshotFormatError(f"{path}: entry {name!r} is an array of dtype {value.dtype.name}, "
+                                      "expected numbers (object, string and structured arrays are not tensors)")
     return _tensors_from(obj)
 
 

@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .version_file import VersionError, read_version_bytes
+from .version_file import VersionError, is_scalar, load_version_yaml, read_version_bytes
 
 log = logging.getLogger("reference.stream_config")
 
@@ -32,7 +32,7 @@ def read_version_file(model_dir: str | None) -> tuple[str | None, str]:
         data = read_version_bytes(path)
         if data is None:
             raise FileNotFoundError(f"[Errno 2] No such file or directory: '{path}'")
-        content = yaml.safe_load(data.decode("utf-8")) or {}
+        content = load_version_yaml(data.decode("utf-8"), path) or {}
     except (OSError, VersionError, yaml.YAMLError, UnicodeDecodeError) as e:
         why = f"Failed to read model step from '{path}': {e}"
     else:
@@ -40,6 +40,9 @@ def read_version_file(model_dir: str | None) -> tuple[str | None, str]:
             why = f"Failed to read model step from '{path}': yaml content is not a mapping"
         elif content.get("step") is None:
             why = f"Failed to read model step from '{path}': missing 'step' field"
+        elif not is_scalar(content["step"]):  # (str() of an aliased one could run without end)
+            why = (f"Failed to read model step from '{path}': 'step' is a {type(content['step']).__name__}, "
+                   "expected a number or a string")
         else:
             return str(content["step"]), ""
     log.error("%s", why)

@@ -64,3 +64,65 @@ def read_version_bytes(path: str) -> bytes | None:
     finally:
         if fd is not None:
             os.close(fd)
+
+
+# A version file holds one small mapping (``step: N``): its mappings and sequences nest at most this deep, the
+# file's own mapping counting as one (SPEC VER-FILE-SAFE). PyYAML composes a document recursively, so a 6 KB file
+# of 3000 "[" would otherwise end in a RecursionError (after seconds of scanning) instead of an error naming it.
+VERSION_FILE_MAX_DEPTH = 64
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """``yaml.SafeLoader`` counting how deep its mappings and sequences nest while it composes them."""
+
+        depth = 0
+
+        def fetch_flow_collection_start(self, TokenClass):
+            # The scanner keeps a possible simple key per open "[" or "{" and rescans them all at every token:
+            # 3000 of them take seconds before the composer sees the first. Flow nesting is part of the depth.
+            if self.flow_level >= VERSION_FILE_MAX_DEPTH:
+                raise _TooDeep()
+            super().fetch_flow_collection_start(TokenClass)
+
+        def compose_node(self, parent, index):
+            opens = self.check_event(yaml.MappingStartEvent, yaml.SequenceStartEvent)
+            self.depth += opens
+            try:
+                if self.depth > VERSION_FILE_MAX_DEPTH:
+                    raise _TooDeep()
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= opens
+
+    return Loader
+
+
+def load_version_yaml(data, path: str):
+    """The YAML document of a version file's bytes (or text); VersionError naming ``path`` when it is not YAML or
+    nests deeper than VERSION_FILE_MAX_DEPTH (aliases are composed once, never expanded: a billion laughs stays
+    small; its consumers show what they refuse through ``errors.brief``)."""
+    import yaml
+
+    loader = _loader()(data)
+    try:
+        return loader.get_single_data()
+    except _TooDeep:
+        raise VersionError(f"{path}: the version file nests its mappings and sequences deeper than "
+                           f"{VERSION_FILE_MAX_DEPTH} levels; it holds one small mapping (step: N)") from None
+    except yaml.YAMLError as e:
+        raise VersionError(f"{path}: not valid YAML ({e.__class__.__name__})") from None
+    finally:
+        loader.dispose()
+
+
+def is_scalar(value) -> bool:
+    """A YAML scalar a version can be (FastDeploy's ``str(step)``): never a mapping or a sequence, whose text an
+    alias could make exponentially long."""
+    return value is None or isinstance(value, (str, int, float, bool))

@@ -765,6 +765,229 @@ def test_a_tensor_read_that_meets_the_end_of_the_file_names_the_tensor(tmp_path,
            f"{path}: file changed during load: the read of tensor 'b' ended early (the file shrank)")
 
 
+# -- issue 30: input nested far deeper than it needs -----------------------------------------------------------
+DEEP = "[[[[...]]]]"  # errors.brief of a list nested deeper than 3 levels
+
+
+def _safetensors(tmp_path):
+    from fixtures import snapshot as S
+    import numpy as np
+    return S.write_safetensors(tmp_path / "model.safetensors", {"a": np.zeros(2, np.float32), "b": np.ones(3, np.int64)})
+
+
+@pytest.mark.parametrize("where, kind, depth, tail", [
+    ("unknown-key", "array", 126, ": tensor 'a', key 'nested'"),
+    ("unknown-key", "object", 200, ": tensor 'a', key 'nested'"),
+    ("header", "array", 1100, ""),
+    ("header-unclosed", "array", 5000, ""),
+])
+def test_header_nested_past_the_limit(tmp_path, where, kind, depth, tail):
+    from fixtures.files import write_nested_header
+    from reference.errors import SnapshotFormatError
+    from reference.snapshot_load import read_header
+    path = _safetensors(tmp_path)
+    write_nested_header(path, where, kind, depth)
+    raises(SnapshotFormatError, lambda: read_header(path),
+           f"{path}: not a valid safetensors file: the JSON header nests deeper than 127 levels (the safetensors "
+           f"library's limit){tail}")
+
+
+def test_header_nested_within_the_limit_reads(tmp_path):
+    from fixtures.files import write_nested_header
+    from reference.snapshot_load import read_header
+    path = _safetensors(tmp_path)
+    assert write_nested_header(path, "unknown-key", "array", 125)["levels"] == 127
+    assert [(e.name, e.dtype, e.shape) for e in read_header(path)] == [("b", "int64", (3,)), ("a", "float32", (2,))]
+
+
+@pytest.mark.parametrize("where, field, shown", [
+    ("shape", "shape", f"has shape {DEEP}, expected a list of integers >= 0"),
+    ("dtype", "dtype", f"has dtype {DEEP}, which Paddle cannot hold"),
+    ("data_offsets", "data_offsets", f"has data_offsets {DEEP}, expected [begin, end]"),
+])
+def test_header_known_key_nested_is_shown_briefly(tmp_path, where, field, shown):
+    from fixtures.files import write_nested_header
+    from reference.errors import SnapshotFormatError
+    from reference.snapshot_load import read_header
+    path = _safetensors(tmp_path)
+    write_nested_header(path, where, "array", 100)
+    raises(SnapshotFormatError, lambda: read_header(path), f"{path}: tensor 'a' {shown}")
+
+
+@pytest.mark.parametrize("where, kind, depth, expected", [
+    ("file", "list", 20_000, "expected a dict of arrays, found " + DEEP),
+    ("entry", "list", 10_000, "entry 'nested' is " + DEEP + ", expected an array"),
+    ("entry", "dict", 5000, "entry 'nested' is {'a': {'a': {'a': {...}}}}, expected an array"),
+    ("object-array", "list", 10_000, "entry 'nested' is an array of dtype object, expected numbers (object, string "
+                                      "and structured arrays are not tensors)"),
+])
+def test_pickle_fallback_nested(tmp_path, where, kind, depth, expected):
+    import numpy as np
+    from fixtures.files import write_nested_pickle
+    from reference.errors import SnapshotFormatError
+    from reference.snapshot_load import load_pickle_state_dict
+    path = write_nested_pickle(tmp_path / "state.pdparams", [("w", np.zeros(2, np.float32))], where, kind, depth)
+    raises(SnapshotFormatError, lambda: list(load_pickle_state_dict(path)), f"{path}: {expected}")
+
+
+def test_pickle_tuple_key_nested_past_the_limit_is_never_hashed(tmp_path):
+    """300 000 levels: hashing the key would recurse in C (a SIGSEGV of the process); 18 levels are refused already,
+    as the tuple is built; 16 load (a tuple key nothing else refuses)."""
+    import numpy as np
+    from fixtures.files import write_nested_pickle
+    from reference.errors import SnapshotFormatError
+    from reference.snapshot_load import load_pickle_state_dict
+    ok = write_nested_pickle(tmp_path / "state15.pdparams", [("w", np.zeros(2, np.float32))], "key", "tuple", 15)
+    raises(SnapshotFormatError, lambda: list(load_pickle_state_dict(ok)), f"{ok}: entry ((((...),),),) is named by a "
+           "tuple, expected a str")
+    for depth in (300_000, 17):
+        path = write_nested_pickle(tmp_path / f"state{depth}.pdparams", [("w", np.zeros(2, np.float32))], "key", "tuple", depth)
+        raises(SnapshotFormatError, lambda: list(load_pickle_state_dict(path)),
+               f"{path}: not a readable pickle (UnpicklingError('{path}: a tuple nests tuples deeper than 16 levels'))")
+
+
+def test_pickle_names_that_are_not_strings(tmp_path):
+    import numpy as np
+    from fixtures.files import write_state_pickle
+    from reference.errors import SnapshotFormatError
+    from reference.snapshot_load import load_pickle_state_dict
+    path = write_state_pickle(tmp_path / "state.pdparams", [("w", np.zeros(2, np.float32)), (7, np.ones(2, np.float32))])
+    raises(SnapshotFormatError, lambda: list(load_pickle_state_dict(path)), f"{path}: entry 7 is named by a int, expected a str")
+
+
+def test_meta_fields_nested_are_shown_briefly():
+    from reference.ipc_meta import normalize_meta
+    deep = 0
+    for _ in range(5000):
+        deep = [deep]
+    raises(MetaError, lambda: normalize_meta(["h" * 64, 0, 16, 10, deep, [], 0], name="w", device=0),
+           f"IPC meta of tensor 'w': field dims is {DEEP}, expected a list of non-negative ints")
+    raises(MetaError, lambda: normalize_meta(["h" * 64, deep, 16, 10, [4], [], 0], name="w", device=0),
+           f"IPC meta of tensor 'w': field offset_bytes is {DEEP}, expected a non-negative int")
+
+
+def test_msgpack_nested_past_its_bound():
+    from fixtures.buckets import nested, packb
+    from wire import protocol
+    frame = packb({"type": "bucket", "note": nested("array", 1024)})
+    raises(ManifestError, lambda: protocol.decode(frame, "message for bucket 0 of version 3"),
+           "message for bucket 0 of version 3: the msgpack manifest nests its arrays and maps deeper than 1024 levels")
+    frame = packb({"type": nested("array", 1000)})
+    raises(ManifestError, lambda: protocol.decode(frame, "message for bucket 0 of version 3"),
+           f"message for bucket 0 of version 3: field type is {DEEP}, expected one of ['bucket', 'end', 'abort']")
+    assert protocol.decode(packb({"type": "end", "note": nested("map", 1023)}), "w")["type"] == "end"
+
+
+def test_manifest_field_nested_is_shown_briefly():
+    deep = 0
+    for _ in range(1000):
+        deep = [deep]
+    raises(ManifestError, lambda: C.parse_entry(raw_entry(shape=deep), W),
+           f"{AT}: field shape is {DEEP}, expected a list of non-negative ints")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("step: 3\nnote: " + "[" * 64 + "]" * 64, "the version file nests its mappings and sequences deeper than 64 levels; "
+                                               "it holds one small mapping (step: N)"),
+    ("step: " + "{a: " * 3000 + "1" + "}" * 3000, "the version file nests its mappings and sequences deeper than 64 "
+                                                  "levels; it holds one small mapping (step: N)"),
+    ("step: [[1, 2], [3]]", "field step is [[1, 2], [3]], expected a non-negative integer version"),
+])
+def test_version_file_nested(tmp_path, text, expected):
+    from reference.commit import read_version_file
+    from reference.version_file import VersionError
+    path = tmp_path / "version.yaml"
+    path.write_text(text)
+    raises(VersionError, lambda: read_version_file(str(tmp_path)), f"{path}: {expected}")
+
+
+def test_version_file_billion_laughs_is_never_expanded(tmp_path):
+    from fixtures.version_entries import make_entry
+    from reference import stream_config
+    from reference.commit import read_version_file
+    from reference.version_file import VersionError
+    path = str(tmp_path / "version.yaml")
+    make_entry(path, "step-billion-laughs", 3)
+    with pytest.raises(VersionError) as info:
+        read_version_file(str(tmp_path))
+    assert str(info.value).startswith(f"{path}: field step is [[[[...], [...], [...], [...], ...], ")
+    assert str(info.value).endswith(", expected a non-negative integer version") and len(str(info.value)) < 200 + len(path)
+    assert stream_config.read_version_file(str(tmp_path)) == (
+        None, f"Failed to read model step from '{path}': 'step' is a list, expected a number or a string")
+
+
+# -- issue 30: every problem of an input -------------------------------------------------------------------------
+def test_raise_all_names_each_problem():
+    from reference.apply import raise_all
+    raise_all([])  # nothing to raise
+    one = ValueError("Shape mismatch for b: [3] vs [2]")
+    with pytest.raises(ValueError) as info:
+        raise_all([one])
+    assert info.value is one
+    raises(TypeError, lambda: raise_all([ValueError("Shape mismatch for a: [1] vs [2]"), TypeError("Type mismatch for b: x vs y")]),
+           "2 tensor(s) do not match their parameters: Shape mismatch for a: [1] vs [2]; Type mismatch for b: x vs y")
+    raises(ValueError, lambda: raise_all([ValueError("Shape mismatch for a"), ValueError("Shape mismatch for b")]),
+           "2 tensor(s) do not match their parameters: Shape mismatch for a; Shape mismatch for b")
+
+
+def test_plan_metas_names_every_bad_meta():
+    from reference.ipc_meta import plan_metas
+    good = ["h" * 64, 0, 16, 10, [4], [], 0]
+    metas = {"a": good[:6], "b": list(good), "c": [*good[:2], 12, *good[3:]]}
+    raises(MetaError, lambda: plan_metas("/shm/ipc_metas_0", metas, 0, {"a": None, "b": None, "c": None}),
+           "/shm/ipc_metas_0: 2 bad metas: IPC meta of tensor 'a' has 6 fields, expected 7 fields ['handle', "
+           "'offset_bytes', 'size', 'type_idx', 'dims', 'lod', 'device_id'] (Paddle's _share_cuda() tuple); IPC meta "
+           "of tensor 'c': field size is 12 bytes but dims [4] of float32 need 16 (4 x 4)")
+
+
+def test_validate_bucket_names_every_bad_entry():
+    bucket = C.Bucket(3, 0, b"h" * HANDLE_SIZE, (entry("a", offset=4), entry("b", dtype="complex64", offset=256),
+                                                 entry("c", offset=516)))
+    raises(ManifestError, lambda: C.validate_bucket(bucket, state(3), 1024),
+           f"{W}: 2 problems: {W}, tensor 'b': unknown dtype 'complex64' (field dtype); known: "
+           "['bfloat16', 'bool', 'float16', 'float32', 'float64', 'float8_e4m3fn', 'float8_e5m2', 'int16', 'int32', "
+           f"'int64', 'int8', 'uint8']; {W}: 2 problems: {W}, tensor 'a': offset 4 is not aligned to 256 bytes "
+           f"(misaligned by 4); {W}, tensor 'c': offset 516 is not aligned to 256 bytes (misaligned by 4)")
+
+
+def test_parse_bucket_names_every_malformed_entry():
+    message = manifest(entries=[raw_entry(name="a", nbytes=-1), raw_entry(name="b"), raw_entry(name="c", shape="4")])
+    raises(ManifestError, lambda: C.parse_bucket(message, state(3)),
+           f"{W}: 2 problems: {W}, tensor 'a': field nbytes is -1, expected a non-negative int; {W}, tensor 'c': field "
+           "shape is '4', expected a list of non-negative ints")
+
+
+def test_two_parts_that_cannot_be_read_are_both_named(tmp_path):
+    import numpy as np
+    from fixtures import files as F
+    from fixtures import models as M
+    from fixtures import snapshot as S
+    from reference import WeightManager
+    spec = M.spec(("a", "float32", (2,)), ("b", "float32", (2,)), ("c", "float32", (2,)))
+    paths = S.write_parts(tmp_path, 0, 0, {i: {n: np.zeros(2, np.float32)} for i, n in enumerate("abc")})
+    F.damage_safetensors(paths[0], "minus-one-byte")
+    F.damage_safetensors(paths[2], "garbage-json")
+    manager = WeightManager(M.build_models(spec), model_dir=str(tmp_path), shared_dir=str(tmp_path / "none"),
+                            env={"CUDA_VISIBLE_DEVICES": "0", "FLAGS_selected_gpus": "0"})
+    with pytest.raises(ValueError) as info:
+        manager.update()
+    assert str(info.value).startswith(f"2 snapshot files cannot be loaded: {paths[0]}: truncated")
+    assert f"; {paths[2]}: not a valid safetensors file: the JSON header does not parse" in str(info.value)
+
+
+def test_missing_parameters_name_the_tensors_ignored(tmp_path):
+    import numpy as np
+    from fixtures import models as M
+    from fixtures import snapshot as S
+    from reference import WeightManager
+    spec = M.spec(("a", "float32", (2,)), ("b", "float32", (2,)))
+    S.write_safetensors(S.single_path(tmp_path, 0, 0), {"a": np.zeros(2, np.float32), "model.b": np.ones(2, np.float32)})
+    manager = WeightManager(M.build_models(spec), model_dir=str(tmp_path), shared_dir=str(tmp_path / "none"),
+                            env={"CUDA_VISIBLE_DEVICES": "0", "FLAGS_selected_gpus": "0"})
+    raises(RuntimeError, manager.update,
+           "Model Parameter update verification failed: 1 of 2 parameter(s) landed; 1 parameter(s) not loaded: b; "
+           "1 tensor(s) the sources carried were ignored, no parameter takes them: model.b")
+
 # -- the V1 control surface (reference.control_v1) -----------------------------------------------------------
 def _control(options=None, **manager):
     from reference import control_v1 as V

@@ -32,6 +32,9 @@ from .handles import HANDLE_SIZE  # noqa: F401  (a manifest's handle field has t
 PROTO = 1
 ALIGN = 256  # every entry starts at a multiple of this (checkpoint-engine's _ALIGN_SIZE)
 MAX_FRAME = 64 << 20  # a message larger than this is refused before decoding
+# msgpack's own decoder (msgpack-python, the C unpacker's fixed stack) refuses a frame whose arrays and maps nest
+# deeper than this, the message's map counting as one: the wire format's nesting bound (SPEC BKT-FIELDS).
+MAX_DEPTH = 1024
 
 # Canonical dtype name -> itemsize: the only dtypes a manifest may name.
 DTYPES = {
@@ -57,6 +60,18 @@ class TransferTimeout(TimeoutError):
     """The peer sent nothing within the deadline (a dead or stalled trainer or receiver)."""
 
 
+def brief(value, limit: int = 80) -> str:
+    """A short repr of a decoded value for an error message: cut at a few levels and items (``reprlib``), so a
+    value nested a thousand levels deep never reaches the builtin ``repr`` (RecursionError)."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxtuple, short.maxdict, short.maxset = 3, 4, 4, 4, 4
+    short.maxstring, short.maxother, short.maxlong = limit, limit, limit
+    text = short.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 # -- encoding --------------------------------------------------------------------------------------
 def encode(message: Mapping) -> bytes:
     return msgpack.packb(dict(message), use_bin_type=True)
@@ -77,6 +92,8 @@ def unpack_map(frame, where: str, *, limit: int, error: type[Exception] = Manife
         message = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=no_ext, use_list=True)
     except error:
         raise
+    except msgpack.StackError:
+        raise error(f"{where}: the msgpack {noun} nests its arrays and maps deeper than {MAX_DEPTH} levels") from None
     except Exception as e:  # ExtraData, FormatError, StackError, UnicodeDecodeError, ValueError...
         head = bytes(frame[:8])
         hint = " (it looks like a pickle; pickles are never loaded)" if head[:1] == b"\x80" else ""
@@ -92,7 +109,7 @@ def decode(frame: bytes, where: str, allowed: Sequence[str] = TRAINER_TYPES, lim
     message = unpack_map(frame, where, limit=limit)
     kind = message.get("type")
     if kind not in allowed:
-        raise ManifestError(f"{where}: field type is {kind!r}, expected one of {list(allowed)}")
+        raise ManifestError(f"{where}: field type is {brief(kind)}, expected one of {list(allowed)}")
     return message
 
 

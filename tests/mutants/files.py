@@ -25,7 +25,7 @@ _real_read_header = snapshot_load.read_header
 def _mmap_iter(keep_mapping: bool):
     """The reference's loading before this section's fix: safetensors' mmap, views cloned (or adopted)."""
 
-    def iter_safetensors(path, expect=None):
+    def iter_safetensors(path, expect=None, wanted=None):
         import paddle
         import safetensors
 
@@ -295,7 +295,7 @@ class ValidatedHeaderTrusted(Mutant):
     kills = frozenset({"FILE-CHANGED-BETWEEN-PARTS"})
 
     def patches(self):
-        def iter_safetensors(path, expect=None):
-            return _real_iter(path)
+        def iter_safetensors(path, expect=None, wanted=None):
+            return _real_iter(path, wanted=wanted)
 
         return {"reference.snapshot.iter_safetensors": iter_safetensors}

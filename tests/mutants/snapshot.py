@@ -359,9 +359,9 @@ class ScalarAsVector(Mutant):
     kills = frozenset({"APPLY-ROUNDTRIP-DTYPES"})
 
     def patches(self):
-        def iter_safetensors(path, expect=None):
-            for name, t in _real_iter(path, expect):
-                yield name, (t.reshape([1]) if t.ndim == 0 else t)
+        def iter_safetensors(path, expect=None, wanted=None):
+            for name, t in _real_iter(path, expect, wanted):
+                yield name, (t.reshape([1]) if t is not None and t.ndim == 0 else t)
 
         return {"reference.snapshot.iter_safetensors": iter_safetensors}
 
@@ -538,9 +538,9 @@ class MemoisedFiles(Mutant):
     def patches(self):
         cache: dict = {}
 
-        def iter_safetensors(path, expect=None):
+        def iter_safetensors(path, expect=None, wanted=None):
             if path not in cache:
-                cache[path] = list(_real_iter(path, expect))
+                cache[path] = list(_real_iter(path, expect, wanted))
             return iter(cache[path])
 
         def load_pickle_state_dict(path):
