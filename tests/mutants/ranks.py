@@ -323,7 +323,7 @@ class _UnguardedControl(WeightControl):
         if self._read() == done:
             return 200, ok
         self._request(request)
-        if control._wait_for(self.cell_name, done, timeout_s, self.poll_s):
+        if control._wait_for(self.cell_name, done, None, timeout_s, self.poll_s) == "done":
             return 200, f"{verb} model weight successfully"
         return 404, f"{verb} model weight timeout"
 
