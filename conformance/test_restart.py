@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from conformance import check, harness, modes
+from conformance.loop_driver import LoopThread
 from conformance.paths import PATHS, Route, worker
 from fixtures import models as M
 from fixtures import status_cell as C
@@ -398,8 +399,7 @@ def test_restarted_worker_recovers_the_cell(loader, impl, path_id, left, phase):
 # startup load (in-load) or of the first pass after its read (in-pass: the k-th call, calls of builtins counted),
 # at the first pass's read (at-read: its ``sync``), or between the startup load and the first pass (before-read).
 INPROCESS = "STATUS-RESTART-RECOVERS"
-PASS_S = 10.0  # one pass of the loop, on a loaded machine
-PASSES = 50  # passes the new worker gets to settle a request (a healthy worker needs one or two)
+PASS_S = 10.0  # the startup load, on a loaded machine
 K_POINTS = (1, 4, 16, 64, 256)  # the call event at which the API writes (in-load, in-pass), by path
 
 
@@ -413,19 +413,24 @@ class _At:
 
     def __init__(self, k: int, action):
         self.k, self.action, self.count, self.fired, self.late = k, action, 0, False, False
+        self.lock = threading.Lock()
 
     def probe(self, frame, event, arg):
         if self.fired or event not in ("call", "c_call"):
             return
         self.count += 1
         if self.count >= self.k:
-            self.fired = True
-            self.action()
+            self._once(late=False)
 
     def fire(self) -> None:
-        if not self.fired:
-            self.fired = self.late = True
-            self.action()
+        self._once(late=True)
+
+    def _once(self, late: bool) -> None:
+        with self.lock:
+            if self.fired:
+                return
+            self.fired, self.late = True, late
+        self.action()
 
 
 def _bounded(fn, what: str, profile=None, timeout_s: float = PASS_S):
@@ -517,8 +522,8 @@ def test_restart_in_one_process(loader, impl, combo):
             def ask():
                 if left == "CLEARED" and race != "in-load":  # in-load: published before the worker started
                     route.publish(0, M.state(SPEC, version=2), 2)
+                asked["watch"] = _Watch(cell)  # from just before the request on
                 asked["api"] = _api_writes(control, cell, request, value)
-                asked["watch"] = _Watch(cell)  # from the request on
 
             at = _At(k, ask) if race in ("in-load", "in-pass") else None
             options = {**route.feed.options(0), "status_cell": cell.name}
@@ -536,77 +541,71 @@ def test_restart_in_one_process(loader, impl, combo):
             if race == "before-read":
                 ask()
 
-            # The new worker's loop: the first pass (raced at-read or in-pass), then passes until settled.
-            results = []
-
-            def sync(value_read):
+            # The new worker's loop (a thread): its first pass raced at its read or inside it, then the passes
+            # until the cell reads what it must.
+            def first_sync(value_read):
                 if race == "at-read":
                     ask()
                 elif race == "in-pass":
                     import sys
 
-                    sys.setprofile(at.probe)  # from here on, in this pass's thread
+                    sys.setprofile(at.probe)  # from here on, in the loop's thread, until the pass returns
                 return value_read
 
-            first = _bounded(lambda: session.worker_iteration(lambda: results.append("run"), block=False, sync=sync),
-                             f"{where}: the first pass")
-            if at is not None and race == "in-pass":
-                at.fire()
-            if race == "at-read" and "api" not in asked:
-                ask()  # (a loop that never called sync: the request lands after its pass)
-            results.append(first)
-            api = asked.get("api") or pending
-            if left == "CLEARED" and race != "none" or left == "UPDATING":
-                want, version = "NORMAL", 2
-            elif left == "CLEARING" or (left == "NORMAL" and race != "none"):
-                want = "CLEARED"
-            else:
-                want = left
-            for _ in range(PASSES):
-                if C.name_of(cell.read()) == want and (api is None or not api.thread.is_alive()):
-                    break
-                results.append(_bounded(lambda: session.worker_iteration(lambda: results.append("run"), block=False,
-                                                                         sync=lambda v: v), f"{where}: a later pass"))
+            runs = []
+            loop = LoopThread(session, run_model=lambda: runs.append(1), first_sync=first_sync).start()
+            try:
+                loop.until(lambda: loop.results)  # the first pass returned (a loop that blocks: the deadline)
+                if race == "in-pass":
+                    at.fire()
+                if race == "at-read" and "api" not in asked:
+                    ask()  # (a loop that never called sync: the request lands after its first pass)
+                api = asked.get("api") or pending
+                if left == "CLEARED" and race != "none" or left == "UPDATING":
+                    want, version = "NORMAL", 2
+                elif left == "CLEARING" or (left == "NORMAL" and race != "none"):
+                    want = "CLEARED"
+                else:
+                    want = left
+                loop.until(lambda: C.name_of(cell.read()) == want and (api is None or not api.thread.is_alive())
+                           and (want != "NORMAL" or left != "NORMAL" or runs))
                 route.feed.settle(0)
-                time.sleep(0.002)
-            seen = asked["watch"].stop() if "watch" in asked else None
-            raised = [r for r in results if isinstance(r, BaseException)]
-            check.that(not raised, f"{where}: the loop raised {raised[:1]} (passes {results})")
-            odd = [r for r in results if r not in RESULTS + ("run",)]
-            check.equal(odd, [], f"{where}: worker_iteration results outside {RESULTS}")
-            late = " (the pass ended before that event: the request came after it)" if at is not None and at.late else ""
-            check.equal(C.name_of(cell.read()), want, f"{where}{late}: the cell after {len(results)} pass(es) {results}")
-            if seen is not None:  # the request reads in the cell until the worker's own answer to it
-                answer = {C.UPDATING: "NORMAL", C.CLEARING: "CLEARED"}[value]
-                check.equal(seen[seen.index(C.name_of(value)):] if C.name_of(value) in seen else seen,
-                            [C.name_of(value), answer], f"{where}{late}: the cell's values from the API's request on")
-            if api is not None:
-                verb = "update" if api is not pending and request == "update_model_weight" or left == "UPDATING" else "clear"
-                check.equal(api.result(EVENT_S), (200, f"{verb} model weight successfully"),
-                            f"{where}{late}: the API's {verb}, waiting for the new worker")
-            if want == "CLEARED":
-                check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{where}: the weights, released")
-            else:
-                check.params_equal(session.observe(), M.state(SPEC, version=version), f"{where}: the weights")
-                if want == "NORMAL" and left == "NORMAL":
-                    check.that("run" in results, f"{where}: the model never ran at NORMAL ({results})")
+                results = list(loop.results)
+                seen = asked["watch"].stop() if "watch" in asked else None
+                raised = [r for r in results if isinstance(r, BaseException)]
+                check.that(not raised, f"{where}: the loop raised {raised[:1]} (passes {LoopThread.acts(results)})")
+                odd = [r for r in results if r not in RESULTS]
+                check.equal(odd, [], f"{where}: worker_iteration results outside {RESULTS}")
+                late = " (the pass ended before that event: the request came after it)" if at is not None and at.late else ""
+                check.equal(C.name_of(cell.read()), want,
+                            f"{where}{late}: the cell after {len(results)} pass(es) that did {LoopThread.acts(results)}")
+                if seen is not None:  # the request reads in the cell until the worker's own answer to it
+                    answer, asked_for = {C.UPDATING: "NORMAL", C.CLEARING: "CLEARED"}[value], C.name_of(value)
+                    tail = seen[seen.index(asked_for):] if asked_for in seen else seen[1:]  # (a request served at once)
+                    check.that(tail in ([asked_for, answer], [answer]),
+                               f"{where}{late}: the cell's values from the API's request on: {seen} (read every half "
+                               f"millisecond): {asked_for} until the worker's {answer}, nothing in between")
+                if api is not None:
+                    verb = "update" if api is not pending and request == "update_model_weight" or left == "UPDATING" else "clear"
+                    check.equal(api.result(EVENT_S), (200, f"{verb} model weight successfully"),
+                                f"{where}{late}: the API's {verb}, waiting for the new worker")
+                if want == "CLEARED":
+                    check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{where}: the weights, released")
+                else:
+                    check.params_equal(session.observe(), M.state(SPEC, version=version), f"{where}: the weights")
+                    if left == "NORMAL":
+                        check.that(runs, f"{where}: the model never ran at NORMAL (passes {LoopThread.acts(results)})")
 
-            # The API's next clear and update.
-            for request_name, value_next, publish in (("clear_load_weight", C.CLEARING, None),
-                                                      ("update_model_weight", C.UPDATING, 3)):
-                if publish:
-                    route.publish(0, M.state(SPEC, version=publish), publish)
-                api = _api_writes(control, cell, request_name, value_next)
-                for _ in range(PASSES):
-                    if not api.thread.is_alive():
-                        break
-                    _bounded(lambda: session.worker_iteration(lambda: None, block=False, sync=lambda v: v),
-                             f"{where}: a pass serving the next {request_name}")
-                    route.feed.settle(0)
-                answer = api.result(EVENT_S)
-                verb = "clear" if value_next == C.CLEARING else "update"
-                check.that(answer in ((200, f"{verb} model weight successfully"), (200, "model weight is cleared")),
-                           f"{where}: the API's next {verb} answered {answer}")
+                # The API's next clear and update, the loop running.
+                cleared = control.clear_load_weight(EVENT_S)
+                check.that(cleared in ((200, "clear model weight successfully"), (200, "model weight is cleared")),
+                           f"{where}: the API's next clear answered {cleared}")
+                route.publish(0, M.state(SPEC, version=3), 3)
+                check.equal(control.update_model_weight(EVENT_S), (200, "update model weight successfully"),
+                            f"{where}: the API's next update (version 3)")
+                route.feed.settle(0)
+            finally:
+                loop.finish()
             check.params_equal(session.observe(), M.state(SPEC, version=3), f"{where}: after the next update (version 3)")
             check.equal((session.status(), C.name_of(cell.read())), ("NORMAL", "NORMAL"), f"{where}: the status and the cell")
     finally:

@@ -6,9 +6,9 @@ here it is the cell, what the API and the cache manager read. Each case runs the
 the worker's loop is ``session.worker_iteration`` called by this thread (each call bounded by a thread with a
 deadline), and the API is the adapter's ``control`` in a thread of its own, writing its request and waiting for
 the worker, as FastDeploy's EngineClient does. A follower (tensor-parallel rank 1 of 2) is fed rank 0's broadcast
-through ``sync`` while this process plays rank 0: when the follower's loop has read the API's request and broadcasts
-it, rank 0 has already written what it did (CLEARED, NORMAL: rank 0 the faster), or, for the failing update, writes
-CLEARED a little later, having read that the cell still holds the API's UPDATING (a follower never writes it).
+through ``sync`` while this process plays rank 0, the slower: a little after the follower's loop has read the API's
+request, rank 0 writes what it did (CLEARED, NORMAL), having read that the cell still holds the request (a follower
+never writes it).
 
 The fault is the suite's input: the trainer's source (a wrong dtype, a missing parameter, the source gone), a
 stale-state hook it registers that raises, or the recapture callable it hands the loader that raises. The suite's
@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from conformance import check, modes
+from conformance.loop_driver import LoopThread
 from conformance.paths import route  # noqa: F401 (the fixture)
 from fixtures import models as M
 from fixtures import status_cell as C
@@ -31,7 +32,7 @@ from fixtures import status_cell as C
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)),
               ("norm.bias", "float16", (4,)))
 RULE = "STATUS-FAILED-NOT-NORMAL"
-RANK0_AFTER_S = 0.05  # rank 0, slower than a follower, writes this long after the follower's loop read the request
+RANK0_AFTER_S = 0.03  # rank 0, slower than a follower, writes this long after the follower's loop read the request
 API_S = 5.0  # the API's wait: a worker answers in milliseconds; an API that waits its timeout out costs this
 ITERATION_S = 10.0  # one worker_iteration, on a loaded machine
 HOOKS = ("reset_prefix_cache", "recapture_graphs", "reset_mtp_cache")  # the middle one raises
@@ -47,12 +48,15 @@ def _requires(combo) -> list[str]:
 
 
 class Worker:
-    """One session on the cell, its faults armed by the suite (hooks, recapture), and what they saw."""
+    """One session on the cell, its faults armed by the suite (hooks, recapture), and what they saw; its loop runs
+    in a thread of its own (:meth:`start`), as the engine's worker runs it."""
 
     def __init__(self, rt, cell: C.Cell, rank: int, fault: str):
         self.rt, self.cell, self.rank, self.fault = rt, cell, rank, fault
         self.broken = False  # the hook or the recapture raises while set
         self.seen: list[tuple[str, str, str]] = []  # (call, cell, status) inside each hook / recapture call
+        self.loop: LoopThread | None = None  # the loop, once started; ``results``: what each pass returned or raised
+        self.results: list = []
         options = {"status_cell": cell.name, **({"tp_size": 2} if rank else {})}
         if fault == "recapture":
             options["recapture"] = self._recapture
@@ -74,23 +78,15 @@ class Worker:
         if self.broken:
             raise RuntimeError("graph capture ran out of memory")
 
-    def iteration(self, sync=lambda value: value):
-        """One pass of the loop, bounded: what it returned, or the exception it raised."""
-        box: dict = {}
+    def start(self) -> None:
+        self.loop = LoopThread(self.session).start()
+        self.results = self.loop.results
 
-        def run():
-            try:
-                box["result"] = self.session.worker_iteration(lambda: None, block=False, sync=sync)
-            except BaseException as e:  # noqa: BLE001 (judged by the test)
-                box["result"] = e
+    def finish(self) -> None:
+        self.loop.finish(ITERATION_S)
 
-        thread = threading.Thread(target=run, name="conformance-worker-loop", daemon=True)
-        thread.start()
-        thread.join(ITERATION_S)
-        if thread.is_alive():
-            pytest.fail(f"worker_iteration() did not return within {ITERATION_S:g}s (cell {C.name_of(self.cell.read())})",
-                        pytrace=False)
-        return box["result"]
+    def until(self, predicate, timeout_s: float = ITERATION_S) -> bool:
+        return self.loop.until(predicate, timeout_s)
 
 
 def _publish(rt, rank: int, version: int, fault: str | None = None) -> str:
@@ -121,46 +117,41 @@ def _publish(rt, rank: int, version: int, fault: str | None = None) -> str:
     return where
 
 
-def _api(worker: Worker, request: str, value: int):
-    """The API's ``request`` in a thread; once it has written ``value`` the worker runs one iteration. Returns (the
-    API's answer, what the iteration returned or raised, None if the API answered without writing)."""
+def _api(worker: Worker, request: str):
+    """The API's ``request``, answered while the worker's loop runs: (the answer, what the loop's passes returned
+    or raised meanwhile)."""
     control = worker.rt.loader.adapter.control(worker.cell.name)
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.update(answer=getattr(control, request)(API_S)), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + API_S
-    while thread.is_alive() and worker.cell.read() != value and time.monotonic() < deadline:
-        time.sleep(0.001)
-    result = worker.iteration() if thread.is_alive() and worker.cell.read() == value else None
-    thread.join(API_S + 2)
-    return box.get("answer", f"no answer within {API_S + 2:g}s"), result
+    first = len(worker.results)
+    answer = getattr(control, request)(API_S)
+    return answer, worker.results[first:]
 
 
-def _as_follower(worker: Worker, request: int, written: int, later: bool = False):
-    """Rank 0's ``request`` in the cell; the follower runs one iteration. When its loop broadcasts the value it read
-    (``sync``), rank 0 writes ``written`` (what it did): already (rank 0 the faster), or ``later``, ``RANK0_AFTER_S``
-    after, from a thread, having read the cell first. Returns (what the iteration returned or raised, what its loop
-    read, the cell just before rank 0 wrote)."""
-    worker.cell.write(request)
-    read, before = [], []
+def _as_follower(worker: Worker, request: int, written: int):
+    """Rank 0's ``request`` in the cell, which the follower's loop reads and broadcasts; rank 0 (this process), the
+    slower, writes ``written`` (what it did: CLEARED, NORMAL) ``RANK0_AFTER_S`` after the loop first read the
+    request, having read the cell first. Returns once rank 0 has written and the follower's loop did something since
+    the request: (what its passes returned or raised since the request, the cell just before rank 0 wrote)."""
+    before, wrote = [], threading.Event()
 
     def rank0():
         before.append(C.name_of(worker.cell.read()))
         worker.cell.write(written)
+        wrote.set()
 
-    def sync(value):
-        read.append(C.name_of(value))
-        if later:
+    def on_sync(value):
+        if value == request and worker.loop.on_sync is on_sync:
+            worker.loop.on_sync = None  # once: rank 0 acts once per request
             threading.Timer(RANK0_AFTER_S, rank0).start()
-        else:
-            rank0()
-        return value
 
-    result = worker.iteration(sync)
-    deadline = time.monotonic() + RANK0_AFTER_S + 2.0
-    while not before and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return result, read, before
+    first = len(worker.results)
+    worker.loop.on_sync = on_sync
+    worker.cell.write(request)
+    done = worker.until(lambda: wrote.is_set() and _acts(worker.results[first:]))
+    worker.loop.on_sync = None
+    return (worker.results[first:] if done else worker.results[first:] + ["(nothing more within the deadline)"]), before
+
+
+_acts = LoopThread.acts
 
 
 def _shown(result) -> str:
@@ -184,63 +175,75 @@ def test_cell_after_a_failed_update(route, loader, combo):
         session.update()  # the startup load (writes no status)
         rt.feed.settle(rank)
         who = f"{path}: {'rank 1 of 2 (a follower)' if follower else 'rank 0'}"
+        worker.start()
+        try:
+            _failed_then_recovered(worker, rt, cell, who, follower)
+        finally:
+            worker.finish()
 
-        # The API's clear, then its update of a version that fails.
-        if follower:
-            result, read, _ = _as_follower(worker, C.CLEARING, C.CLEARED)
-            check.equal((_shown(result), read, C.name_of(cell.read())), ("'cleared'", ["CLEARING"], "CLEARED"),
-                        f"{who}: rank 0's CLEARING broadcast: what the iteration returned, what its loop read, the cell")
-        else:
-            answer, result = _api(worker, "clear_load_weight", C.CLEARING)
-            check.equal((answer, _shown(result)), ((200, "clear model weight successfully"), "'cleared'"),
-                        f"{who}: the API's clear and the iteration that served it")
-        where = _publish(rt, rank, BAD, fault if fault in ("dtype", "missing", "gone") else None)
-        worker.broken = True
-        worker.seen.clear()
-        at = f"{who}: after the update of {where} failed ({fault})"
-        if follower:  # rank 0 failed too; it releases its weights and writes CLEARED, after the follower
-            answer, (result, _, before) = None, _as_follower(worker, C.UPDATING, C.CLEARED, later=True)
-        else:
-            answer, result = _api(worker, "update_model_weight", C.UPDATING)
-        rt.feed.settle(rank)
-        worker.broken = False
-        check.that(result is not None and result != "updated",
-                   f"{at}: the iteration that ran it returned {_shown(result)}; a failed update is never 'updated'")
-        check.status_not(session, "NORMAL", at)
-        if fault in ("hook", "recapture"):
-            check.that(worker.seen, f"{at}: the suite's {fault} was never called: the fault did not happen")
-        # Inside the hooks and the recapture the cell holds the API's UPDATING (a follower's may already hold rank 0's
-        # CLEARED, written RANK0_AFTER_S after its loop read the request), never NORMAL.
-        inside = [s for s in worker.seen if s[1] not in (("UPDATING", "CLEARED") if follower else ("UPDATING",))]
-        check.that(not inside, f"{at}: the cell inside the failing update's {fault} calls {worker.seen}: never NORMAL")
-        if follower:
-            check.equal((before, C.name_of(cell.read())), (["UPDATING"], "CLEARED"),
-                        f"{at}: the cell just before rank 0 wrote CLEARED, and after the iteration (a follower never "
-                        "writes it)")
-        else:
-            check.that(not (isinstance(answer, tuple) and answer[0] == 200),
-                       f"{at}: the API's update answered {answer}: a failed update is never answered success")
-            check.equal(C.name_of(cell.read()), "CLEARED",
-                        f"{at}: the cell (the API answered {answer}): never NORMAL, and not left UPDATING, where the API "
-                        "could neither clear nor update again")
-        check.not_loaded(session.observe(), [p.name for p in SPEC.all_params],
-                         f"{at}: what the failed update left, released (the cell says CLEARED)")
 
-        # Recovery: a fixed version, and the API asks again.
-        where = _publish(rt, rank, FIXED)
-        at = f"{who}: the update of {where} after the failed one"
-        if follower:
-            result, read, _ = _as_follower(worker, C.UPDATING, C.NORMAL)
-            check.equal((_shown(result), read), ("'updated'", ["UPDATING"]),
-                        f"{at}: rank 0's UPDATING broadcast: what the iteration returned, what its loop read")
-        else:
-            answer, _ = _api(worker, "clear_load_weight", C.CLEARING)
-            check.that(answer in ((200, "model weight is cleared"), (200, "clear model weight successfully")),
-                       f"{at}: the API's clear answered {answer}")
-            answer, result = _api(worker, "update_model_weight", C.UPDATING)
-            check.equal((answer, _shown(result)), ((200, "update model weight successfully"), "'updated'"),
-                        f"{at}: the API's update and the iteration that served it")
-        rt.feed.settle(rank)
-        _loaded(worker, FIXED, at)
-        check.status_is(session, "NORMAL", at)
-        check.equal(C.name_of(cell.read()), "NORMAL", f"{at}: the cell")
+def _failed_then_recovered(worker: Worker, rt, cell: C.Cell, who: str, follower: bool) -> None:
+    session, fault, rank = worker.session, worker.fault, worker.rank
+    # The API's clear, then its update of a version that fails.
+    if follower:
+        results, before = _as_follower(worker, C.CLEARING, C.CLEARED)
+        check.equal((_acts(results), before, C.name_of(cell.read())), (["cleared"], ["CLEARING"], "CLEARED"),
+                    f"{who}: rank 0's CLEARING: what the loop's passes did ({results}), the cell before rank 0's CLEARED "
+                    "and after")
+    else:
+        answer, results = _api(worker, "clear_load_weight")
+        check.equal((answer, _acts(results)), ((200, "clear model weight successfully"), ["cleared"]),
+                    f"{who}: the API's clear and what the loop's passes did meanwhile ({results})")
+    where = _publish(rt, rank, BAD, fault if fault in ("dtype", "missing", "gone") else None)
+    worker.broken = True
+    worker.seen.clear()
+    at = f"{who}: after the update of {where} failed ({fault})"
+    if follower:  # rank 0 failed too; it releases its weights and writes CLEARED, after the follower read the request
+        answer, (results, before) = None, _as_follower(worker, C.UPDATING, C.CLEARED)
+    else:
+        first = len(worker.results)
+        answer, _ = _api(worker, "update_model_weight")
+        worker.until(lambda: _acts(worker.results[first:]))
+        results = worker.results[first:]
+    rt.feed.settle(rank)
+    worker.broken = False
+    check.that(_acts(results) and "updated" not in results,
+               f"{at}: the loop's passes did {_acts(results)}; a failed update is never 'updated'")
+    check.status_not(session, "NORMAL", at)
+    if fault in ("hook", "recapture"):
+        check.that(worker.seen, f"{at}: the suite's {fault} was never called: the fault did not happen")
+    # Inside the hooks and the recapture the cell holds the API's UPDATING (a follower's may already hold rank 0's
+    # CLEARED, written RANK0_AFTER_S after its loop read the request), never NORMAL.
+    inside = [s for s in worker.seen if s[1] not in (("UPDATING", "CLEARED") if follower else ("UPDATING",))]
+    check.that(not inside, f"{at}: the cell inside the failing update's {fault} calls {worker.seen}: never NORMAL")
+    if follower:
+        check.equal((before, C.name_of(cell.read())), (["UPDATING"], "CLEARED"),
+                    f"{at}: the cell just before rank 0 wrote CLEARED, and after the follower's pass (a follower never "
+                    "writes it)")
+    else:
+        check.that(not (isinstance(answer, tuple) and answer[0] == 200),
+                   f"{at}: the API's update answered {answer}: a failed update is never answered success")
+        check.equal(C.name_of(cell.read()), "CLEARED",
+                    f"{at}: the cell (the API answered {answer}): never NORMAL, and not left UPDATING, where the API "
+                    "could neither clear nor update again")
+    check.not_loaded(session.observe(), [p.name for p in SPEC.all_params],
+                     f"{at}: what the failed update left, released (the cell says CLEARED)")
+
+    # Recovery: a fixed version, and the API asks again.
+    where = _publish(rt, rank, FIXED)
+    at = f"{who}: the update of {where} after the failed one"
+    if follower:
+        results, before = _as_follower(worker, C.UPDATING, C.NORMAL)
+        check.equal((_acts(results), before), (["updated"], ["UPDATING"]),
+                    f"{at}: rank 0's UPDATING: what the loop's passes did ({results}), the cell before rank 0's NORMAL")
+    else:
+        answer, _ = _api(worker, "clear_load_weight")
+        check.that(answer in ((200, "model weight is cleared"), (200, "clear model weight successfully")),
+                   f"{at}: the API's clear answered {answer}")
+        answer, results = _api(worker, "update_model_weight")
+        check.equal(answer, (200, "update model weight successfully"),
+                    f"{at}: the API's update (the loop's passes meanwhile: {[_shown(r) for r in results]})")
+    rt.feed.settle(rank)
+    _loaded(worker, FIXED, at)
+    check.status_is(session, "NORMAL", at)
+    check.equal(C.name_of(cell.read()), "NORMAL", f"{at}: the cell")
