@@ -374,7 +374,9 @@ def _cases():
                 continue  # the only path whose trainer can hold mid-transfer (see SPEC's Proven by)
             extra = ("model.hooks",) if phase == "after-commit" else ()
             quick = (path_id, left, phase) in QUICK
-            marks = [pytest.mark.requires("status.cell", "control", *path.capabilities, *extra)]
+            race = {"update-during-restart": "before-read", "update-while-recovering": "at-read"}.get(phase, "none")
+            marks = [pytest.mark.requires("status.cell", "control", *path.capabilities, *extra),
+                     pytest.mark.modes(left=left, race=race)]
             if not quick:
                 marks.append(pytest.mark.restart)
             out.append(pytest.param(path_id, left, phase, marks=marks, id=f"{path_id}:{left}:{phase}"))
