@@ -569,8 +569,9 @@ def test_restart_in_one_process(loader, impl, combo):
                     want = "CLEARED"
                 else:
                     want = left
-                loop.until(lambda: C.name_of(cell.read()) == want and (api is None or not api.thread.is_alive())
-                           and (want != "NORMAL" or left != "NORMAL" or runs))
+                loop.until(lambda: any(isinstance(r, BaseException) for r in loop.results) or (
+                    C.name_of(cell.read()) == want and (api is None or not api.thread.is_alive())
+                    and (want != "NORMAL" or left != "NORMAL" or runs)))
                 route.feed.settle(0)
                 results = list(loop.results)
                 seen = asked["watch"].stop() if "watch" in asked else None
@@ -599,12 +600,14 @@ def test_restart_in_one_process(loader, impl, combo):
                         check.that(runs, f"{where}: the model never ran at NORMAL (passes {LoopThread.acts(results)})")
 
                 # The API's next clear and update, the loop running.
-                cleared = control.clear_load_weight(EVENT_S)
+                cleared, _ = loop.ask(control.clear_load_weight, EVENT_S)
                 check.that(cleared in ((200, "clear model weight successfully"), (200, "model weight is cleared")),
                            f"{where}: the API's next clear answered {cleared}")
                 route.publish(0, M.state(SPEC, version=3), 3)
-                check.equal(control.update_model_weight(EVENT_S), (200, "update model weight successfully"),
-                            f"{where}: the API's next update (version 3)")
+                updated, passes = loop.ask(control.update_model_weight, EVENT_S)
+                check.equal(updated, (200, "update model weight successfully"),
+                            f"{where}: the API's next update (version 3; the loop's passes meanwhile: "
+                            f"{LoopThread.acts(passes)})")
                 route.feed.settle(0)
             finally:
                 loop.finish()

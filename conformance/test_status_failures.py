@@ -33,7 +33,9 @@ SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bflo
               ("norm.bias", "float16", (4,)))
 RULE = "STATUS-FAILED-NOT-NORMAL"
 RANK0_AFTER_S = 0.03  # rank 0, slower than a follower, writes this long after the follower's loop read the request
-API_S = 5.0  # the API's wait: a worker answers in milliseconds; an API that waits its timeout out costs this
+BLOCKED_S = 1.0  # a follower's loop that has not reached its sync by then is blocked in its check (reads the cell itself)
+API_S = 10.0  # the API's wait for a healthy request, on a loaded machine (a loop that raises ends it at once)
+API_FAILED_S = 2.0  # the API's wait for the failing update: FastDeploy's guard waits this out (any answer but 200)
 ITERATION_S = 10.0  # one worker_iteration, on a loaded machine
 HOOKS = ("reset_prefix_cache", "recapture_graphs", "reset_mtp_cache")  # the middle one raises
 OLD, BAD, FIXED = 1, 2, 3
@@ -117,38 +119,58 @@ def _publish(rt, rank: int, version: int, fault: str | None = None) -> str:
     return where
 
 
-def _api(worker: Worker, request: str):
+def _api(worker: Worker, request: str, timeout_s: float = None, fail_fast: bool = True):
     """The API's ``request``, answered while the worker's loop runs: (the answer, what the loop's passes returned
     or raised meanwhile)."""
     control = worker.rt.loader.adapter.control(worker.cell.name)
-    first = len(worker.results)
-    answer = getattr(control, request)(API_S)
-    return answer, worker.results[first:]
+    return worker.loop.ask(getattr(control, request), API_S if timeout_s is None else timeout_s, fail_fast=fail_fast)
 
 
-def _as_follower(worker: Worker, request: int, written: int):
-    """Rank 0's ``request`` in the cell, which the follower's loop reads and broadcasts; rank 0 (this process), the
-    slower, writes ``written`` (what it did: CLEARED, NORMAL) ``RANK0_AFTER_S`` after the loop first read the
-    request, having read the cell first. Returns once rank 0 has written and the follower's loop did something since
-    the request: (what its passes returned or raised since the request, the cell just before rank 0 wrote)."""
-    before, wrote = [], threading.Event()
+def _released(worker: Worker) -> bool:
+    return all(o.data is None for o in worker.session.observe().values())
+
+
+def _as_follower(worker: Worker, request: int, written: int, done=None):
+    """Rank 0's ``request``: written to the cell, and broadcast to the follower's loop at its next ``sync`` (rank 0
+    read it, whatever the follower reads by then). Rank 0 (this process), the slower, writes ``written`` (what it
+    did: CLEARED, NORMAL) ``RANK0_AFTER_S`` after that ``sync`` (or after ``BLOCKED_S`` if no pass reaches it: a loop
+    that blocks in its check reads the request itself), having read the cell first. Returns once rank 0 has written
+    and a pass of the follower's loop did something since the request, or, failing that within ``BLOCKED_S``,
+    ``done(worker)`` holds (a clear's pass that blocks at CLEARED never returns, yet the follower has cleared):
+    (what its passes returned or raised since the request, the cell just before rank 0 wrote)."""
+    before, wrote, started = [], threading.Event(), threading.Event()
+    lock = threading.Lock()
 
     def rank0():
         before.append(C.name_of(worker.cell.read()))
         worker.cell.write(written)
         wrote.set()
 
+    def start_rank0():
+        with lock:
+            if started.is_set():
+                return
+            started.set()
+        threading.Timer(RANK0_AFTER_S, rank0).start()
+
     def on_sync(value):
-        if value == request and worker.loop.on_sync is on_sync:
-            worker.loop.on_sync = None  # once: rank 0 acts once per request
-            threading.Timer(RANK0_AFTER_S, rank0).start()
+        if worker.loop.on_sync is on_sync:
+            worker.loop.on_sync = None  # once: rank 0 broadcasts each request once
+            start_rank0()
+            return request
+        return None
 
     first = len(worker.results)
     worker.loop.on_sync = on_sync
     worker.cell.write(request)
-    done = worker.until(lambda: wrote.is_set() and _acts(worker.results[first:]))
+    fallback = threading.Timer(BLOCKED_S, start_rank0)
+    fallback.start()
+    acted = lambda: wrote.is_set() and _acts(worker.results[first:])  # noqa: E731
+    finished = worker.until(acted, BLOCKED_S + RANK0_AFTER_S + 0.5) or (
+        worker.until(lambda: acted() or (wrote.is_set() and done is not None and done(worker))))
+    fallback.cancel()
     worker.loop.on_sync = None
-    return (worker.results[first:] if done else worker.results[first:] + ["(nothing more within the deadline)"]), before
+    return (worker.results[first:] if finished else worker.results[first:] + ["(nothing more within the deadline)"]), before
 
 
 _acts = LoopThread.acts
@@ -186,14 +208,14 @@ def _failed_then_recovered(worker: Worker, rt, cell: C.Cell, who: str, follower:
     session, fault, rank = worker.session, worker.fault, worker.rank
     # The API's clear, then its update of a version that fails.
     if follower:
-        results, before = _as_follower(worker, C.CLEARING, C.CLEARED)
-        check.equal((_acts(results), before, C.name_of(cell.read())), (["cleared"], ["CLEARING"], "CLEARED"),
-                    f"{who}: rank 0's CLEARING: what the loop's passes did ({results}), the cell before rank 0's CLEARED "
-                    "and after")
+        results, before = _as_follower(worker, C.CLEARING, C.CLEARED, done=_released)
+        check.equal((before, C.name_of(cell.read()), _released(worker)), (["CLEARING"], "CLEARED", True),
+                    f"{who}: rank 0's CLEARING: the cell before rank 0's CLEARED and after, every parameter released "
+                    f"(the loop's passes: {_acts(results)})")
     else:
         answer, results = _api(worker, "clear_load_weight")
-        check.equal((answer, _acts(results)), ((200, "clear model weight successfully"), ["cleared"]),
-                    f"{who}: the API's clear and what the loop's passes did meanwhile ({results})")
+        check.equal((answer, C.name_of(cell.read())), ((200, "clear model weight successfully"), "CLEARED"),
+                    f"{who}: the API's clear and the cell (the loop's passes meanwhile: {_acts(results)})")
     where = _publish(rt, rank, BAD, fault if fault in ("dtype", "missing", "gone") else None)
     worker.broken = True
     worker.seen.clear()
@@ -202,7 +224,7 @@ def _failed_then_recovered(worker: Worker, rt, cell: C.Cell, who: str, follower:
         answer, (results, before) = None, _as_follower(worker, C.UPDATING, C.CLEARED)
     else:
         first = len(worker.results)
-        answer, _ = _api(worker, "update_model_weight")
+        answer, _ = _api(worker, "update_model_weight", API_FAILED_S, fail_fast=False)
         worker.until(lambda: _acts(worker.results[first:]))
         results = worker.results[first:]
     rt.feed.settle(rank)
