@@ -1,6 +1,8 @@
 """Assertion helpers for conformance tests. Each call counts as a check (see the vacuity guard).
 
-Messages name the rule context (``where``), the tensor, and both values.
+Messages name the rule context (``where``), the tensor, and both values. PYTEST_DONT_REWRITE: installed, pytest
+would rewrite this module's asserts (it rewrites every module of a distribution with a pytest11 entry point) and
+add its own introspection to each message; the report then said something else than a checkout's run.
 """
 from __future__ import annotations
 

@@ -85,6 +85,7 @@ class Rule:
     status: str
     expectation: dict | None
     tests: list[dict]
+    modes: dict | None = None  # the rule's mode declaration and the pairs its tests covered (older reports: None)
 
 
 @dataclass
@@ -140,10 +141,11 @@ def parse_report(data, path: str) -> Report:
         if not isinstance(tests, list):
             raise bad(f'rule {rule_id}: "tests" is not a list')
         level = rule.get("level")
+        modes = rule.get("modes")
         report.rules[rule_id] = Rule(
             id=rule_id, title=_text(rule.get("title")), area=_text(rule.get("area")) or area_of(rule_id),
             level=_text(level) or None, status=status, expectation=expectation,
-            tests=[t for t in tests if isinstance(t, dict)])
+            tests=[t for t in tests if isinstance(t, dict)], modes=modes if isinstance(modes, dict) else None)
     return report
 
 
@@ -168,6 +170,22 @@ class Row:
     title: str
     area: str
     level: str | None
+    modes: dict | None = None  # from the first report that gives them
+
+
+def modes_text(modes: dict | None) -> tuple[str, str]:
+    """(the row's line, its title attribute) for a rule's mode coverage: ``path × staged: 14/16 pairs``, the
+    uncovered pairs by name in the title; ("", "") for a report without modes."""
+    if not modes or not _text(modes.get("declared")):
+        return "", ""
+    declared, required = _text(modes["declared"]), modes.get("required") or 0
+    if not required:
+        return f"modes: {declared}", ""
+    uncovered = [_text(u) for u in modes.get("uncovered") or []]
+    what = "pairs" if " × " in declared else "values"
+    line = f"modes: {modes.get('covered', 0)}/{required} {what} covered"
+    tip = f"{declared}" + (f"\nuncovered: {', '.join(uncovered)}" if uncovered else "\nevery pair covered")
+    return line, tip
 
 
 def rows_of(reports: list[Report]) -> list[Row]:
@@ -179,10 +197,11 @@ def rows_of(reports: list[Report]) -> list[Row]:
         for rule in report.rules.values():
             row = rows.get(rule.id)
             if row is None:
-                rows[rule.id] = Row(rule.id, rule.title, rule.area, rule.level)
+                rows[rule.id] = Row(rule.id, rule.title, rule.area, rule.level, rule.modes)
                 continue
             row.title = row.title or rule.title
             row.level = row.level or rule.level
+            row.modes = row.modes or rule.modes
     area_order: dict[str, int] = {}
     for row in rows.values():
         area_order.setdefault(row.area, len(area_order))
@@ -309,6 +328,8 @@ tr.area th.rule { background: #eaeef2; font-weight: 700; }
 tr.area td { background: #eaeef2; font-size: 12px; color: var(--muted); font-variant-numeric: tabular-nums; }
 .rid { font-size: 12.5px; font-weight: 600; display: block; overflow-wrap: anywhere; }
 .rtitle { display: block; color: #31363c; font-size: 13px; }
+.modes { display: block; color: #57606a; font-size: 11px; }
+.modes.gap { color: #9a6700; }
 .level { display: inline-block; font-size: 11px; border-radius: 8px; padding: 0 6px; margin-left: 6px;
        border: 1px solid var(--line); color: var(--muted); font-weight: normal; vertical-align: 1px; }
 .level.lv-contract { border-color: #0969da; color: #0969da; }
@@ -408,7 +429,9 @@ def render(reports: list[Report], title: str = "Conformance matrix") -> str:
         level_cls = f"lv-{row.level}" if row.level in LEVELS else "lv-unknown"
         w(f'<tr id="{esc(row.id)}" data-rule="{esc(row.id)}"><th class="rule" scope="row">'
           f'<span class="rid">{esc(row.id)}<span class="level {level_cls}">{esc(level)}</span></span>'
-          f'<span class="rtitle">{title_html(row.title)}</span></th>')
+          f'<span class="rtitle">{title_html(row.title)}</span>'
+          + (lambda line, tip: f'<span class="modes{" gap" if "uncovered" in tip else ""}" title="{esc(tip)}">'
+             f'{esc(line)}</span>' if line else "")(*modes_text(row.modes)) + "</th>")
         for j, rep in enumerate(reports):
             cls, rule = grid[i][j]
             text = esc(cell_text(cls, rule))

@@ -8,9 +8,10 @@ axes once, in SPEC.md, on a ``Modes:`` line right before its ``Proven by:`` line
     Modes: path(parts, single, ipc, bucket) × staged × model.
     Modes: path × start; except path=parts with start=loaded (a snapshot update needs a clear first).
     Modes: n/a (a naming rule: one behaviour, no mode).
+    Modes: start × model; note: a strided target is judged by APPLY-STRIDED-TARGET.
 
 An axis of :data:`AXES` takes its default values unless the rule lists some; any other axis must list
-its values. ``except A=v with B=w (why)`` removes a pair no case can exercise. The rule's cases must then
+its values. ``except A=v with B=w (why)`` removes a pair no case can exercise; ``note: ...`` is for the reader. The rule's cases must then
 cover **every pair of values of every two axes** (every value, for a rule of one axis): the plugin computes
 which pairs the collected cases cover (from each case's ``@pytest.mark.modes(axis=value, ...)`` marks and
 what :func:`item_modes` derives), and ``--list-rules``, the JSON report and the matrix page state them,
@@ -65,6 +66,18 @@ PATH_OF_CAPABILITY = {
 }
 CAPABILITY_OF_PATH = {path: cap for cap, path in PATH_OF_CAPABILITY.items()}
 
+#: Pairs no case of any rule can exercise, with the reason: left out of every declaration that has both values.
+IN_PLACE_PATHS = ("rsync", "gdr", "gdr_ipc")
+GLOBAL_EXCLUDED: dict[frozenset, str] = {
+    **{frozenset({("path", p), ("start", "loaded")}): "only the streamed paths update loaded weights in place; "
+       "the others load cleared weights and refuse an update without a clear (LIFE-RECOVERY)"
+       for p in AXES["path"] if p not in IN_PLACE_PATHS},
+    **{frozenset({("path", p), ("staged", "staged")}): "GDR hands each item to the model's own load_weights as it "
+       "arrives: there is nothing for the loader to stage (STAGE)" for p in ("gdr", "gdr_ipc")},
+    frozenset({("call", "first"), ("start", "loaded")}): "the first update of a session finds no loaded weights to "
+    "update in place",
+}
+
 MODES_LINE = re.compile(r"^Modes:\s*(.*)$")
 _AXIS = re.compile(r"^([a-z][a-z_]*)\s*(?:\((.*)\))?$")
 _VALUE = re.compile(r"^[A-Za-z0-9_.+\-]+$")
@@ -82,16 +95,27 @@ class Declaration(NamedTuple):
     na: str = ""
 
     def required(self) -> list[Pair]:
-        """Every pair a rule's cases must cover (every value, for one axis), excluded pairs left out."""
+        """Every pair a rule's cases must cover (every value, for one axis), excluded pairs (the rule's own and
+        :data:`GLOBAL_EXCLUDED`) left out."""
         names = list(self.axes)
         if len(names) == 1:
             return [((names[0], v),) for v in self.axes[names[0]]]
         out = []
+        excluded = self.all_excluded()
         for a, b in itertools.combinations(names, 2):
             for va, vb in itertools.product(self.axes[a], self.axes[b]):
                 pair = _pair({a: va, b: vb}, a, b)
-                if pair not in self.excluded:
+                if pair not in excluded:
                     out.append(pair)
+        return out
+
+    def all_excluded(self) -> dict[Pair, str]:
+        """The rule's exclusions and the global ones that name two of its declared values."""
+        out = dict(self.excluded)
+        for pair, why in GLOBAL_EXCLUDED.items():
+            (a, va), (b, vb) = sorted(pair)
+            if va in self.axes.get(a, ()) and vb in self.axes.get(b, ()):
+                out.setdefault(_pair({a: va, b: vb}, a, b), why)
         return out
 
     def text(self) -> str:
@@ -144,6 +168,8 @@ def parse(rule_id: str, text: str) -> Declaration:
         axes[name] = values
     excluded: dict[Pair, str] = {}
     for clause in clauses:
+        if clause.startswith("note:"):  # a reader's note (where a mode left out is judged instead)
+            continue
         m = _EXCEPT.match(clause)
         if not m:
             raise ValueError(f"SPEC rule {rule_id}: 'Modes:' clause {clause!r} is not "
@@ -262,7 +288,7 @@ def params(rule_id: str, *, axes: Mapping[str, Iterable[str]] | None = None,
     unknown = [a for a in space if a not in decl.axes]
     if unknown:
         raise ValueError(f"{rule_id}: axes {unknown} are not declared on its 'Modes:' line ({decl.text()})")
-    combos = pairwise(space, decl.excluded, valid)
+    combos = pairwise(space, decl.all_excluded(), valid)
     requires = requires or default_requires
     return [pytest.param(combo, *extra, marks=[pytest.mark.modes(**combo), pytest.mark.requires(*requires(combo))],
                          id="-".join(combo.values()) or "one") for combo in combos]
@@ -280,15 +306,32 @@ def default_requires(combo: Mapping[str, str]) -> list[str]:
 
 
 # -- what the collected cases cover ----------------------------------------------------------------------
+def encode(combo: Mapping[str, str]) -> str:
+    """``axis=value,...`` in axis order: a test report's ``modes`` property (a string, so that it travels on
+    pytest-xdist reports and into ``--junitxml`` properties)."""
+    return ",".join(f"{a}={combo[a]}" for a in sorted(combo))
+
+
+def decode(text: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+
+
+def values_of(value) -> tuple[str, ...]:
+    """A mark's value for an axis: one value, or a tuple/list of the values one case exercises in turn (a case that
+    judges the first, second and third update of its session: ``call=("first", "second", "third")``)."""
+    return tuple(str(v) for v in value) if isinstance(value, (tuple, list)) else (str(value),)
+
+
 def item_modes(item) -> dict[str, str]:
-    """The modes of one collected test: its ``modes`` marks (the closest mark wins an axis), then a
-    parameter named after an axis whose value is one of that axis's values, then the path its ``requires``
-    name when they name exactly one path capability, and ``staged``: staged when it requires ``staged``,
-    else plain (a session is plain unless opened staged, which needs the capability)."""
+    """The modes of one collected test: its ``modes`` marks (the closest mark wins an axis; several values of
+    one axis, joined by ``|``, when the case judges each of them in turn), then a parameter named after an axis
+    whose value is one of that axis's values, then the path its ``requires`` name when they name exactly one path
+    capability, and ``staged``: staged when it requires ``staged``, else plain (a session is plain unless opened
+    staged, which needs the capability)."""
     out: dict[str, str] = {}
     for mark in item.iter_markers("modes"):
         for axis, value in mark.kwargs.items():
-            out.setdefault(axis, str(value))
+            out.setdefault(axis, "|".join(values_of(value)))
     params = getattr(getattr(item, "callspec", None), "params", {}) or {}
     for axis, values in AXES.items():
         value = params.get(axis)
@@ -309,11 +352,12 @@ def covered(decl: Declaration, cases: Iterable[Mapping[str, str]]) -> set[Pair]:
     got: set[Pair] = set()
     for case in cases:
         if len(names) == 1:
-            got.add(((names[0], case.get(names[0])),))
+            got.update(((names[0], v),) for v in str(case.get(names[0])).split("|"))
             continue
         for a, b in itertools.combinations(names, 2):
             if a in case and b in case:
-                got.add(_pair(case, a, b))
+                for va, vb in itertools.product(str(case[a]).split("|"), str(case[b]).split("|")):
+                    got.add(_pair({a: va, b: vb}, a, b))
     return got & required
 
 
@@ -325,9 +369,20 @@ class Coverage(NamedTuple):
     uncovered: list[str]  # "a=v & b=w" per uncovered pair, in declaration order
 
     def summary(self) -> str:
-        if self.declared.startswith("n/a") or self.declared == "undeclared":
+        if not self.required:
             return self.declared
-        return f"{self.covered}/{self.required} pairs" + (f"; uncovered: {', '.join(self.uncovered)}" if self.uncovered else "")
+        what = "values" if " × " not in self.declared else "pairs"
+        return f"{self.covered}/{self.required} {what}" + (f"; uncovered: {', '.join(self.uncovered)}" if self.uncovered else "")
+
+    def listing(self) -> str:
+        """The declaration and what its cases cover, as ``--list-rules`` prints it."""
+        if not self.required:
+            return self.declared
+        return f"{self.declared}: {self.summary()}"
+
+    def as_json(self) -> dict:
+        return {"declared": self.declared, "required": self.required, "covered": self.covered,
+                "uncovered": list(self.uncovered)}
 
 
 def coverage(rule_id: str, cases: Iterable[Mapping[str, str]], decl: Declaration | None | bool = False) -> Coverage:

@@ -224,11 +224,30 @@ MORE_PATHS = {
 ALL_PATHS = {**PATHS, **MORE_PATHS}
 
 
-def cases(*values, paths=None, extra: tuple[str, ...] = (), id_suffix: str = ""):
+# Paths whose updates a loader cannot stage: GDR hands each item to the model's own load_weights as it arrives.
+UNSTAGED = ("gdr", "gdr_ipc")
+
+
+def cases(*values, paths=None, extra: tuple[str, ...] = (), id_suffix: str = "", staged: bool = False):
     """One ``pytest.param(path, *values)`` per path (default: every path of ``PATHS``; ``paths`` may name
-    ``MORE_PATHS`` too), requiring its capability and ``extra``; ids ``{path}{id_suffix}``."""
-    return [pytest.param(p, *values, marks=pytest.mark.requires(*ALL_PATHS[p].capabilities, *extra), id=p + id_suffix)
-            for p in (paths or PATHS)]
+    ``MORE_PATHS`` too), requiring its capability and ``extra``; ids ``{path}{id_suffix}``. With ``staged``, each
+    param ends with a bool, False, and each path a loader can stage gets a second one ending with True (requiring
+    ``staged``, id ``...:staged``): the rule in both modes (conformance/modes.py: staged)."""
+    out = []
+    for p in (paths or PATHS):
+        caps = (*ALL_PATHS[p].capabilities, *extra)
+        if not staged:
+            out.append(pytest.param(p, *values, marks=pytest.mark.requires(*caps), id=p + id_suffix))
+            continue
+        out.append(pytest.param(p, *values, False, marks=pytest.mark.requires(*caps), id=p + id_suffix))
+        if p not in UNSTAGED:
+            out.append(pytest.param(p, *values, True, marks=pytest.mark.requires(*caps, "staged"), id=p + id_suffix + ":staged"))
+    return out
+
+
+def staged_options(staged: bool) -> dict:
+    """The session options of a case made by ``cases(..., staged=True)``."""
+    return {"staged": True} if staged else {}
 
 
 class Route:

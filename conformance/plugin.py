@@ -1,7 +1,11 @@
 """pytest plugin: ``--impl``, capabilities, rule ids and levels, the vacuity guard, expectations and
 the report.
 
-Loaded by the repository's root conftest.py (so the option exists from any start directory).
+Loaded as the ``pytest11`` entry point ``conformance.plugin`` of the installed suite (pyproject.toml), so that
+``python -m pytest --pyargs conformance --impl=...`` works from any directory under any project's configuration:
+the plugin registers its own markers (``MARKERS``) and gives each conformance test pytest-timeout's default of
+``DEFAULT_TIMEOUT_S`` where the run configures no timeout. The checkout's root conftest.py names it too (a
+checkout that is not installed); under the same name, it is registered once.
 
 Every conformance test carries its rule, level, area and required capabilities in
 ``item.user_properties``; they travel on each test report, so the results (and the JSON report, the
@@ -21,6 +25,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from . import SUITE_PROTOCOL, SUITE_VERSION, check, harness
+from . import modes as mode_space
 from . import expectations as expect
 from . import report as rep
 from .capabilities import CAPABILITIES
@@ -39,7 +44,28 @@ LISTING_KEY = pytest.StashKey[list]()
 NOTHING_TESTED_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED
 STATUSES = rep.STATUSES
 CONFORMANCE_DIR = os.path.dirname(os.path.abspath(__file__))
-PROPERTY_KEYS = ("rule", "level", "area", "requires", "device", "race")
+PROPERTY_KEYS = ("rule", "level", "area", "requires", "device", "race", "modes", "test_id")
+# Installed (the wheel), SPEC.md is a file of this package (setup.py copies it there); in a checkout it is not.
+INSTALLED = os.path.isfile(os.path.join(CONFORMANCE_DIR, "SPEC.md"))
+# The suite's markers, registered here rather than in a project's configuration (--strict-markers holds).
+MARKERS = (
+    "rule(rule_id): the SPEC.md rule this conformance test proves",
+    "requires(*capabilities): adapter capabilities the rule needs; absent ones make it not_applicable",
+    "modes(**axis_values): the modes this case exercises (conformance/modes.py; a rule's Modes: line in SPEC.md declares its axes)",
+    "race(why): the verdict depends on a race with the implementation (--update-expectations writes it as flaky)",
+    "snapshot: ipc_snapshot path",
+    "ipc: ipc metadata-file path",
+    "buckets: async IPC bucket path",
+    "streams: streamed paths (rsync, GDR) through the CheckpointTransfer stand-in",
+    "multirank: multi-rank jobs under paddle.distributed.launch (tier: runs with -m multirank)",
+    "cycles: many clear/update cycles with resources compared (tier: runs with -m cycles)",
+    "restart: a worker SIGKILLed at every phase on every path, then restarted (tier: runs with -m restart)",
+    "hosts: a multirank test that only two hosts can prove (runs with -m multirank --hosts 2)",
+    "huge: a tensor over 2 GiB from a sparse file, about 7 GiB of memory and a minute (tier: runs with -m huge)",
+)
+# pytest-timeout's limit for a conformance test whose run sets none (no --timeout, no PYTEST_TIMEOUT, no ini
+# timeout) and that has no timeout marker of its own: a backstop behind the suite's own bounded waits.
+DEFAULT_TIMEOUT_S = 120
 
 
 def pytest_addoption(parser):
@@ -72,10 +98,27 @@ def pytest_addoption(parser):
                     help="list the rules (id, level, area, capabilities, title) of the collected tests and exit")
 
 
+def test_id(item) -> str:
+    """A conformance test's id in the report, the summary and an expectations file: its file's path from the
+    folder the ``conformance`` package is in, then pytest's test name (``conformance/test_apply.py::test_x[a]``).
+    It is pytest's node id in a checkout run from its root, and the same id installed, where pytest names the
+    package's files from another rootdir (``test_apply.py::...``), so that one expectations file gates both. A
+    test outside the package (a project's own, marked ``rule``) keeps pytest's node id."""
+    path = os.path.abspath(str(item.path))
+    if not path.startswith(CONFORMANCE_DIR + os.sep):
+        return item.nodeid
+    name = item.nodeid.partition("::")[2]
+    return os.path.relpath(path, os.path.dirname(CONFORMANCE_DIR)).replace(os.sep, "/") + ("::" + name if name else "")
+
+
 def _is_conformance(item) -> bool:
-    """A test under conformance/, or one marked ``rule``/``requires`` wherever it lives (so that a
-    missing or stray marker is caught, and the plugin's own tests can build conformance tests)."""
-    if item.get_closest_marker("rule") is not None or item.get_closest_marker("requires") is not None:
+    """A test under conformance/, or one marked ``rule`` wherever it lives, or, in a run with ``--impl``, one
+    marked ``requires`` (so that a missing or stray marker is caught, and the plugin's own tests can build
+    conformance tests). The plugin loads in every pytest run of an environment the suite is installed in: a
+    project test marked ``requires`` of its own, in a run that is not a conformance run, is left alone."""
+    if item.get_closest_marker("rule") is not None:
+        return True
+    if item.get_closest_marker("requires") is not None and _adapter(item.config) is not None:
         return True
     return os.path.abspath(str(item.path)).startswith(CONFORMANCE_DIR + os.sep)
 
@@ -88,6 +131,8 @@ def _is_worker(config) -> bool:
 
 
 def pytest_configure(config):
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
     config.stash[RESULTS_KEY] = {}
     config.stash[EXPECT_KEY] = []
     _STATE["config"] = config
@@ -190,13 +235,21 @@ def pytest_collection_modifyitems(session, config, items):
                 errors.append(f"{item.nodeid}: unknown capabilities {unknown}")
         if item.get_closest_marker("xfail") is not None:
             errors.append(f"{item.nodeid}: a conformance test cannot be marked xfail (it would hide a failure)")
+        if rule_id in known:
+            errors += _mode_errors(item, rule_id)
     if errors:
         raise pytest.UsageError("conformance collection errors:\n  " + "\n  ".join(errors))
+    if conformance_items and not _timeout_configured(config):
+        for item in conformance_items:
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(DEFAULT_TIMEOUT_S))
     for item in conformance_items:
         rule_id = rule_of(item)
         requires = sorted({c for m in item.iter_markers("requires") for c in m.args})
         item.user_properties.extend([("rule", rule_id), ("level", levels()[rule_id]), ("area", area(rule_id)),
-                                     ("requires", ",".join(requires)), ("device", devices().get(rule_id, ""))])
+                                     ("requires", ",".join(requires)), ("device", devices().get(rule_id, "")),
+                                     ("modes", mode_space.encode(mode_space.item_modes(item))),
+                                     ("test_id", test_id(item))])
         race = item.get_closest_marker("race")  # a verdict that depends on a race with the implementation
         if race is not None:
             item.user_properties.append(("race", " ".join(map(str, race.args)) or "race"))
@@ -205,9 +258,9 @@ def pytest_collection_modifyitems(session, config, items):
         # Before any selection (--rule, -k): an entry for a rule this run deselects is still valid. An
         # entry is checked only where this run can tell: an id or glob when its file was collected, a rule
         # entry when every rule's tests were (a run of some files is not a run of the suite).
-        stale = expect.unmatched(expect.checkable(entries, {i.nodeid.partition("::")[0] for i in conformance_items},
+        stale = expect.unmatched(expect.checkable(entries, {test_id(i).partition("::")[0] for i in conformance_items},
                                                   {rule_of(i) for i in conformance_items} >= set(known)),
-                                 [(i.nodeid, rule_of(i)) for i in conformance_items])
+                                 [(test_id(i), rule_of(i)) for i in conformance_items])
         if stale:
             raise pytest.UsageError(
                 f"--expectations {config.getoption('--expectations')}: "
@@ -223,11 +276,38 @@ def pytest_collection_modifyitems(session, config, items):
         items[:] = keep
 
 
-def _listing(items) -> list[tuple[str, str, str, str, str]]:
+def _mode_errors(item, rule_id: str) -> list[str]:
+    """A ``modes`` mark naming a value its rule's ``Modes:`` line does not declare for that axis (a typo would
+    leave a pair uncovered without saying why), or a value outside a known axis's vocabulary."""
+    decl = mode_space.declarations().get(rule_id)
+    errors = []
+    for mark in item.iter_markers("modes"):
+        for axis, value in mark.kwargs.items():
+            allowed = decl.axes.get(axis) if decl is not None and axis in decl.axes else mode_space.AXES.get(axis)
+            bad = [v for v in mode_space.values_of(value) if allowed is not None and v not in allowed]
+            if bad:
+                errors.append(f"{item.nodeid}: modes mark {axis}={value!r}: {', '.join(map(repr, bad))} is not a value "
+                              f"of axis {axis} ({', '.join(allowed)}) declared for {rule_id}")
+    return errors
+
+
+def _timeout_configured(config) -> bool:
+    """Whether this run sets pytest-timeout's limit itself (``--timeout``, ``PYTEST_TIMEOUT`` or the ini
+    ``timeout``, 0 included), or has no pytest-timeout to apply one (then there is nothing to default)."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        return True
+    return (config.getoption("timeout", None) is not None or bool(os.environ.get("PYTEST_TIMEOUT"))
+            or bool(config.getini("timeout")))
+
+
+def _listing(items) -> list[tuple[str, str, str, str, str, str]]:
     caps: dict[str, set] = defaultdict(set)
+    cases: dict[str, list] = defaultdict(list)
     for item in items:
         caps[rule_of(item)].update(c for m in item.iter_markers("requires") for c in m.args)
-    return [(rule_id, levels()[rule_id], area(rule_id), ",".join(sorted(caps[rule_id])) or "-", title)
+        cases[rule_of(item)].append(mode_space.item_modes(item))
+    return [(rule_id, levels()[rule_id], area(rule_id), ",".join(sorted(caps[rule_id])) or "-", title,
+             mode_space.coverage(rule_id, cases[rule_id]).listing())
             for rule_id, title in rules().items() if rule_id in caps]
 
 
@@ -328,7 +408,7 @@ def pytest_runtest_makereport(item, call):
         # read by _status_of; a plain attribute, so it survives pytest-xdist's report serialization
         report.conformance_status = "error"
     props = _props(item.user_properties)
-    entry = expect.match(item.config.stash.get(EXPECT_KEY, []), item.nodeid, props["rule"]) if props else None
+    entry = expect.match(item.config.stash.get(EXPECT_KEY, []), props["test_id"], props["rule"]) if props else None
     if entry is not None:
         _apply_expectation(report, entry)
     return report
@@ -398,8 +478,9 @@ def _message(report, status: str) -> str:
 
 
 def _record(config, nodeid: str, props: dict) -> dict:
-    """The result record of one conformance test, from its rule properties."""
+    """The result record of one conformance test, from its rule properties (named by its ``test_id``)."""
     rule_id = props["rule"]
+    nodeid = props.get("test_id") or nodeid
     entry = expect.match(config.stash.get(EXPECT_KEY, []), nodeid, rule_id)
     return {
         "nodeid": nodeid,
@@ -414,6 +495,7 @@ def _record(config, nodeid: str, props: dict) -> dict:
         "message": "",
         "expectation": entry.as_json() if entry else None,
         "repro": repro_command(config, nodeid),
+        "modes": mode_space.decode(props.get("modes", "")),
         "_entry": entry,
         "_race": bool(props.get("race")),
     }
@@ -463,17 +545,21 @@ def pytest_runtest_logreport(report):
         info["status"] = expect.verdict(status, info["_entry"])
 
 
-def repro_command(config, nodeid: str) -> str:
+def repro_command(config, nodeid: str, installed: bool | None = None) -> str:
     """A shell command that reruns one test with the same interpreter, implementation and options,
-    from the directory the suite was run in."""
+    from the directory the suite was run in. A test of the installed suite (``installed``, default: whether
+    this one is) is named as ``--pyargs conformance.MODULE::TEST``."""
     path, sep, rest = nodeid.partition("::")
-    root = str(getattr(config, "rootpath", "") or "")
-    invoked = str(getattr(getattr(config, "invocation_params", None), "dir", "") or "")
-    if root and invoked:
-        path = os.path.relpath(os.path.join(root, path), invoked)
     args = [f"--impl={config.getoption('--impl')}"] + [f"--impl-opt={kv}" for kv in config.getoption("--impl-opt")]
-    return (f"{shlex.quote(sys.executable)} -m pytest {shlex.quote(path + sep + rest)} "
-            + " ".join(shlex.quote(a) for a in args))
+    if (INSTALLED if installed is None else installed) and path.startswith("conformance/") and path.endswith(".py"):
+        target = ["--pyargs", path.removesuffix(".py").replace("/", ".") + sep + rest]
+    else:
+        root = str(getattr(config, "rootpath", "") or "")
+        invoked = str(getattr(getattr(config, "invocation_params", None), "dir", "") or "")
+        if root and invoked:
+            path = os.path.relpath(os.path.join(root, path), invoked)
+        target = [path + sep + rest]
+    return (f"{shlex.quote(sys.executable)} -m pytest " + " ".join(shlex.quote(a) for a in target + args))
 
 
 def _public(results: dict) -> dict:
@@ -639,8 +725,18 @@ def _print_listing(terminalreporter, listing) -> None:
         table.add_column(name, no_wrap=True)
     table.add_column("capabilities", ratio=2, overflow="fold")
     table.add_column("title", ratio=3, overflow="fold")
-    for rule_id, level, area_name, caps, title in listing:
+    for rule_id, level, area_name, caps, title, _ in listing:
         table.add_row(rule_id, level, area_name, caps.replace(",", ", "), title)
+    terminalreporter.write_line("")
+    _print_rich(terminalreporter, table)
+    # The mode space of each rule (SPEC.md's Modes: lines, conformance/modes.py) and the pairs of mode values the
+    # collected cases cover, uncovered pairs by name.
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, title_justify="left",
+                  title="modes of each rule (SPEC.md Modes:) and the pairs of values its collected cases cover:")
+    table.add_column("id", no_wrap=True)
+    table.add_column("modes: declared, covered, uncovered", overflow="fold")
+    for rule_id, *_, modes in listing:
+        table.add_row(rule_id, modes)
     terminalreporter.write_line("")
     _print_rich(terminalreporter, table)
 

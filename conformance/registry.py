@@ -19,7 +19,7 @@ from .capabilities import validate
 
 ENTRY_POINT_GROUP = "conformance.impls"
 BUILTIN = {
-    "reference": "reference.adapter:ReferenceAdapter",
+    "reference": "weightsync.reference.adapter:ReferenceAdapter",
     "fastdeploy": "conformance.impls.fastdeploy:FastDeployAdapter",
 }
 

@@ -100,6 +100,17 @@ def root_causes(results: dict, min_rules: int = 2) -> list[dict]:
 
 
 # -- the JSON report ---------------------------------------------------------------------------------
+RAN = ("passed", "failed", "error")  # a test whose case ran: its modes were exercised
+
+
+def mode_coverage(rule_id: str, tests: list[dict]) -> dict:
+    """What the rule's tests that ran (passed, failed or error: not those not applicable, skipped or not run)
+    cover of the mode pairs its ``Modes:`` line declares (conformance.modes)."""
+    from . import modes
+
+    return modes.coverage(rule_id, [t.get("modes") or {} for t in tests if t["actual"] in RAN]).as_json()
+
+
 def build(run_info: dict, results: dict, spec_rules: dict, fail_on: str, nothing_tested: str | None) -> dict:
     statuses = rule_statuses(results)
     grouped = by_rule(results)
@@ -111,7 +122,7 @@ def build(run_info: dict, results: dict, spec_rules: dict, fail_on: str, nothing
         first = tests[0]
         rules.append({"id": rule_id, "title": first["title"], "area": first["area"], "level": first["level"],
                       "device": first["device"], "status": statuses[rule_id], "expectation": expectation,
-                      "tests": tests})
+                      "modes": mode_coverage(rule_id, tests), "tests": tests})
     return {
         "run_info": run_info,
         "rules": rules,

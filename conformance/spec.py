@@ -6,7 +6,20 @@ import os
 import re
 from typing import NamedTuple
 
-SPEC_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "SPEC.md")
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def spec_path() -> str:
+    """The SPEC.md the suite reads: the installed package's own copy (the wheel's build copies it into
+    ``conformance/``, setup.py), else the checkout's, at the repository root (its only copy there)."""
+    for candidate in (os.path.join(_PACKAGE, "SPEC.md"), os.path.join(os.path.dirname(_PACKAGE), "SPEC.md")):
+        if os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(f"SPEC.md: neither {os.path.join(_PACKAGE, 'SPEC.md')} (an installed suite) nor "
+                            f"{os.path.join(os.path.dirname(_PACKAGE), 'SPEC.md')} (a checkout) exists")
+
+
+SPEC_PATH = spec_path()
 RULE_HEADING = re.compile(r"^###\s+`([A-Z][A-Z0-9]*(?:-[A-Z0-9]+)+)`\s+(.*)$")
 
 

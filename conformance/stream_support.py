@@ -15,7 +15,6 @@ import pytest
 from fixtures import streams as S
 
 STRATEGY_CAPS = {"rsync": "stream.rsync", "gdr": "stream.gdr", "gdr_ipc": "stream.gdr_ipc"}
-FAULT_TIMEOUT_S = 0.15  # the library's per-item wait in fault tests
 
 
 @pytest.fixture
@@ -57,9 +56,18 @@ def socket_fds() -> int:
     return count
 
 
-def case(strategy: str, *values, extra=(), id=None):
-    """A pytest.param for one streamed strategy, requiring its capability and ``extra``."""
-    return pytest.param(strategy, *values, marks=pytest.mark.requires(STRATEGY_CAPS[strategy], *extra), id=id)
+def case(strategy: str, *values, extra=(), id=None, modes=None):
+    """A pytest.param for one streamed strategy, requiring its capability and ``extra``; ``modes``: the modes the
+    case exercises besides its path (conformance/modes.py)."""
+    marks = [pytest.mark.requires(STRATEGY_CAPS[strategy], *extra)]
+    if modes:
+        marks.append(pytest.mark.modes(**modes))
+    return pytest.param(strategy, *values, marks=marks, id=id)
+
+
+def both_gdr(*values, extra=("mtp",), modes=None, suffix=""):
+    """The same case on ``gdr`` and ``gdr_ipc`` (GDR in the library's IPC mode)."""
+    return [case(s, *values, extra=extra, modes=modes, id=s + suffix) for s in ("gdr", "gdr_ipc")]
 
 
 def reraise(outcome) -> None:

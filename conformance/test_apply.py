@@ -359,6 +359,74 @@ def test_unknown_names_are_reported_by_name(loader, caplog, source, layout):
                f"{where}: the records naming the ignored tensors do not name the file they came from ({files}): {naming[:3]}")
 
 
+# -- unknown names across the mode space ------------------------------------------------------------
+# SPEC.md's Modes line of APPLY-UNKNOWN-IGNORED / -REPORTED: path x staged x model x call, every pair covered by
+# the generated cases (conformance.modes). ``model=draft``: the session has an MTP model, and the extras are
+# names a draft parameter almost has (a loader routing ``mtp.*`` names to the draft model must ignore the ones it
+# lacks too). ``call=second``: a first update with extras, clear(), a second one with extras again, each judged
+# on its own (a report made once per session, or once per name, misses the second). Parts: the extras spread
+# over the parts on the first update, alone in the last part on the second.
+from conformance import modes  # noqa: E402
+from conformance.paths import PATHS, route  # noqa: E402,F401 - route is a fixture
+
+DRAFT_EXTRAS = M.spec(
+    ("mtp.0.proj.weight_scale", "float32", (4,)),  # extends a draft parameter's name
+    ("mtp.0.proj", "bfloat16", (4, 4)),  # a prefix of one, of its dtype and shape
+    ("model.mtp.0.norm.weight", "float32", (4,)),  # the trainer's prefix on one; would fit
+    ("mtp.1.proj.weight", "bfloat16", (4, 4)),  # a second draft model the engine does not have
+    ("model.layers.2.eh_proj.bias", "float16", ()),  # an MTP layer's name, 0-d
+)
+
+
+def _extras(path, model, version):
+    spec = DRAFT_EXTRAS if model == "draft" else EXTRAS
+    if S.writes_pickle(path) or path == "ipc":  # paddle.save and the ipc export carry no fp8
+        spec = M.ModelSpec(tuple(p for p in spec.main if not p.dtype.startswith("float8")))
+    return M.state(spec, version=version)
+
+
+def _updates_with_extras(route, loader, caplog, combo):
+    """Run the case's updates (1 or 2, ``call``), each from a source holding every parameter and the extras;
+    yield (session, state wanted, extras, where, records at WARNING or above during that update)."""
+    path = combo["path"]
+    spec = SPEC_MTP if combo["model"] == "draft" else SPEC
+    rt = route(path)
+    session = rt.open(spec, options={"staged": True} if combo["staged"] == "staged" else None)
+    caplog.set_level(logging.WARNING)  # root logger: whatever logger the implementation uses
+    for k in range(1, 3 if combo["call"] == "second" else 2):
+        want, extras = M.state(spec, version=k), _extras(path, combo["model"], 4 + k)
+        layout = [sorted(want), sorted(extras)] if path == "parts" and k == 2 else None  # extras alone, last part
+        where = rt.publish(0, {**want, **extras}, k, layout)
+        where += f" ({combo['staged']}, {combo['model']} model, update {k}) with extra tensors {sorted(extras)}"
+        if k > 1:
+            rt.clear(0)
+        caplog.clear()
+        rt.update(0)
+        yield session, want, extras, where, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+UNKNOWN_PATHS = ("parts", "single", "legacy", "shared", "ipc")
+
+
+@pytest.mark.rule("APPLY-UNKNOWN-IGNORED")
+@pytest.mark.parametrize("combo", modes.params("APPLY-UNKNOWN-IGNORED"))
+def test_unknown_names_are_ignored_in_every_mode(route, loader, caplog, combo):
+    for session, want, extras, where, _records in _updates_with_extras(route, loader, caplog, combo):
+        observed = session.observe()
+        check.params_equal(observed, want, where)
+        check.equal(sorted(observed), sorted(want), f"{where}: parameter names after the update")
+
+
+@pytest.mark.rule("APPLY-UNKNOWN-REPORTED")
+@pytest.mark.parametrize("combo", modes.params("APPLY-UNKNOWN-REPORTED"))
+def test_unknown_names_are_reported_in_every_mode(route, loader, caplog, combo):
+    for session, want, extras, where, records in _updates_with_extras(route, loader, caplog, combo):
+        check.params_equal(session.observe(), want, where)
+        silent = [name for name in sorted(extras) if not any(_named(name, m) for m in records)]
+        check.that(not silent, f"{where}: ignored tensors no record at WARNING or above of this update names: "
+                               f"{silent} (the update's records at that level: {records[:5]})")
+
+
 MISSING = {
     "main": [MIDDLE],
     "mtp": [MTP_NAMES[1]],
@@ -404,6 +472,50 @@ def test_missing_parameter_fails_by_name(loader, source, what, when, status):
         check.status_not(session, "NORMAL", where)
 
 
+def _position(combo) -> int:
+    """0, 1 or 2 (first, middle, last) from the case's path: the generated cases put the fault everywhere."""
+    return modes.AXES["path"].index(combo["path"]) % 3
+
+
+def _missing_in(combo) -> list[str]:
+    """main: one main parameter (first, middle or last); draft: the MTP one alone at the first call, with
+    the first main parameter at the second (a loader that checks, or names, only the main model fails both)."""
+    if combo["model"] == "main":
+        return [(FIRST, MIDDLE, LAST)[_position(combo)]]
+    return [MTP_NAMES[_position(combo)]] if combo["call"] == "first" else [FIRST, MTP_NAMES[_position(combo)]]
+
+
+@pytest.mark.rule("APPLY-MISSING-FAILS")
+@pytest.mark.parametrize("combo", modes.params("APPLY-MISSING-FAILS"))
+def test_missing_parameter_fails_by_name_in_every_mode(route, loader, combo):
+    """The update lacking ``_missing_in(combo)`` (the first update, or the second after a whole one and a clear)
+    raises RuntimeError naming every missing parameter, the status is not NORMAL; then a whole version loads."""
+    path = combo["path"]
+    spec = SPEC_MTP if combo["model"] == "draft" else SPEC
+    missing = _missing_in(combo)
+    rt = route(path)
+    session = rt.open(spec, options={"staged": True} if combo["staged"] == "staged" else None)
+    if combo["call"] == "second":
+        rt.publish(0, M.state(spec, version=1), 1)
+        rt.update(0)
+        session.clear()
+    v2 = M.state(spec, version=2)
+    where = rt.publish(0, {k: v for k, v in v2.items() if k not in missing}, 2)
+    where += f" ({combo['staged']}, {combo['call']} update) lacks {missing}"
+    try:
+        with check.raises(RuntimeError, match="|".join(map(re.escape, missing)), names=missing, where=where):
+            session.update()
+    finally:
+        rt.feed.settle(0)
+    if "status" in loader.adapter.capabilities:
+        check.status_not(session, "NORMAL", where)
+    v3 = M.state(spec, version=3)
+    rt.publish(0, v3, 3)
+    session.clear()
+    rt.update(0)
+    check.params_equal(session.observe(), v3, f"{path}: version 3, whole, after {where}")
+
+
 # -- MTP ------------------------------------------------------------------------------------------
 SPEC_TWO_MTP = M.spec(
     *((p.name, p.dtype, p.shape) for p in SPEC.main),
@@ -442,9 +554,10 @@ def test_main_and_mtp_models_both_loaded(loader, source, layout):
 # Every path (conformance.paths): a source that carries no tensor, after a clear (the clear-first paths) and
 # while the weights are loaded (an update without clear() on the file paths, in place on the streamed ones;
 # a bucket update without clear() is refused before the trainer is heard, its update left unconsumed).
-from conformance.paths import PATHS, route  # noqa: E402,F401 - route is a fixture
 
 EMPTY_SPEC = M.spec(("embed.weight", "float32", (4, 4)), ("norm.bias", "float16", (4,)))
+EMPTY_SPEC_MTP = M.spec(("embed.weight", "float32", (4, 4)), ("norm.bias", "float16", (4,)),
+                        mtp=[[("model.layers.2.eh_proj.weight", "float32", (2, 4))]])
 EMPTY_CASES = [pytest.param(path, mode, marks=pytest.mark.requires(*PATHS[path].capabilities, "status"), id=f"{path}-{mode}")
                for path in PATHS for mode in ("after-clear", "loaded")
                if (mode == "after-clear") != PATHS[path].in_place or (mode == "loaded" and path != "bucket")]
@@ -482,3 +595,56 @@ def test_update_from_a_source_without_tensors_is_refused(route, path, mode):
     rt.update(0)
     check.params_equal(session.observe(), v3, f"{path}: version 3 after the refused empty source")
     check.status_is(session, "NORMAL", f"{path}: version 3 after the refused empty source")
+
+
+def _empty_valid(combo) -> bool:
+    """A bucket update of loaded weights without clear() is refused before the trainer is heard (its update left
+    unconsumed): at a later call, ``start=loaded`` is no empty source there."""
+    return not (combo["path"] == "bucket" and combo["start"] == "loaded" and combo["call"] == "second")
+
+
+@pytest.mark.rule("APPLY-EMPTY-REFUSED")
+@pytest.mark.parametrize("combo", modes.params("APPLY-EMPTY-REFUSED", valid=_empty_valid))
+def test_empty_source_is_refused_in_every_mode(route, loader, combo):
+    """The source of no tensor is the first update (``start``: the parameters built without memory, or allocated
+    by the engine) or the second (after a whole version: ``cleared``, after clear(); ``loaded``, without one, in
+    place on the streamed paths): refused; after a clear the status is not NORMAL, while loaded nothing changes;
+    then a whole version loads."""
+    from fixtures import streams as ST
+    from fixtures import strided as SD
+
+    path, first = combo["path"], combo["call"] == "first"
+    model = EMPTY_SPEC_MTP if combo["model"] == "draft" else EMPTY_SPEC
+    spec = SD.StridedSpec(model, {}, placeholders=first and combo["start"] == "loaded")
+    rt = route(path)
+    session = rt.open(spec, options={"staged": True} if combo["staged"] == "staged" else None)
+    ST.mark_mtp_layers(session.models, 2)
+    if not first:
+        v1 = M.state(spec, version=1)
+        rt.publish(0, v1, 1)
+        rt.update(0)
+        check.params_equal(session.observe(), v1, f"{path}: version 1")
+        if combo["start"] == "cleared":
+            session.clear()
+    where = rt.publish(0, {}, 2, [[]] if path == "parts" else None)  # parts: one part, empty
+    where += f" ({combo['staged']}, {combo['model']} model, {combo['call']} update, weights {combo['start']})"
+    before = session.observe()
+    refused = None
+    try:
+        rt.update(0)
+    except Exception as e:  # noqa: BLE001 - any refusal; what it says is FILE-NO-TENSORS's business
+        refused = e
+    check.that(refused is not None, f"{where}: an update of nothing was accepted (status {session.status()})")
+    if combo["start"] == "cleared":
+        if "status" in loader.adapter.capabilities:
+            check.status_not(session, "NORMAL", f"{where}: refused")
+    else:  # still serving what it held: NORMAL may say so (STATUS-UPDATE-WHILE-NORMAL), nothing may have changed
+        check.unchanged(before, session.observe(), f"{where}: refused")
+    v3 = M.state(spec, version=3)
+    rt.publish(0, v3, 3)
+    if not PATHS[path].in_place:
+        session.clear()
+    rt.update(0)
+    check.params_equal(session.observe(), v3, f"{where}: version 3 after the refused empty source")
+    if "status" in loader.adapter.capabilities:
+        check.status_is(session, "NORMAL", f"{where}: version 3 after the refused empty source")

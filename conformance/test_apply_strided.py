@@ -8,13 +8,16 @@ kernel for it), named so that they sort first, in the middle and last. The train
 on every path. Values are judged through ``observe()`` (logical order); the layout by the stride of each
 parameter of the layers the suite built and handed to ``open``, read before and after (reading, never
 acting for the implementation). A zero-size strided target is a zero-element round trip, judged under
-APPLY-ROUNDTRIP-DTYPES.
+APPLY-ROUNDTRIP-DTYPES. The two rules' cases are generated over their declared modes (SPEC.md: path x staged x
+model, every pair; ``conformance.modes``): a staged session's commit lands the layout too, and a draft (MTP)
+model with strided parameters of its own is loaded like the main one.
 """
 import pytest
 
-from conformance import check
+from conformance import check, modes
 from conformance.paths import PATHS, cases, route  # noqa: F401 - route is a fixture
 from fixtures import models as M
+from fixtures import streams as S
 from fixtures import strided as ST
 
 
@@ -31,6 +34,14 @@ MODEL = ST.StridedSpec(
         (LAST, "float32", (5, 2)),  # last by name
     ),
     {FIRST: (1, 0), EXPERTS: (0, 2, 1), HALF: (1, 0), LAST: (1, 0)},
+)
+# ``model=draft`` (SPEC.md's Modes lines): beside the main model, a draft (MTP) model whose own parameters are
+# strided (a column-major scale, a per-expert one), named so that GDR routes them to it.
+DRAFT_FIRST, DRAFT_EXPERTS = "mtp_block.0.a.scale", "mtp_block.0.experts.scale"
+MODEL_DRAFT = ST.StridedSpec(
+    M.ModelSpec(MODEL.main, (tuple(M.ParamSpec(*p) for p in (
+        (DRAFT_FIRST, "float32", (3, 5)), (DRAFT_EXPERTS, "float16", (2, 4, 3)), ("mtp_block.0.norm.weight", "bfloat16", (4,)))),)),
+    {**MODEL.layouts, DRAFT_FIRST: (1, 0), DRAFT_EXPERTS: (0, 2, 1)},
 )
 # A zero-size strided target holds no data: its case is a zero-element round trip (APPLY-ROUNDTRIP-DTYPES),
 # kept apart so that a loader failing zero-element parameters fails that rule, not the stride rules.
@@ -61,28 +72,44 @@ def _load(rt, session, before, version: int, where: str, model=MODEL) -> None:
     _layout_kept(session, before, where)
 
 
+def _strided_open(rt, combo):
+    """A session of the case's model (``model``), staged or not (``staged``)."""
+    model = MODEL_DRAFT if combo["model"] == "draft" else MODEL
+    session = rt.open(model, options={"staged": True} if combo["staged"] == "staged" else None)
+    S.mark_mtp_layers(session.models, 2)
+    before = ST.strides(session.models)
+    for name in model.layouts:  # the fixture built the layout it means (zero-size: any)
+        if 0 not in model.param(name).shape:
+            check.equal(before[name], model.stride(name), f"fixture: {name}'s built stride")
+    return session, before, model
+
+
 @pytest.mark.rule("APPLY-STRIDED-TARGET")
-@pytest.mark.parametrize("path", cases())
-def test_strided_target_gets_right_values_and_keeps_its_layout(route, path):
+@pytest.mark.parametrize("combo", modes.params("APPLY-STRIDED-TARGET"))
+def test_strided_target_gets_right_values_and_keeps_its_layout(route, combo):
     """A first load into allocated strided placeholders, then (streamed paths) an in-place update."""
+    path = combo["path"]
     rt = route(path)
-    session, before = _opened(rt)
-    _load(rt, session, before, 1, f"{path}: first load into strided targets")
+    session, before, model = _strided_open(rt, combo)
+    what = f"({combo['staged']}, {combo['model']} model)"
+    _load(rt, session, before, 1, f"{path}: first load into strided targets {what}", model)
     if PATHS[path].in_place:
-        _load(rt, session, before, 2, f"{path}: in-place update of strided targets")
+        _load(rt, session, before, 2, f"{path}: in-place update of strided targets {what}", model)
 
 
 @pytest.mark.rule("APPLY-STRIDED-CLEARED")
-@pytest.mark.parametrize("path", cases(paths=[p for p in PATHS if not PATHS[p].in_place]))
-def test_cleared_strided_target_is_allocated_in_its_layout(route, path):
+@pytest.mark.parametrize("combo", modes.params("APPLY-STRIDED-CLEARED"))
+def test_cleared_strided_target_is_allocated_in_its_layout(route, combo):
     """load, clear, load; twice: a cleared strided target is given memory in its own layout and filled."""
+    path = combo["path"]
     rt = route(path)
-    session, before = _opened(rt)
-    _load(rt, session, before, 1, f"{path}: first load")
+    session, before, model = _strided_open(rt, combo)
+    what = f"({combo['staged']}, {combo['model']} model)"
+    _load(rt, session, before, 1, f"{path}: first load {what}", model)
     for version in (2, 3):
         session.clear()
-        check.not_loaded(session.observe(), list(MODEL.layouts), f"{path}: after clear()")
-        _load(rt, session, before, version, f"{path}: update {version} after clear()")
+        check.not_loaded(session.observe(), list(model.layouts), f"{path}: after clear() {what}")
+        _load(rt, session, before, version, f"{path}: update {version} after clear() {what}", model)
 
 
 @pytest.mark.rule("APPLY-ROUNDTRIP-DTYPES")

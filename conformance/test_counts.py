@@ -34,7 +34,8 @@ TAKES_STRAYS = (*SNAPSHOT, "ipc", "gdr", "gdr_ipc")
 
 def _cases():
     """Per path: the main model's short updates, and the MTP model's tensor missing (needs ``mtp``)."""
-    return [pytest.param(path, kind, marks=pytest.mark.requires(*p.capabilities, "status", *(("mtp",) if kind == "mtp" else ())),
+    return [pytest.param(path, kind, marks=[pytest.mark.requires(*p.capabilities, "status", *(("mtp",) if kind == "mtp" else ())),
+                                            pytest.mark.modes(model="draft" if kind == "mtp" else "main", call="second")],
                          id=f"{path}-{kind}")
             for path, p in ALL.items() for kind in ("main", "mtp")]
 
@@ -128,3 +129,60 @@ def test_short_update_fails_naming_both_counts(route, loader, path, kind):
     check.status_is(session, "NORMAL", f"{where}: version 3")
     if claims_version and (version_dir is not None or path == "bucket"):
         check.equal(session.version(), 3, f"{where}: version() after version 3 committed")
+
+
+# -- across the mode space -------------------------------------------------------------------------------
+# SPEC.md's Modes line: path x staged x model x call, every pair covered by the generated cases
+# (conformance.modes). One short update per case, one tensor fewer: at the first update of the session, or at
+# the second (a whole version 1, clear(), then the short one: rsync's and GDR's bootstrap after a clear owes
+# every parameter too); main: a main tensor (first, middle or last by path), draft: the MTP model's tensor;
+# staged: the session is opened staged (a loader that trusts what it staged must count it all the same).
+from conformance import modes  # noqa: E402
+
+
+@pytest.mark.rule("APPLY-COUNT-MATCHES")
+@pytest.mark.parametrize("combo", modes.params("APPLY-COUNT-MATCHES", requires=lambda c: [*modes.default_requires(c), "status"]))
+def test_short_update_fails_naming_both_counts_in_every_mode(route, loader, combo):
+    path = combo["path"]
+    draft = combo["model"] == "draft"
+    spec = SPEC_MTP if draft else SPEC
+    rt = route(path)
+    session = rt.open(spec, options={"staged": True} if combo["staged"] == "staged" else None)
+    if draft:
+        ST.mark_mtp_layers(session.models, 2)
+    claims_version = "version" in loader.adapter.capabilities
+    version_dir = loader.model_dir if path in SNAPSHOT else loader.shared_dir if path == "ipc" else None
+
+    def publish(tensors, version):
+        where = rt.publish(0, tensors, version)
+        if version_dir is not None:
+            C.write_version(version_dir, version)
+        return where
+
+    if combo["call"] == "second":
+        v1 = M.state(spec, version=1)
+        publish(v1, 1)
+        rt.update(0)
+        check.params_equal(session.observe(), v1, f"{path}: version 1")
+        session.clear()
+    reported = session.version() if claims_version else None
+    owed = len(spec.all_params)
+    gone = MTP[0][0] if draft else NAMES[modes.AXES["path"].index(path) % 3]
+    v2 = M.state(spec, version=2)
+    where = publish({n: t for n, t in v2.items() if n != gone}, 2)
+    where += f" ({combo['staged']}, {combo['call']} update): version 2 without {gone} ({owed - 1} of the {owed} it owes)"
+    counts = rf"(?<![\d.]){owed - 1}\s*(?:of|/)\s*{owed}(?![\d.])"
+    try:
+        with check.raises(_error_type(path, "short"), match=counts, where=where):
+            session.update()
+    finally:
+        rt.feed.settle(0)
+    check.status_not(session, "NORMAL", where)
+    if claims_version:
+        check.equal(session.version(), reported, f"{where}: version() after the update failed")
+    v3 = M.state(spec, version=3)
+    where = publish(v3, 3)
+    session.clear()
+    rt.update(0)
+    check.params_equal(session.observe(), v3, f"{where}: version 3, whole, after the short update")
+    check.status_is(session, "NORMAL", f"{where}: version 3")

@@ -374,3 +374,162 @@ def test_debug_digest_of_empty_and_ml_dtypes_arrays(loader):
         _same_line(session, tensor, case)
     check.that(D.EMPTY_MD5 in session.debug_digest(cases["numpy [0, 4]"]),
                f"zero-element digest {session.debug_digest(cases['numpy [0, 4]'])!r} lacks md5={D.EMPTY_MD5}")
+
+
+# -- across the mode space -------------------------------------------------------------------------------
+# SPEC.md's Modes lines of DIGEST-MODEL-LANDED / -SENSITIVE (path x layout x model x start) and -INCOMPLETE
+# (path x layout x model x phase), every pair covered by the generated cases (conformance.modes). The model adds
+# three parameters a strided layout may apply to: ``layout=strided`` lays out the model's (main: a column-major
+# 2-D scale and a per-expert 3-D one; draft: the MTP model's column-major scale) as an engine's FP8
+# post-processing does (fixtures.strided): the trainer's digest is of the values in logical (C) order, whatever
+# the memory order (fixtures.digests computes it from the values, never from the reference). ``start=loaded``:
+# the engine allocated every parameter before the first update (placeholders), and the streamed paths' second
+# update is in place; ``cleared``: built without memory, and the second update follows a clear. A strided
+# target after a clear is APPLY-STRIDED-CLEARED's, judged on the device the implementation serves on: that pair
+# is excluded, and a clear-first path updates loaded weights only at its first update.
+from conformance import modes  # noqa: E402
+from conformance.paths import PATHS as ROUTES, route  # noqa: E402,F401 - route is a fixture
+from fixtures import streams as ST  # noqa: E402
+from fixtures import strided as SD  # noqa: E402
+
+COLUMN_MAJOR, EXPERTS, DRAFT_SCALE = "scale.col", "experts.scale", "mtp_block.0.scale"
+LAYOUTED = (("experts.scale", "bfloat16", (2, 3, 4)), ("scale.col", "float32", (4, 3)))
+# The draft's names route to it on GDR (an ``mtp_`` component, or MTP layer 2: reference.mtp_routing).
+DRAFT = (("model.layers.2.eh_proj.weight", "bfloat16", (4, 4)), ("mtp_block.0.norm.weight", "float32", (4,)),
+         (DRAFT_SCALE, "float16", (3, 5)))
+LAYOUTS = {"main": {COLUMN_MAJOR: (1, 0), EXPERTS: (0, 2, 1)}, "draft": {DRAFT_SCALE: (1, 0)}}
+#: the tensor each case changes (SENSITIVE): the strided one of the case's model, at a logical index whose
+#: memory position differs when it is column-major
+TARGET = {"main": (COLUMN_MAJOR, (0, 1)), "draft": (DRAFT_SCALE, (1, 0))}
+MTP_LAYER_OF_DRAFT = 2
+
+
+def _modal_spec(combo, *, placeholders: bool):
+    model = M.spec(*MAIN, *LAYOUTED, mtp=[DRAFT] if combo["model"] == "draft" else [])
+    layouts = LAYOUTS[combo["model"]] if combo["layout"] == "strided" else {}
+    return SD.StridedSpec(model, layouts, placeholders=placeholders)
+
+
+def _modal_open(route, combo, spec):
+    rt = route(combo["path"])
+    session = rt.open(spec)
+    ST.mark_mtp_layers(session.models, MTP_LAYER_OF_DRAFT)
+    return rt, session
+
+
+def _modal_updates(route, combo, states):
+    """Load ``states`` in turn as the case's start mode says; yield (session, state, where) after each update.
+    A clear-first path with ``start=loaded`` loads each state into a new session's placeholders."""
+    path, loaded = combo["path"], combo["start"] == "loaded"
+    spec = _modal_spec(combo, placeholders=loaded)
+    rt, session = _modal_open(route, combo, spec)
+    for version, st in enumerate(states, 1):
+        if version > 1:
+            if loaded and not ROUTES[path].in_place:
+                session = rt.open(spec)  # the first update into placeholders again, in a new session
+                ST.mark_mtp_layers(session.models, MTP_LAYER_OF_DRAFT)
+            elif not loaded:
+                session.clear()
+        where = rt.publish(0, st, version) + f" ({combo['layout']}, {combo['model']} model, weights {combo['start']})"
+        rt.update(0)
+        yield session, st, where
+
+
+def _layout_kept(session, spec, where):
+    built = {n: spec.stride(n) for n in spec.layouts}
+    now = SD.strides(session.models)
+    check.equal({n: now[n] for n in built}, built, f"{where}: strides of the strided parameters")
+
+
+def _storage(models) -> dict:
+    """name -> (address, strides) of every parameter holding data (read from outside, never changed)."""
+    return {n: (p.data_ptr(), list(p.strides)) for m in models for n, p in m.state_dict().items()
+            if 0 not in tuple(p.shape) and p._is_initialized()}
+
+
+def _digest_reading_only(session, where) -> dict:
+    """``session.digest()``, which must leave every parameter where and as it was (a digest that makes a strided
+    parameter contiguous moves it under the engine's graphs and loses its layout)."""
+    before = _storage(session.models)
+    got = session.digest()
+    after = _storage(session.models)
+    moved = {n: (before[n], after.get(n)) for n in before if after.get(n) != before[n]}
+    check.that(not moved, f"{where}: digest() changed parameters' memory or strides ((address, strides) before -> "
+               f"after): {moved}")
+    return got
+
+
+@pytest.mark.rule("DIGEST-MODEL-LANDED")
+@pytest.mark.parametrize("combo", modes.params("DIGEST-MODEL-LANDED", requires=lambda c: [*modes.default_requires(c), "digest.model"]))
+def test_receiver_digest_equals_trainer_digest_in_every_mode(route, combo):
+    spec = _modal_spec(combo, placeholders=False)
+    states = [_state(spec, 1), _state(spec, 2)]
+    for version, (session, st, where) in enumerate(_modal_updates(route, combo, states), 1):
+        check.params_equal(session.observe(), st, f"{where}: version {version}")
+        _layout_kept(session, spec, where)
+        _compare(_digest_reading_only(session, f"{where}: version {version}"), D.model(st), f"{where}: version {version}")
+
+
+@pytest.mark.rule("DIGEST-MODEL-SENSITIVE")
+@pytest.mark.parametrize("combo", modes.params("DIGEST-MODEL-SENSITIVE", requires=lambda c: [*modes.default_requires(c), "digest.model"]))
+def test_one_change_changes_exactly_that_tensors_digest_in_every_mode(route, combo):
+    """Version 1, then version 1 with the lowest bit of one element of the case's model's strided tensor flipped
+    (row-major when ``contiguous``): exactly that tensor's digest (and the model's) changes, to the trainer's."""
+    spec = _modal_spec(combo, placeholders=False)
+    base = _state(spec, 1)
+    name, index = TARGET[combo["model"]]
+    changed = {n: a.copy() for n, a in base.items()}
+    _add_one(name, index)(changed)
+    digests = []
+    for session, st, where in _modal_updates(route, combo, [base, changed]):
+        digests.append(session.digest())
+        _compare(digests[-1], D.model(st), where)
+    check.equal(_changed(digests[0], digests[1]), {name, "(model)"},
+                f"{combo}: tensors whose digest changed when element {index} of {name} changed by its lowest bit")
+
+
+def _refused_naming_unloaded(session, when):
+    """digest() raises RuntimeError naming a parameter the session does not hold loaded."""
+    unloaded = [n for n, o in session.observe().items() if o.data is None and 0 not in o.shape]
+    check.that(unloaded, f"{when}: the case left every parameter loaded (the suite's mistake)")
+    with check.raises(RuntimeError, match="|".join(re.escape(n) for n in unloaded), where=f"digest() {when}"):
+        session.digest()
+
+
+@pytest.mark.rule("DIGEST-MODEL-INCOMPLETE")
+@pytest.mark.parametrize("combo", modes.params("DIGEST-MODEL-INCOMPLETE", requires=lambda c: [*modes.default_requires(c), "digest.model"]))
+def test_no_digest_of_a_model_not_loaded_in_every_mode(route, combo):
+    """before-first: no update yet (a strided layout is allocated, the rest not); after-clear: version 1, then
+    clear(); after-failed: version 1, clear(), and an update that fails (main: the last tensor of the wrong dtype;
+    draft: no draft tensor). The digest names a parameter not loaded; then (where the layout allows a load after a
+    clear) clear() and a whole version digest as the trainer's."""
+    spec = _modal_spec(combo, placeholders=False)
+    rt, session = _modal_open(route, combo, spec)
+    phase, where = combo["phase"], f"{combo['path']} ({combo['layout']}, {combo['model']} model)"
+    if phase != "before-first":
+        v1 = _state(spec, 1)
+        rt.publish(0, v1, 1)
+        rt.update(0)
+        _compare(session.digest(), D.model(v1), f"{where}: version 1")
+        session.clear()
+    if phase == "after-failed":
+        bad = _state(spec, 2)
+        if combo["model"] == "main":
+            bad["twin.b"] = bad["twin.b"].astype(np.float16)
+        else:
+            bad = {n: a for n, a in bad.items() if n not in {p[0] for p in DRAFT}}
+        failing = rt.publish(0, bad, 2)
+        try:
+            with check.refused(Exception, where=f"{failing}: {'twin.b as float16' if combo['model'] == 'main' else 'no draft tensor'}"):
+                session.update()
+        finally:
+            rt.feed.settle(0)
+    _refused_naming_unloaded(session, f"{where} {phase}")
+    if combo["layout"] == "strided" and phase != "before-first":
+        return  # a load into a cleared strided target: APPLY-STRIDED-CLEARED's, judged on the implementation's device
+    v3 = _state(spec, 3)
+    rt.publish(0, v3, 3)
+    if phase != "before-first":
+        session.clear()
+    rt.update(0)
+    _compare(session.digest(), D.model(v3), f"{where}: version 3 after the refusal ({phase})")

@@ -5,7 +5,9 @@ SPEC.md § LIFE (LIFE-EVERY-UPDATE). Two ranks: the multi-rank job's five health
 import pytest
 
 from conformance import check
-from conformance.paths import cases, route  # noqa: F401 (the fixture)
+from conformance import mode_run as R
+from conformance import modes
+from conformance.paths import ALL_PATHS, cases, route  # noqa: F401 (the fixture)
 from fixtures import models as M
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)),
@@ -35,3 +37,22 @@ def test_every_update_lands_not_only_the_first(route, loader, path):
         check.params_equal(session.observe(), st, at)
         if claims_status:
             check.equal(session.status(), "NORMAL", f"{at}: status() after the update returned")
+
+
+@pytest.mark.rule("LIFE-EVERY-UPDATE")
+@pytest.mark.parametrize("combo", modes.params("LIFE-EVERY-UPDATE", requires=lambda combo: [
+    *ALL_PATHS[combo["path"]].capabilities, *(["staged"] if combo["staged"] == "staged" else []),
+    *(["mtp"] if combo["model"] == "draft" else [])]))
+def test_every_update_lands_in_every_mode(route, loader, combo):
+    """The same sequence in every pair of the rule's modes: staged, a draft model beside the main one."""
+    rt = route(combo["path"])
+    spec = R.with_draft(SPEC, combo)
+    session = rt.open(spec, options=R.options(combo))
+    for i, (version, weights) in enumerate(SEQUENCE):
+        st = M.state(spec, version=weights)
+        where = rt.publish(0, st, version)
+        if i:
+            rt.clear(0)
+        rt.update(0)
+        check.params_equal(session.observe(), st, f"{combo['path']}: update {i} (version {version}, the weights of "
+                           f"version {weights}; {where}; {R.label(combo)})")

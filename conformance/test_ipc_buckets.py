@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from conformance import check
+from conformance import mode_run as R
+from conformance import modes
 from conformance.harness import Worker, concurrently, in_child
 from fixtures import buckets as B
 from fixtures import models as M
@@ -43,11 +45,21 @@ def publisher():
 
 
 def _serve(loader, publisher, model, states, *, bucket_bytes=1024, version=VERSION, tamper=None, timeout_s=2.0,
-           pack_bytes=None, fault=None, wait_s=10.0, **serve):
+           pack_bytes=None, fault=None, wait_s=10.0, combo=None, **serve):
     """Serve ``states`` (one update each) and open a worker expecting ``version``. ``pack_bytes``:
     lay out for buckets of that size but serve buffers of ``bucket_bytes`` (writes clipped), so an
-    entry can run past the buffer; ``fault``: what the trainer does wrong in the first update."""
+    entry can run past the buffer; ``fault``: what the trainer does wrong in the first update. ``combo``: the
+    modes of the session (mode_run): staged; for a later call, healthy updates of other values (same version)
+    served, loaded and cleared first, then ``states``."""
     pub = publisher(bucket_bytes, wait_s)
+    session = None
+    if combo:
+        session = loader.open(model, strategy="ipc_bucket", options={**pub.options(version, timeout_s), **R.options(combo)})
+
+        def publish(n):
+            pub.serve(B.pack(M.state(model, seed=n, version=version or VERSION), version or VERSION, bucket_bytes))
+
+        R.earlier(combo, session, publish, settle=lambda: pub.wait(10.0))
     updates = [B.pack(st, v, pack_bytes or bucket_bytes) for v, st in states]
     if pack_bytes:
         for update in updates:
@@ -56,28 +68,31 @@ def _serve(loader, publisher, model, states, *, bucket_bytes=1024, version=VERSI
         tamper(updates[0])
     updates[0].fault = fault
     pub.serve(*updates, **serve)
-    session = loader.open(model, strategy="ipc_bucket", options=pub.options(version, timeout_s))
+    if session is None:
+        session = loader.open(model, strategy="ipc_bucket", options=pub.options(version, timeout_s))
     return pub, session, updates
 
 
-def _roundtrip(loader, publisher, model, where, *, bucket_bytes=1024, **serve):
+def _roundtrip(loader, publisher, model, where, *, bucket_bytes=1024, combo=None, **serve):
+    model = R.with_draft(model, combo or {})
     state = M.state(model, version=VERSION)
-    pub, session, updates = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=bucket_bytes, **serve)
+    pub, session, updates = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=bucket_bytes, combo=combo,
+                                   **serve)
     session.update()
-    check.params_equal(session.observe(), state, f"{pub.endpoint}: {where}")
+    check.params_equal(session.observe(), state, f"{pub.endpoint}: {where}" + (f" ({R.label(combo)})" if combo else ""))
     return updates[0]
 
 
 def _rejected(loader, publisher, tamper, *, match, names=(), where, exc=ValueError, model=SPEC, bucket_bytes=1024,
-              pack_bytes=None, expected=VERSION):
+              pack_bytes=None, expected=VERSION, combo=None):
     """The update is rejected with ``exc`` matching ``match`` and naming ``names`` and the version (SPEC
     wire format: every violation names the version), and nothing is loaded."""
     if expected is not None:
         names = [*names, f"version {VERSION}"]
     state = M.state(model, version=VERSION)
     pub, session, _ = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=bucket_bytes, tamper=tamper,
-                             pack_bytes=pack_bytes, version=expected)
-    where = f"{pub.endpoint}: {where}"
+                             pack_bytes=pack_bytes, version=expected, combo=combo)
+    where = f"{pub.endpoint}: {where}" + (f" ({R.label(combo)})" if combo else "")
     with check.raises(exc, match=match, names=names, where=where):
         session.update()
     check.not_loaded(session.observe(), list(state), where)
@@ -99,6 +114,7 @@ def _append(update, k: int, entry: dict, data: bytes) -> dict:
 
 @pytest.mark.rule("BKT-ROUNDTRIP-DTYPES")
 @pytest.mark.requires("ipc.buckets")
+@pytest.mark.modes(model="main", size="small")
 def test_every_dtype_roundtrips_bitwise(loader, publisher):
     dtypes = ["bfloat16", "float16", "float32", "int64", "uint8", "bool", "float8_e4m3fn", "float8_e5m2"]
     model = M.spec(*((f"t.w_{d}", d, (3, 5)) for d in dtypes))
@@ -117,8 +133,20 @@ def _pos_name(position: str) -> str:
     return f"p.{3 * b + j}"
 
 
-def _pos_rejected(loader, publisher, position, edit, *, match, names=(), where, exc=ValueError):
+def _params(rule, *more):
+    """The rule's cases over its declared modes (SPEC.md Modes:), each needing buckets, ``more``, staged if staged
+    and mtp for the draft model."""
+    return modes.params(rule, requires=lambda combo: ["ipc.buckets", *more,
+                                                      *(["staged"] if combo.get("staged") == "staged" else []),
+                                                      *(["mtp"] if combo.get("model") == "draft" else [])])
+
+
+MODE_POSITION = {"first": "first-of-first", "middle": "middle-of-middle", "last": "last-of-last"}
+
+
+def _pos_rejected(loader, publisher, position, edit, *, match, names=(), where, exc=ValueError, combo=None):
     """Reject POS_SPEC's update whose entry at ``position`` (bucket, slot) was changed by ``edit``."""
+    position = MODE_POSITION.get(position, position)
     name = _pos_name(position)
 
     def tamper(update):
@@ -127,7 +155,7 @@ def _pos_rejected(loader, publisher, position, edit, *, match, names=(), where, 
         edit(e)
 
     return _rejected(loader, publisher, tamper, model=POS_SPEC, bucket_bytes=POS_BUCKET, match=match,
-                     names=[name, *names], where=f"{where}, bad entry {name} ({position})", exc=exc)
+                     names=[name, *names], where=f"{where}, bad entry {name} ({position})", exc=exc, combo=combo)
 
 
 @pytest.mark.rule("BKT-EMPTY-SCALAR")
@@ -512,6 +540,7 @@ def test_end_message_must_match(loader, publisher, field, case):
 
 @pytest.mark.rule("BKT-REPEAT")
 @pytest.mark.requires("ipc.buckets")
+@pytest.mark.modes(model="main", call=("second", "third"))
 @pytest.mark.parametrize("expected", ["none", "configured"])
 def test_three_updates_in_a_row(loader, publisher, expected):
     if expected == "none":  # versions 1, 2, 3
@@ -546,6 +575,13 @@ def _bounded(fn, seconds: float):
 
 # SPEC in 256-byte buckets: one tensor per bucket, buckets 0, 1, 2, then the end (step 3).
 FAULT_TIMEOUT = 0.2
+# The timeout of a session whose update must succeed: a bound only a broken worker waits out. A healthy trainer of
+# this process answers in milliseconds, but a loaded machine can hold a thread for more than FAULT_TIMEOUT, and an
+# update that must succeed may not depend on that race (BKT-NO-LEAK failed so in a loaded CI run).
+HEALTHY_TIMEOUT = 3.0
+# A session whose first update must time out and whose next must succeed (BKT-RECOVERY): short enough to keep
+# the case cheap, long enough that no scheduling delay of a loaded machine reaches it between two messages.
+RECOVERY_TIMEOUT = 0.5
 FAULT_PHASES = {  # case -> (fault, bucket awaited)
     "dies-before-first-reply": (("die", 0), 0),
     "silent-after-bucket-0": (("silent", 1), 1),
@@ -560,7 +596,22 @@ TIMEOUT_CASES = {
 
 
 def _status_param(case):
-    return pytest.param(case, marks=pytest.mark.requires("ipc.buckets", "status"), id=case)
+    phase = {"dies-before-first-reply": "before-first", "silent-after-bucket-0": "mid", "dies-after-middle-bucket": "mid",
+             "silent-before-end": "after-last"}.get(case)
+    marks = [pytest.mark.requires("ipc.buckets", "status")]
+    if phase:
+        marks.append(pytest.mark.modes(phase=phase, call="first"))
+    return pytest.param(case, marks=marks, id=case)
+
+
+# BKT-TIMEOUT in every pair of its modes (staged, a later call, the phase): case name -> (combo, the plain case it
+# repeats), run in the same timed batch. A later call's earlier updates are healthy: their session's timeout is
+# RECOVERY_TIMEOUT, which no scheduling delay reaches, and the batch waits out that instead of FAULT_TIMEOUT.
+_PHASE_CASE = {"before-first": "dies-before-first-reply", "mid": "silent-after-bucket-0", "after-last": "silent-before-end"}
+TIMEOUT_MODE_CASES = {f"{_PHASE_CASE[p.values[0]['phase']]}@{p.id}": (p.values[0], _PHASE_CASE[p.values[0]["phase"]],
+                                                                      [m for m in p.marks if m.name == "requires"][0].args)
+                      for p in modes.params("BKT-TIMEOUT", requires=lambda c: ["ipc.buckets", "status",
+                                                                               *(["staged"] if c["staged"] == "staged" else [])])}
 
 
 @pytest.fixture(scope="module")
@@ -585,6 +636,10 @@ def timed_updates(request, tmp_path_factory):
 
             served = {case: _serve(loader, publisher, SPEC, [(VERSION, M.state(SPEC, version=VERSION))], bucket_bytes=256,
                                    timeout_s=FAULT_TIMEOUT, **script) for case, script in TIMEOUT_CASES.items()}
+            for case, (combo, plain, needs) in TIMEOUT_MODE_CASES.items():
+                if set(needs) <= set(adapter.capabilities):
+                    served[case] = _serve(loader, publisher, SPEC, [(VERSION, M.state(SPEC, version=VERSION))],
+                                          bucket_bytes=256, timeout_s=RECOVERY_TIMEOUT, combo=combo, **TIMEOUT_CASES[plain])
             outcomes = {}
 
             def bounded(case):  # _bounded, so that a worker that never gives up is reported, not waited out
@@ -599,11 +654,14 @@ def timed_updates(request, tmp_path_factory):
 
 
 @pytest.mark.rule("BKT-TIMEOUT")
-@pytest.mark.parametrize("case", [_status_param(c) for c in TIMEOUT_CASES])
+@pytest.mark.parametrize("case", [_status_param(c) for c in TIMEOUT_CASES] + [
+    pytest.param(name, marks=[pytest.mark.requires(*needs), pytest.mark.modes(**combo)], id=name)
+    for name, (combo, _, needs) in TIMEOUT_MODE_CASES.items()])
 def test_dead_trainer_is_a_timeout(timed_updates, case):
     pub, session, updates, (finished, error, elapsed) = timed_updates[case]
     state = M.state(SPEC, version=VERSION)
-    awaited = FAULT_PHASES[case][1] if case in FAULT_PHASES else None
+    plain = TIMEOUT_MODE_CASES[case][1] if case in TIMEOUT_MODE_CASES else case
+    awaited = FAULT_PHASES[plain][1] if plain in FAULT_PHASES else None
     where = f"{pub.endpoint}: {case} ({len(updates[0].buckets)} buckets, timeout_s {FAULT_TIMEOUT}, run beside the other cases)"
     check.that(finished, f"{where}: update() still blocked after {elapsed:.1f}s")
     if awaited is None:
@@ -621,7 +679,9 @@ def test_dead_trainer_is_a_timeout(timed_updates, case):
 
 
 @pytest.mark.rule("BKT-ABORT")
-@pytest.mark.parametrize("step", [_status_param(k) for k in ("0", "1", "3")])
+@pytest.mark.parametrize("step", [pytest.param(k, marks=[pytest.mark.requires("ipc.buckets", "status"),
+                                                         pytest.mark.modes(phase=p)], id=k)
+                                  for k, p in (("0", "before-first"), ("1", "mid"), ("3", "after-last"))])
 def test_trainer_abort(loader, publisher, step):
     k = int(step)
     state = M.state(SPEC, version=VERSION)
@@ -779,7 +839,8 @@ def test_recovery_after_failed_update(loader, publisher, failure, expected):
     pub, _, _ = _serve(loader, publisher, SPEC, [(VERSION, bad), (VERSION, good)], bucket_bytes=256, tamper=tamper,
                        fault=fault)
     session = loader.open(SPEC, strategy="ipc_bucket",
-                          options=pub.options(VERSION if expected == "configured" else None, FAULT_TIMEOUT))
+                          options=pub.options(VERSION if expected == "configured" else None,
+                                              RECOVERY_TIMEOUT if failure == "timed-out" else HEALTHY_TIMEOUT))
     where = f"{pub.endpoint}: update {failure} at bucket 1, then clear() and an update from a healthy trainer"
     with check.raises(Exception, match="bucket 1", where=where):
         session.update()
@@ -1041,7 +1102,10 @@ def _settled(probe, want, seconds: float = 2.0):
 
 
 def _no_leak(loader, publisher, outcome) -> None:
-    """One update ending in ``outcome``, then: no socket, mapping, /dev/shm segment or thread of it left."""
+    """One update ending in ``outcome`` (``-staged``: of a staged session), then: no socket, mapping, /dev/shm
+    segment or thread of it left."""
+    staged = outcome.endswith("-staged")
+    outcome = outcome.removesuffix("-staged")
     existing, threads = _ours(), set(threading.enumerate())
     large = "-large" in outcome
     model = M.spec(("n.big", "uint8", (8 * MiB,)), ("n.small", "float32", (3,))) if large else SPEC
@@ -1051,8 +1115,10 @@ def _no_leak(loader, publisher, outcome) -> None:
         if outcome.startswith("rejected"):
             update.end["digest"] = "0" * 64
 
+    timeout_s = FAULT_TIMEOUT if outcome == "timed-out" else HEALTHY_TIMEOUT  # only a timeout waits it out
     pub, session, _ = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=8 * MiB if large else 512,
-                             tamper=tamper, timeout_s=FAULT_TIMEOUT, fault=("silent", 1) if outcome == "timed-out" else None)
+                             tamper=tamper, timeout_s=timeout_s, fault=("silent", 1) if outcome == "timed-out" else None,
+                             combo={"staged": "staged"} if staged else None)
     where = f"{pub.endpoint}: after an update that was {outcome} (process {os.getpid()})"
     sockets = _sockets()  # the trainer's listening socket is open; the worker has not connected yet
     finished, error, elapsed = _bounded(session.update, 5.0)  # a copy thread that never runs must not hang the suite
@@ -1095,10 +1161,18 @@ def _no_leak_in_child(loader, outcome) -> None:
 
 
 @pytest.mark.rule("BKT-NO-LEAK")
-@pytest.mark.parametrize("outcome", [pytest.param("applied", marks=pytest.mark.requires("ipc.buckets")),
-                                     pytest.param("applied-large-in-child", marks=pytest.mark.requires("ipc.buckets")),
-                                     pytest.param("rejected", marks=pytest.mark.requires("ipc.buckets")),
-                                     pytest.param("timed-out", marks=pytest.mark.requires("ipc.buckets"))])
+@pytest.mark.parametrize("outcome", [pytest.param("applied", marks=[pytest.mark.requires("ipc.buckets"),
+                                                                    pytest.mark.modes(outcome="success")]),
+                                     pytest.param("applied-large-in-child", marks=[pytest.mark.requires("ipc.buckets"),
+                                                                                   pytest.mark.modes(outcome="success")]),
+                                     pytest.param("rejected", marks=[pytest.mark.requires("ipc.buckets"),
+                                                                     pytest.mark.modes(outcome="rejected")]),
+                                     pytest.param("timed-out", marks=[pytest.mark.requires("ipc.buckets"),
+                                                                      pytest.mark.modes(outcome="timeout")]),
+                                     *(pytest.param(f"{o}-staged", marks=[pytest.mark.requires("ipc.buckets", "staged"),
+                                                                          pytest.mark.modes(outcome=m)])
+                                       for o, m in (("applied", "success"), ("rejected", "rejected"),
+                                                    ("timed-out", "timeout")))])
 def test_no_mapping_or_segment_left(loader, publisher, outcome):
     if outcome.endswith("-in-child"):
         in_child(_no_leak_in_child, loader, outcome, timeout_s=20.0)
@@ -1319,3 +1393,340 @@ def test_manifest_fields_present_and_typed(loader, publisher, case):
         return
     _rejected(loader, publisher, tamper, bucket_bytes=512, match=match, names=[f"version {VERSION}"],
               where=f"bucket 0 with {case}")
+
+
+# -- every rule in every pair of its modes (SPEC.md Modes:) ---------------------------------------------------------
+# The cases above hold each rule's boundaries on a plain session's first update of the main model; the cases below
+# run a representative of them in every pair of the rule's declared modes (conformance/modes.py): staged, a later
+# call of the session (healthy updates of the same version loaded and cleared first), the draft model, the bad
+# entry's position, small buckets or 8 MiB ones.
+_DTYPES = ["bfloat16", "float16", "float32", "int64", "uint8", "bool", "float8_e4m3fn", "float8_e5m2"]
+BIG_BUCKET = 8 * MiB + 4096
+
+
+def _sized(small_model, combo):
+    """(model, bucket bytes): ``small_model`` in 512-byte buckets, or with an 8 MiB + 1 byte tensor in buckets of
+    8 MiB + 4 KiB (every copy strategy a loader switches to for large buffers runs)."""
+    if combo.get("size") != "large":
+        return small_model, 512
+    return M.spec(*((p.name, p.dtype, p.shape) for p in small_model.main), ("z.big", "uint8", (8 * MiB + 1,))), BIG_BUCKET
+
+
+@pytest.mark.rule("BKT-ROUNDTRIP-DTYPES")
+@pytest.mark.parametrize("combo", _params("BKT-ROUNDTRIP-DTYPES"))
+def test_every_dtype_roundtrips_bitwise_in_every_mode(loader, publisher, combo):
+    model, bucket = _sized(M.spec(*((f"t.w_{d}", d, (3, 5)) for d in _DTYPES)), combo)
+    _roundtrip(loader, publisher, model, f"8 dtypes in {bucket}-byte buckets", bucket_bytes=bucket, combo=combo)
+
+
+@pytest.mark.rule("BKT-EMPTY-SCALAR")
+@pytest.mark.parametrize("combo", _params("BKT-EMPTY-SCALAR"))
+def test_empty_and_scalar_tensors_in_every_mode(loader, publisher, combo):
+    model = M.spec(("a.w_vec", "float32", (3,)), ("a.w_empty", "float32", (0, 4)), ("a.w_scalar", "bfloat16", ()),
+                   ("a.w_full", "float32", (64,)), ("a.w_scalar_i", "int64", ()))
+    _roundtrip(loader, publisher, model, "(0, 4) and 0-d tensors in 256-byte buckets", bucket_bytes=256, combo=combo)
+
+
+@pytest.mark.rule("BKT-BOUNDARY")
+@pytest.mark.parametrize("combo", _params("BKT-BOUNDARY"))
+def test_tensor_ending_on_bucket_boundary_in_every_mode(loader, publisher, combo):
+    if combo["size"] == "large":  # two 4 MiB tensors fill an 8 MiB bucket exactly; a small one follows
+        model, bucket, edge = M.spec(("b.a", "float32", (MiB,)), ("b.b", "float32", (MiB,)), ("b.c", "int64", (3,))), 8 * MiB, "b.b"
+    else:
+        model, bucket, edge = M.spec(("b.first", "float32", (64,)), ("b.edge", "float16", (128,)),
+                                     ("b.after", "bfloat16", (4,))), 512, "b.edge"
+    update = _roundtrip(loader, publisher, model, f"a tensor ending at the last byte of a {bucket}-byte bucket",
+                        bucket_bytes=bucket, combo=combo)
+    e = update.entry(edge)
+    check.equal(e["offset"] + e["nbytes"], bucket, f"fixture precondition: {edge} ends on the boundary")
+
+
+@pytest.mark.rule("BKT-SPLIT")
+@pytest.mark.parametrize("combo", _params("BKT-SPLIT"))
+def test_tensor_larger_than_a_bucket_in_every_mode(loader, publisher, combo):
+    if combo["size"] == "large":
+        model, bucket = M.spec(*LARGE["split-across-large"][1]), LARGE["split-across-large"][0]
+    else:
+        model, bucket = M.spec(("s.before", "float16", (7,)), ("s.big", "float32", (100, 5)), ("s.after", "uint8", (9,))), 512
+    _roundtrip(loader, publisher, model, f"a tensor split over {bucket}-byte buckets", bucket_bytes=bucket, combo=combo)
+
+
+@pytest.mark.rule("BKT-ALIGN-ODD")
+@pytest.mark.parametrize("combo", _params("BKT-ALIGN-ODD"))
+def test_odd_sized_tensor_then_wider_dtypes_in_every_mode(loader, publisher, combo):
+    model = M.spec(("o.mask", "uint8", (3,)), ("o.w", "bfloat16", (5, 3)), ("o.f8", "float8_e4m3fn", (7,)),
+                   ("o.x", "float32", (3,)))
+    _roundtrip(loader, publisher, model, "uint8[3] then bf16, fp8, fp32", bucket_bytes=2048, combo=combo)
+
+
+@pytest.mark.rule("BKT-LARGE")
+@pytest.mark.parametrize("combo", _params("BKT-LARGE"))
+def test_large_buckets_bit_exact_in_every_mode(loader, publisher, combo):
+    bucket, params = LARGE["odd-sizes"]
+    _roundtrip(loader, publisher, M.spec(*params), "odd sizes through 10 MiB buckets", bucket_bytes=bucket, combo=combo)
+
+
+@pytest.mark.rule("BKT-ACK-AFTER-COPY")
+@pytest.mark.parametrize("combo", _params("BKT-ACK-AFTER-COPY"))
+def test_buffer_overwritten_on_ack_in_every_mode(loader, publisher, combo):
+    """The trainer fills a buffer with 0xA5 the instant it is acked: every tensor still ends as it was sent."""
+    model, bucket = _sized(M.spec(*((f"k.{i}", "float32", (32, 4)) for i in range(4))), combo)
+    state = M.state(model, version=VERSION)
+    pub, session, updates = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=bucket, wait_s=3.0,
+                                   overwrite_on_ack=True, combo=combo)
+    where = f"{pub.endpoint}: trainer fills each {bucket}-byte buffer with 0xA5 when it is acked ({R.label(combo)})"
+    acked = len(pub.replies("ack"))  # those of the earlier updates
+    session.update()
+    check.params_equal(session.observe(), state, where)
+    pub.wait(5.0)
+    acks = [(m.get("proto"), m.get("version"), m.get("bucket")) for m in pub.replies("ack")[acked:]]
+    check.equal(acks, [(1, VERSION, k) for k in range(len(updates[0].buckets))], f"{where}: every ack, in order")
+
+
+_POSITION_EDITS = {  # rule -> (edit of the entry at the position, match, extra names)
+    "BKT-MANIFEST-MISMATCH": (lambda e, pos: e.update(nbytes=e["nbytes"] - 4), NBYTES, ()),
+    "BKT-OFFSET-RANGE": (lambda e, pos: e.update(offset=POS_BUCKET), "out of range", ()),
+    "BKT-MISALIGNED": (lambda e, pos: e.update(offset=e["offset"] + 1), "not aligned", ()),
+    "BKT-DTYPE-UNKNOWN": (lambda e, pos: e.update(dtype="float4_e2m1fn"), "unknown dtype", ("float4_e2m1fn",)),
+    # onto its neighbour in the same bucket: p.1 (first), p.3 (middle), p.7 (last)
+    "BKT-OVERLAP": (lambda e, pos: e.update(offset={"first-of-first": 256, "middle-of-middle": 0,
+                                                    "last-of-last": 256}[pos]), "overlap", ()),
+}
+
+
+@pytest.mark.rule("BKT-MANIFEST-MISMATCH")
+@pytest.mark.parametrize("combo", _params("BKT-MANIFEST-MISMATCH"))
+def test_manifest_disagreeing_with_data_in_every_mode(loader, publisher, combo):
+    _position_case(loader, publisher, "BKT-MANIFEST-MISMATCH", combo)
+
+
+@pytest.mark.rule("BKT-OFFSET-RANGE")
+@pytest.mark.parametrize("combo", _params("BKT-OFFSET-RANGE"))
+def test_offset_out_of_range_in_every_mode(loader, publisher, combo):
+    _position_case(loader, publisher, "BKT-OFFSET-RANGE", combo)
+
+
+@pytest.mark.rule("BKT-MISALIGNED")
+@pytest.mark.parametrize("combo", _params("BKT-MISALIGNED"))
+def test_misaligned_offset_rejected_in_every_mode(loader, publisher, combo):
+    _position_case(loader, publisher, "BKT-MISALIGNED", combo)
+
+
+@pytest.mark.rule("BKT-DTYPE-UNKNOWN")
+@pytest.mark.parametrize("combo", _params("BKT-DTYPE-UNKNOWN"))
+def test_unknown_dtype_rejected_in_every_mode(loader, publisher, combo):
+    _position_case(loader, publisher, "BKT-DTYPE-UNKNOWN", combo)
+
+
+@pytest.mark.rule("BKT-OVERLAP")
+@pytest.mark.parametrize("combo", _params("BKT-OVERLAP"))
+def test_overlapping_entries_rejected_in_every_mode(loader, publisher, combo):
+    _position_case(loader, publisher, "BKT-OVERLAP", combo)
+
+
+def _position_case(loader, publisher, rule, combo):
+    edit, match, names = _POSITION_EDITS[rule]
+    position = MODE_POSITION[combo["position"]]
+    _pos_rejected(loader, publisher, position, lambda e: edit(e, position), match=match, names=list(names),
+                  where=f"{rule} fault", combo=combo)
+
+
+@pytest.mark.rule("BKT-UNKNOWN-NAME")
+@pytest.mark.parametrize("combo", _params("BKT-UNKNOWN-NAME"))
+def test_unknown_name_rejected_in_every_mode(loader, publisher, combo):
+    """An entry for a name the model lacks (a draft-looking one when the draft model is there) at the position."""
+    model = R.with_draft(POS_SPEC, combo)
+    bad = R.judged("p.99", combo)
+    k = {"first": 0, "middle": 1, "last": -1}[combo["position"]]
+
+    def tamper(update):
+        if combo["position"] == "first":
+            update.buckets[0]["entries"].insert(0, {**update.buckets[0]["entries"][0], "name": bad})
+            update.buckets[0]["entries"].pop(1)  # p.0's slot now announces the unknown name (p.0 is then missing too)
+        else:
+            update.buckets[k]["entries"][-1]["name"] = bad
+        update.names = [e["name"] for b in update.buckets for e in b["entries"]]
+        update.end.update(count=len(update.names), digest=B.digest(update.names))
+
+    _rejected(loader, publisher, tamper, model=model, bucket_bytes=POS_BUCKET, match="not a parameter", names=[bad],
+              where=f"entry for {bad}, which the model lacks ({combo['position']})", combo=combo)
+
+
+@pytest.mark.rule("BKT-DUPLICATE")
+@pytest.mark.parametrize("combo", _params("BKT-DUPLICATE"))
+def test_duplicate_name_rejected_in_every_mode(loader, publisher, combo):
+    """The first, a middle or the last tensor announced again in the last bucket (512-byte buckets)."""
+    name = {"first": "embed.weight", "middle": "layers.0.mlp.weight", "last": "norm.bias"}[combo["position"]]
+
+    def tamper(update):
+        first = update.entry(name)
+        _append(update, len(update.buckets) - 1, {k: first[k] for k in ("name", "dtype", "shape")}, b"\x01" * first["nbytes"])
+
+    _rejected(loader, publisher, tamper, bucket_bytes=512, pack_bytes=None, match="duplicate", names=[name],
+              where=f"{name} announced twice", combo=combo)
+
+
+@pytest.mark.rule("BKT-CHUNKS")
+@pytest.mark.parametrize("combo", _params("BKT-CHUNKS"))
+def test_split_chunks_in_every_mode(loader, publisher, combo):
+    """Small: chunk 1 of c.big one byte off (refused); large: a tensor of 8 MiB + 12345 bytes in two chunks loads."""
+    if combo["size"] == "large":
+        bucket, params = LARGE["split-across-large"]
+        _roundtrip(loader, publisher, M.spec(*params), "chunks of an 8 MiB + 12345-byte tensor", bucket_bytes=bucket,
+                   combo=combo)
+        return
+
+    def tamper(update):
+        update.entry("c.big", 1)["chunk_offset"] += 1
+
+    _rejected(loader, publisher, tamper, model=M.spec(("c.big", "float32", (300,))), bucket_bytes=512,
+              match="chunk_offset", names=["c.big"], where="chunk 1 of c.big one byte off", combo=combo)
+
+
+@pytest.mark.rule("BKT-VERSION")
+@pytest.mark.parametrize("combo", _params("BKT-VERSION"))
+def test_version_must_not_change_in_every_mode(loader, publisher, combo):
+    def tamper(update):
+        for manifest in update.buckets[1:]:
+            manifest["version"] = VERSION + 1
+
+    _rejected(loader, publisher, tamper, bucket_bytes=512, match=f"version is {VERSION + 1}.*{VERSION}",
+              names=[str(VERSION + 1), "bucket 1"], where=f"version {VERSION} then {VERSION + 1}", combo=combo)
+
+
+@pytest.mark.rule("BKT-END-CHECK")
+@pytest.mark.parametrize("combo", _params("BKT-END-CHECK"))
+def test_end_message_must_match_in_every_mode(loader, publisher, combo):
+    _rejected(loader, publisher, _end_tamper("count", "one-fewer"), bucket_bytes=512, match="count",
+              names=["count", f"version {VERSION}"], where="end message with a count one too few", combo=combo)
+
+
+@pytest.mark.rule("BKT-REPEAT")
+@pytest.mark.parametrize("combo", _params("BKT-REPEAT"))
+def test_consecutive_updates_in_every_mode(loader, publisher, combo):
+    """The update under test (the second or the third of the session, healthy ones of the same version before it)
+    leaves exactly its own values, main and draft."""
+    _roundtrip(loader, publisher, SPEC, "an update after earlier ones of the same version", bucket_bytes=512,
+               combo=combo)
+
+
+@pytest.mark.rule("BKT-ABORT")
+@pytest.mark.parametrize("combo", _params("BKT-ABORT", "status"))
+def test_trainer_abort_in_every_mode(loader, publisher, combo):
+    k = {"before-first": 0, "mid": 1, "after-last": 3}[combo["phase"]]
+    state = M.state(SPEC, version=VERSION)
+    pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=256, fault=("abort", k), combo=combo)
+    where = f"{pub.endpoint}: abort instead of {'the end' if k == 3 else f'bucket {k}'} ({R.label(combo)})"
+    finished, error, elapsed = _bounded(session.update, 4.0)
+    check.that(finished and elapsed < 1.5, f"{where}: update() took {elapsed:.2f}s (finished {finished})")
+    check.that(error is not None and f"bucket {k}" in str(error), f"{where}: error {error!r} must name bucket {k}")
+    check.not_loaded(session.observe(), NAMES, where)
+    check.status_not(session, "NORMAL", where)
+
+
+@pytest.mark.rule("BKT-DONE-AFTER-COMMIT")
+@pytest.mark.parametrize("combo", _params("BKT-DONE-AFTER-COMMIT"))
+def test_done_only_after_commit_in_every_mode(loader, publisher, combo):
+    state = M.state(SPEC, version=VERSION)
+    pub, session, updates = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=256, wait_s=3.0, combo=combo)
+    where = f"{pub.endpoint}: what the trainer is told after an applied update ({R.label(combo)})"
+    told = len(pub.received)
+    session.update()
+    check.params_equal(session.observe(), state, where)
+    pub.wait(5.0)
+    kinds = [m.get("type") for m in pub.received[told:]]
+    check.equal(kinds, ["hello"] + ["ack"] * len(updates[0].buckets) + ["done"], f"{where}: messages in order")
+    check.equal([(m.get("version"), m.get("count")) for m in pub.replies("done")][-1:], [(VERSION, len(state))],
+                f"{where}: (version, count) of the done")
+
+
+@pytest.mark.rule("BKT-ERROR-REPORTED")
+@pytest.mark.parametrize("combo", _params("BKT-ERROR-REPORTED"))
+def test_error_reported_to_trainer_in_every_mode(loader, publisher, combo):
+    """A dtype outside the wire's list in bucket 0, 1 or 2 (first, middle, last): the worker's last message is an
+    error naming that bucket, after acks of the buckets before it only."""
+    bucket = {"first": 0, "middle": 1, "last": 2}[combo["position"]]
+
+    def tamper(update):
+        update.buckets[bucket]["entries"][0]["dtype"] = "float4_e2m1fn"
+
+    pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, M.state(SPEC, version=VERSION))], bucket_bytes=256,
+                             tamper=tamper, wait_s=3.0, combo=combo)
+    where = f"{pub.endpoint}: rejected at bucket {bucket} ({R.label(combo)})"
+    told = len(pub.received)
+    with check.raises(ValueError, match="float4_e2m1fn", where=where):
+        session.update()
+    try:
+        pub.wait(5.0)
+    except TimeoutError:
+        pass
+    kinds = [m.get("type") for m in pub.received[told:]]
+    check.that(kinds and kinds[-1] == "error" and "done" not in kinds and kinds.count("ack") == bucket,
+               f"{where}: messages {kinds}: acks of the {bucket} buckets before it, then an error")
+    err = pub.replies("error")[-1]
+    check.equal((err.get("version"), err.get("bucket")), (VERSION, bucket), f"{where}: (version, bucket) of the error")
+
+
+@pytest.mark.rule("BKT-STATUS-UPDATING")
+@pytest.mark.parametrize("combo", _params("BKT-STATUS-UPDATING", "status"))
+def test_status_updating_while_buckets_arrive_in_every_mode(loader, publisher, combo):
+    state = M.state(SPEC, version=VERSION)
+    pub, session, _ = _serve(loader, publisher, SPEC, [(VERSION, state)], bucket_bytes=256, hold_before=1, combo=combo)
+    where = f"{pub.endpoint}: status() while the trainer holds bucket 1 ({R.label(combo)})"
+    out = {}
+    runner = threading.Thread(target=lambda: out.update(done=_bounded(session.update, 5.0)), daemon=True)
+    runner.start()
+    try:
+        check.that(pub.holding.wait(5.0), f"{where}: the worker never acknowledged bucket 0")
+        check.status_is(session, "UPDATING", where)
+    finally:
+        pub.release.set()
+    runner.join(6.0)
+    finished, error, _ = out.get("done", (False, None, 0))
+    check.that(finished and error is None, f"{where}: after the release the update must succeed, got {error!r}")
+    check.status_is(session, "NORMAL", f"{where}: after the update")
+
+
+@pytest.mark.rule("BKT-RECOVERY")
+@pytest.mark.parametrize("combo", _params("BKT-RECOVERY", "status"))
+def test_recovery_after_failed_update_in_every_mode(loader, publisher, combo):
+    """A rejected update (a misplaced entry in bucket 1), then clear() and a healthy one, main and draft."""
+    model = R.with_draft(SPEC, combo)
+    bad, good = M.state(model, seed=1, version=VERSION), M.state(model, seed=2, version=VERSION)
+
+    def tamper(update):
+        update.buckets[1]["entries"][0]["offset"] = 8
+
+    pub, session, _ = _serve(loader, publisher, model, [(VERSION, bad), (VERSION, good)], bucket_bytes=256,
+                             tamper=tamper, combo=combo)
+    where = f"{pub.endpoint}: update rejected at bucket 1, then clear() and a healthy update ({R.label(combo)})"
+    with check.raises(Exception, match="bucket 1", where=where):
+        session.update()
+    check.status_not(session, "NORMAL", where)
+    session.clear()
+    session.update()
+    check.params_equal(session.observe(), good, where)
+
+
+@pytest.mark.rule("BKT-ATOMIC")
+@pytest.mark.parametrize("combo", _params("BKT-ATOMIC", "status"))
+def test_rejected_update_changes_nothing_in_every_mode(loader, publisher, combo):
+    """The first, a middle or the last bucket refused (its entry of the wrong dtype), main and draft: nothing of the
+    buckets before it is adopted."""
+    model = R.with_draft(SPEC, combo)
+    state = M.state(model, version=VERSION)
+
+    def tamper(update):
+        k = {"first": 0, "middle": len(update.buckets) // 2, "last": len(update.buckets) - 1}[combo["position"]]
+        e = update.buckets[k]["entries"][0]
+        e["dtype"] = {"float32": "int32", "bfloat16": "float16", "float16": "bfloat16"}[e["dtype"]]  # same itemsize
+        tamper.name = e["name"]
+
+    pub, session, _ = _serve(loader, publisher, model, [(VERSION, state)], bucket_bytes=256, tamper=tamper, combo=combo)
+    where = f"{pub.endpoint}: update refused at the {combo['position']} bucket ({tamper.name}; {R.label(combo)})"
+    before = session.observe()
+    with check.raises(TypeError, match=re.escape(tamper.name), where=where):
+        session.update()
+    check.unchanged(before, session.observe(), where)
+    check.not_loaded(session.observe(), list(state), where)
+    check.status_not(session, "NORMAL", where)

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from conformance import check, harness
+from conformance import mode_run as R
+from conformance import modes
 from conformance.harness import Worker
 from fixtures import ipc as I
 from fixtures import models as M
@@ -73,8 +75,8 @@ def _meta_file(loader, gpu_id=0):
 @pytest.mark.rule("IPC-FILE-NAME")
 @pytest.mark.parametrize(
     "rank",
-    [pytest.param(0, marks=pytest.mark.requires("ipc.meta", "trace"), id="rank0"),
-     pytest.param(1, marks=pytest.mark.requires("ipc.meta", "trace"), id="rank1")],
+    [pytest.param(0, marks=[pytest.mark.requires("ipc.meta", "trace"), pytest.mark.modes(rank="rank0")], id="rank0"),
+     pytest.param(1, marks=[pytest.mark.requires("ipc.meta", "trace"), pytest.mark.modes(rank="follower")], id="rank1")],
 )
 def test_meta_file_is_named_by_physical_gpu(loader, trainer, rank):
     want = M.state(SPEC, version=1)
@@ -856,3 +858,266 @@ def test_ipc_updates_each_leave_the_latest_version(loader, trainer, spec):
             previous.close()  # the last version's trainer buffers go away
         check.params_equal(session.observe(), want, f"{path}: update {version} of v1 -> clear -> v2 -> clear -> v3")
         previous = export
+
+
+# -- every rule in every pair of its modes (SPEC.md Modes:) ---------------------------------------------------------
+# The cases above hold each rule's boundaries on a plain session's first update of the main model; the cases below
+# run a representative of them in every pair of the rule's declared modes (conformance/modes.py): staged, a later
+# call of the session (healthy updates loaded and cleared first), the draft model (its tensors after the main
+# ones in the file: the bad meta is the draft's first, middle or last), the bad meta's position.
+def _params(rule, *more):
+    return modes.params(rule, requires=lambda combo: ["ipc.meta", *more,
+                                                      *(["staged"] if combo.get("staged") == "staged" else []),
+                                                      *(["mtp"] if combo.get("model") == "draft" else [])])
+
+
+def _modal(loader, trainer, combo, spec=SPEC, worker=None):
+    """(session, spec): a session of ``spec`` (with a draft model for ``model=draft``) in ``combo``'s modes, its
+    earlier updates done, each from a fresh export written to the worker's meta file."""
+    spec = R.with_draft(spec, combo)
+    worker = worker or Worker(0, "0", "0")
+    session = loader.open(spec, strategy="ipc", worker=worker, options=R.options(combo))
+    R.earlier(combo, session, lambda v: _publish(loader, trainer, M.state(spec, version=v), gpu_id=worker.gpu_id))
+    return session, spec
+
+
+def _write_tampered(loader, export, tamper, gpu_id=0):
+    metas = {n: list(m) for n, m in export.metas.items()}
+    tamper(metas)
+    return I.write_metas_pickle(_meta_file(loader, gpu_id), metas)
+
+
+_FIELD_SPOILS = {  # rule -> (field the error names, spoil of one meta (spec, name, meta, export))
+    "IPC-META-LENGTH": ("7 fields", lambda spec, name, m, export: m.append(7)),
+    "IPC-RANGE-CHECKED": ("offset_bytes", lambda spec, name, m, export: m.__setitem__(1, _seg_size(export, name) - m[2] + 1)),
+    "IPC-SIZE-CHECKED": ("size", lambda spec, name, m, export: m.__setitem__(2, m[2] + ITEMSIZE[spec.param(name).dtype])),
+    "IPC-DIMS-CHECKED": ("dims", lambda spec, name, m, export: m.__setitem__(4, [-d for d in m[4]] if len(m[4]) == 2 else [-1])),
+    "IPC-TYPE-UNKNOWN": ("type_idx", lambda spec, name, m, export: m.__setitem__(3, 99)),
+}
+
+
+def _field_case(loader, trainer, rule, combo):
+    field, spoil = _FIELD_SPOILS[rule]
+    session, spec = _modal(loader, trainer, combo)
+    name = R.judged(POSITIONS[combo["position"]], combo)
+    export = trainer(M.state(spec), per_segment=1)
+    path = _write_tampered(loader, export, lambda metas: spoil(spec, name, metas[name], export))
+    where = f"{path}: {rule} fault in the meta of {name} ({R.label(combo)})"
+    with check.raises(ValueError, match=re.escape(name), names=[name, os.path.basename(path)], where=where) as info:
+        session.update()
+    if field != "7 fields":
+        _names_field(info, path, field, where)
+    check.not_loaded(session.observe(), [p.name for p in spec.all_params], where)
+
+
+@pytest.mark.rule("IPC-META-LENGTH")
+@pytest.mark.parametrize("combo", _params("IPC-META-LENGTH"))
+def test_meta_of_wrong_length_in_every_mode(loader, trainer, combo):
+    _field_case(loader, trainer, "IPC-META-LENGTH", combo)
+
+
+@pytest.mark.rule("IPC-RANGE-CHECKED")
+@pytest.mark.parametrize("combo", _params("IPC-RANGE-CHECKED"))
+def test_range_outside_segment_in_every_mode(loader, trainer, combo):
+    _field_case(loader, trainer, "IPC-RANGE-CHECKED", combo)
+
+
+@pytest.mark.rule("IPC-SIZE-CHECKED")
+@pytest.mark.parametrize("combo", _params("IPC-SIZE-CHECKED"))
+def test_size_disagreeing_with_dims_in_every_mode(loader, trainer, combo):
+    _field_case(loader, trainer, "IPC-SIZE-CHECKED", combo)
+
+
+@pytest.mark.rule("IPC-DIMS-CHECKED")
+@pytest.mark.parametrize("combo", _params("IPC-DIMS-CHECKED"))
+def test_bad_dims_in_every_mode(loader, trainer, combo):
+    _field_case(loader, trainer, "IPC-DIMS-CHECKED", combo)
+
+
+@pytest.mark.rule("IPC-TYPE-UNKNOWN")
+@pytest.mark.parametrize("combo", _params("IPC-TYPE-UNKNOWN"))
+def test_unknown_type_idx_in_every_mode(loader, trainer, combo):
+    _field_case(loader, trainer, "IPC-TYPE-UNKNOWN", combo)
+
+
+@pytest.mark.rule("IPC-VALIDATE-FIRST")
+@pytest.mark.parametrize("combo", _params("IPC-VALIDATE-FIRST"))
+def test_bad_meta_changes_no_parameter_in_every_mode(loader, trainer, combo):
+    """A size one item long at the position (of the main model's metas or the draft's), after the earlier
+    updates: nothing of the metas before it is adopted."""
+    session, spec = _modal(loader, trainer, combo)
+    name = R.judged(POSITIONS[combo["position"]], combo)
+    export = trainer(M.state(spec), per_segment=1)
+    path = _write_tampered(loader, export, lambda metas: metas[name].__setitem__(
+        2, metas[name][2] + ITEMSIZE[spec.param(name).dtype]))
+    where = f"{path}: size bad in {name}, the {combo['position']} meta ({R.label(combo)})"
+    with check.raises((ValueError, TypeError), match=re.escape(name), names=[name], where=where):
+        session.update()
+    check.not_loaded(session.observe(), [p.name for p in spec.all_params], where)
+
+
+@pytest.mark.rule("IPC-UNKNOWN-VALIDATED")
+@pytest.mark.parametrize("combo", _params("IPC-UNKNOWN-VALIDATED"))
+def test_malformed_meta_of_unknown_name_in_every_mode(loader, trainer, combo):
+    """A meta of a name the model lacks, its size one item long, first, in the middle or last of the file."""
+    session, spec = _modal(loader, trainer, combo)
+    extra = "extra.unknown.weight"
+    state = M.state(spec)
+    names = list(state)
+    at = {"first": 0, "middle": len(names) // 2, "last": len(names)}[combo["position"]]
+    names.insert(at, extra)
+    state[extra] = M.state(M.spec((extra, "float32", (2, 2))))[extra]
+    export = trainer({n: state[n] for n in names}, per_segment=1)
+    path = _write_tampered(loader, export, lambda metas: metas[extra].__setitem__(2, metas[extra][2] + 4))
+    where = f"{path}: size bad in the meta of {extra} ({combo['position']}; {R.label(combo)})"
+    with check.raises(ValueError, match=re.escape(extra), names=[extra], where=where):
+        session.update()
+    check.not_loaded(session.observe(), [p.name for p in spec.all_params], where)
+
+
+@pytest.mark.rule("IPC-SEGMENT-GONE")
+@pytest.mark.parametrize("combo", _params("IPC-SEGMENT-GONE"))
+def test_vanished_trainer_segment_in_every_mode(loader, trainer, combo):
+    session, spec = _modal(loader, trainer, combo)
+    name = POSITIONS[combo["position"]]
+    export, path = _publish(loader, trainer, M.state(spec), per_segment=1)
+    export.free(name)
+    where = f"{path}: segment of {name} ({combo['position']}) freed ({R.label(combo)})"
+    with check.raises(ValueError, match=re.escape(name), names=[name, os.path.basename(path)], where=where):
+        session.update()
+    check.not_loaded(session.observe(), NAMES, where)
+
+
+@pytest.mark.rule("IPC-META-TUPLE")
+@pytest.mark.parametrize("combo", _params("IPC-META-TUPLE"))
+def test_meta_stored_as_tuple_in_every_mode(loader, trainer, combo):
+    session, spec = _modal(loader, trainer, combo, worker=PHYSICAL)
+    want = M.state(spec)
+    export = trainer(want, device_id=5)
+    path = I.write_metas(_meta_file(loader, 3), {n: tuple(m) for n, m in export.metas.items()})
+    session.update()
+    check.params_equal(session.observe(), want, f"{path}: every meta a tuple from device 5, worker on ordinal 1 "
+                       f"({R.label(combo)})")
+
+
+@pytest.mark.rule("IPC-HANDLE-BYTES")
+@pytest.mark.parametrize("combo", _params("IPC-HANDLE-BYTES"))
+def test_handle_stored_as_bytes_in_every_mode(loader, trainer, combo):
+    session, spec = _modal(loader, trainer, combo)
+    want = M.state(spec)
+    export = trainer(want)
+    path = I.write_metas_pickle(_meta_file(loader), {n: [m[0].encode("latin-1"), *m[1:]] for n, m in export.metas.items()})
+    session.update()
+    check.params_equal(session.observe(), want, f"{path}: handles as 64 bytes ({R.label(combo)})")
+
+
+@pytest.mark.rule("IPC-ROUNDTRIP-DTYPES")
+@pytest.mark.parametrize("combo", _params("IPC-ROUNDTRIP-DTYPES"))
+def test_every_dtype_roundtrips_in_every_mode(loader, trainer, combo):
+    session, spec = _modal(loader, trainer, combo, spec=DTYPES)
+    want = M.state(spec, seed=3)
+    _publish(loader, trainer, want, per_segment=4)
+    session.update()
+    check.params_equal(session.observe(), want, f"{_meta_file(loader)}, 4 tensors per segment ({R.label(combo)})")
+
+
+@pytest.mark.rule("IPC-WORKER-OWNS-COPY")
+@pytest.mark.parametrize("combo", _params("IPC-WORKER-OWNS-COPY"))
+def test_worker_keeps_its_copy_in_every_mode(loader, trainer, combo):
+    session, spec = _modal(loader, trainer, combo)
+    v1, v2 = M.state(spec, version=1), M.state(spec, version=2)
+    export, path = _publish(loader, trainer, v1, per_segment=2)
+    session.update()
+    export.overwrite(v2)
+    check.params_equal(session.observe(), v1, f"{path}: after the trainer overwrote its segments ({R.label(combo)})")
+    export.vanish()
+    check.params_equal(session.observe(), v1, f"{path}: after the trainer freed its segments ({R.label(combo)})")
+
+
+@pytest.mark.rule("IPC-FILE-NAME")
+@pytest.mark.parametrize("combo", _params("IPC-FILE-NAME", "trace"))
+def test_meta_file_is_named_by_physical_gpu_in_every_mode(loader, trainer, combo):
+    rank = 0 if combo["rank"] == "rank0" else 1
+    want = M.state(SPEC, version=1)
+    _publish(loader, trainer, want, gpu_id=3, device_id=1)
+    for version, decoy in enumerate((1, 5, 31), start=2):
+        _publish(loader, trainer, M.state(SPEC, version=version), gpu_id=decoy, device_id=1)
+    session = loader.open(SPEC, strategy="ipc", worker=Worker(rank, "5,3,7", "1"), options=R.options(combo))
+    session.update()
+    where = f"rank {rank}, physical GPU 3 on ordinal 1, decoys ipc_metas_1/5/31 ({R.label(combo)})"
+    check.params_equal(session.observe(), want, where)
+    check.sources(session.trace(), ["ipc_metas_3"], where)
+
+
+@pytest.mark.rule("IPC-IDENTITY-AT-OPEN")
+@pytest.mark.parametrize("combo", _params("IPC-IDENTITY-AT-OPEN"))
+def test_session_keeps_its_identity_in_every_mode(loader, trainer, combo, monkeypatch):
+    """Opened on physical GPU 3 (ordinal 1), its earlier updates done, then the environment names physical 9
+    (ordinal 2, whose file exists too): the update under test still reads ipc_metas_3 on ordinal 1."""
+    session, spec = _modal(loader, trainer, combo, worker=Worker(0, "5,3,7", "1"))
+    want = M.state(spec, version=1)
+    _publish(loader, trainer, want, gpu_id=3, device_id=1)
+    _publish(loader, trainer, M.state(spec, version=9), gpu_id=9, device_id=2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,6,9")
+    monkeypatch.setenv("FLAGS_selected_gpus", "2")
+    session.update()
+    check.params_equal(session.observe(), want, f"opened on ipc_metas_3 / ordinal 1, updated after the environment "
+                       f"changed to 2,6,9 / 2 ({R.label(combo)})")
+
+
+@pytest.mark.rule("IPC-DEVICE-ID-REPLACED")
+@pytest.mark.parametrize("combo", _params("IPC-DEVICE-ID-REPLACED"))
+def test_trainer_device_id_is_replaced_in_every_mode(loader, trainer, combo):
+    session, spec = _modal(loader, trainer, combo, worker=PHYSICAL)
+    want = M.state(spec)
+    _, path = _publish(loader, trainer, want, gpu_id=3, device_id=5)
+    session.update()
+    check.params_equal(session.observe(), want, f"{path}: metas from device 5, worker on ordinal 1 ({R.label(combo)})")
+
+
+@pytest.mark.rule("IPC-META-MISSING")
+@pytest.mark.parametrize("combo", _params("IPC-META-MISSING"))
+def test_missing_meta_file_in_every_mode(loader, trainer, combo):
+    """After the earlier updates, the trainer's file is gone (the ordinal's file lies beside): the update under
+    test names the missing path."""
+    session, _ = _modal(loader, trainer, combo, worker=PHYSICAL)
+    own = _meta_file(loader, 3)
+    if os.path.exists(own):
+        os.remove(own)
+    _publish(loader, trainer, M.state(SPEC), gpu_id=1)
+    with check.raises(FileNotFoundError, match=r"ipc_metas_3", names=[own],
+                      where=f"no ipc_metas_3 (ipc_metas_1 present; {R.label(combo)})"):
+        session.update()
+
+
+@pytest.mark.rule("IPC-META-NO-PICKLE-EXEC")
+@pytest.mark.parametrize("combo", _params("IPC-META-NO-PICKLE-EXEC"))
+def test_meta_file_pickle_never_runs_code_in_every_mode(loader, trainer, tmp_path, combo):
+    export = trainer(M.state(SPEC))
+    marker = tmp_path / "pwned"
+    path = I.write_exec_pickle(_meta_file(loader), marker, export.metas)
+    session = loader.open(SPEC, strategy="ipc", options=R.options(combo))
+    where = f"{path}: pickle calling os.makedirs ({R.label(combo)})"
+    with check.raises((ValueError, pickle.UnpicklingError), match=r"ipc_metas_0", names=[_meta_file(loader)], where=where):
+        session.update()
+    check.that(not marker.exists(), f"{where}: the marker exists")
+
+
+@pytest.mark.rule("IPC-NO-LEAK")
+@pytest.mark.parametrize("combo", _params("IPC-NO-LEAK"))
+def test_no_mapping_of_trainer_segments_in_every_mode(loader, trainer, combo):
+    want = M.state(SPEC)
+    export = trainer(want, per_segment=1)
+    session = loader.open(SPEC, strategy="ipc", options=R.options(combo))
+    if combo["outcome"] == "success":
+        path = I.write_metas(_meta_file(loader), export.metas)
+        session.update()
+        check.params_equal(session.observe(), want, f"{path}: {R.label(combo)}")
+    else:
+        path = _write_tampered(loader, export, lambda metas: _spoil(export, metas, "size", LAST))
+        with check.refused((ValueError, TypeError), where=f"{path}: size of {LAST} ({R.label(combo)})"):
+            session.update()
+    segments = export.segment_names()
+    export.vanish()
+    held = _held(segments)
+    check.that(not held, f"{path}: after the update ({combo['outcome']}, {R.label(combo)}) the worker still holds {held}")

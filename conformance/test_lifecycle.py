@@ -14,6 +14,9 @@ import pytest
 from safetensors import SafetensorError
 
 from conformance import check
+from conformance import mode_run as R
+from conformance import modes
+from conformance.paths import ALL_PATHS, route  # noqa: F401 - route is a fixture
 from fixtures import models as M
 from fixtures import snapshot as S
 
@@ -302,3 +305,127 @@ def test_recovery_after_failed_update(loader, source, breakage, spec, retry, wit
     check.params_equal(session.observe(), fixed, f"{where}, {'clear() then ' if retry == 'clear' else ''}update()")
     if with_status:
         check.status_is(session, "NORMAL", f"{where}: after the successful retry")
+
+
+# -- every rule in every pair of its modes (SPEC.md Modes:), on every path ----------------------------------------
+# The cases above hold the lifecycle's boundaries on the snapshot levels; the cases below run each rule on every
+# path of conformance/paths.py in every pair of its declared modes (conformance/modes.py): staged, the draft model
+# beside the main one, what a clear follows, a later call.
+def _route_params(rule, *more):
+    return modes.params(rule, requires=lambda combo: [*PATHS_CAPS[combo["path"]], *more,
+                                                      *(["staged"] if combo.get("staged") == "staged" else []),
+                                                      *(["mtp"] if combo.get("model") == "draft" else [])])
+
+
+PATHS_CAPS = {p: path.capabilities for p, path in ALL_PATHS.items()}
+
+
+def _routed(route, combo, spec=SPEC):
+    """(route, session, spec) of ``combo``'s path, the session in its modes."""
+    rt = route(combo["path"])
+    spec = R.with_draft(spec, combo)
+    return rt, rt.open(spec, options=R.options(combo)), spec
+
+
+def _load(rt, spec, version):
+    """Publish ``version`` whole and update (after the clear, where the path has one); returns where."""
+    where = rt.publish(0, M.state(spec, version=version), version)
+    rt.clear(0)
+    rt.update(0)
+    return where
+
+
+def _broken_source(rt, path, spec, version):
+    """Publish a ``version`` the update must refuse, on any path: a parameter of the wrong dtype on rsync (a step may
+    leave keys out there: RSYNC-SUBSET), one left out elsewhere (on GDR the stream ends without it)."""
+    st = M.state(spec, version=version)
+    victim = R.judged("layers.0.mlp.weight", {"model": "draft" if spec.mtp else "main"})
+    if path == "rsync":
+        st[victim] = st[victim].astype("float32")
+    else:
+        del st[victim]
+    return rt.publish(0, st, version), victim
+
+
+def _fails(rt, where):
+    try:
+        rt.update(0)
+    except Exception:  # noqa: BLE001 (which error each path raises is its own rules' business)
+        return
+    check.that(False, f"{where}: the update of a broken source succeeded")
+
+
+@pytest.mark.rule("LIFE-CLEAR-RELEASES")
+@pytest.mark.parametrize("combo", _route_params("LIFE-CLEAR-RELEASES"))
+def test_clear_releases_every_parameter_on_every_path(route, combo):
+    rt, session, spec = _routed(route, combo)
+    after = combo["after"]
+    if after != "nothing":
+        _load(rt, spec, 1)
+    if after == "failure":
+        where, _ = _broken_source(rt, combo["path"], spec, 2)
+        rt.clear(0)
+        _fails(rt, where)
+    session.clear()
+    if after == "clear":
+        session.clear()
+    observed = session.observe()
+    names = [p.name for p in spec.all_params]
+    where = f"{combo['path']}: clear() after {after} ({R.label(combo)})"
+    check.that(not [n for n in names if n not in observed], f"{where}: parameters not observed at all")
+    still = sorted(n for n in names if n in observed and observed[n].data)
+    check.that(not still, f"{where}: parameters still hold data: {still}; expected none loaded")
+
+
+@pytest.mark.rule("LIFE-STATUS")
+@pytest.mark.parametrize("combo", _route_params("LIFE-STATUS", "status"))
+def test_status_after_clear_and_success_on_every_path(route, combo):
+    rt, session, spec = _routed(route, combo)
+    where = f"{combo['path']} ({R.label(combo)})"
+    _load(rt, spec, 1)
+    check.status_is(session, "NORMAL", f"{where}: after the first load")
+    session.clear()
+    check.status_is(session, "CLEARED", f"{where}: after clear()")
+    session.clear()
+    check.status_is(session, "CLEARED", f"{where}: after a second clear() in a row")
+    _load(rt, spec, 2)
+    check.status_is(session, "NORMAL", f"{where}: after clear() and a successful update")
+    bad, _ = _broken_source(rt, combo["path"], spec, 3)
+    rt.clear(0)
+    _fails(rt, bad)
+    session.clear()
+    check.status_is(session, "CLEARED", f"{where}: after clear() following a failed update")
+
+
+@pytest.mark.rule("LIFE-RECOVERY")
+@pytest.mark.parametrize("combo", _route_params("LIFE-RECOVERY"))
+def test_recovery_after_failed_update_on_every_path(route, combo):
+    rt, session, spec = _routed(route, combo)
+    _load(rt, spec, 1)
+    bad, victim = _broken_source(rt, combo["path"], spec, 2)
+    rt.clear(0)
+    with check.raises(Exception, match=r"\S", names=[victim], where=f"{bad} ({R.label(combo)})"):
+        rt.update(0)
+    fixed = M.state(spec, version=3)
+    where = rt.publish(0, fixed, 3)
+    session.clear()
+    rt.update(0)
+    where = f"{where}: clear() and update() after the failed update ({R.label(combo)})"
+    check.params_equal(session.observe(), fixed, where)
+    if "status" in rt.loader.adapter.capabilities:
+        check.status_is(session, "NORMAL", where)
+
+
+@pytest.mark.rule("LIFE-RELOAD-LATEST")
+@pytest.mark.parametrize("combo", _route_params("LIFE-RELOAD-LATEST"))
+def test_clear_then_update_leaves_new_version_in_every_mode(route, combo):
+    """The update under test is the second or third of the session; what the path's trainer publishes for it is
+    exactly what the session holds afterwards."""
+    rt, session, spec = _routed(route, combo)
+    for version in range(1, R.CALLS[combo["call"]] + 1):
+        _load(rt, spec, version)
+    want = M.state(spec, version=7)
+    where = rt.publish(0, want, 7)
+    session.clear()
+    rt.update(0)
+    check.params_equal(session.observe(), want, f"{where}: clear() then the {combo['call']} update ({R.label(combo)})")

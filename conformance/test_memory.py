@@ -51,7 +51,9 @@ def _state(spec):
 # (>= 2 M = 320 MiB: every part's tensors plus the parameters; 2.26 M measured) against the bound
 # M (1 + 1.5/5) + 64 MiB = 272 MiB, at the cost of moving a few times 160 MiB.
 CASES = [
-    pytest.param("parts", 5, 10, marks=pytest.mark.requires("snapshot.parts"), id="5-parts-160MiB"),
+    pytest.param("parts", 5, 10, False, marks=pytest.mark.requires("snapshot.parts"), id="5-parts-160MiB"),
+    # staged: the tensors a staged update keeps are the ones the parameters adopt (no second copy: STAGE)
+    pytest.param("parts", 5, 10, True, marks=pytest.mark.requires("snapshot.parts", "staged"), id="5-parts-160MiB-staged"),
 ]
 
 
@@ -143,11 +145,11 @@ def _in_child(fn) -> dict:
 
 
 @pytest.mark.rule("MEM-SNAPSHOT-PEAK")
-@pytest.mark.parametrize("layout,k,tensors", CASES)
-def test_snapshot_update_peak_memory(loader, snapshots, layout, k, tensors):
+@pytest.mark.parametrize("layout,k,tensors,staged", CASES)
+def test_snapshot_update_peak_memory(loader, snapshots, layout, k, tensors, staged):
     spec = _spec(tensors)
     model_dir = snapshots(layout, k, tensors)
-    session = loader.open(spec, model_dir=model_dir)
+    session = loader.open(spec, model_dir=model_dir, options={"staged": True} if staged else {})
     bound = spec.nbytes * (1 + 1.5 / k) / 1024 + SLACK_MIB * 1024
     result = _in_child(lambda: _measure(session, spec))
     if "skip" in result:
@@ -175,11 +177,11 @@ def test_snapshot_update_peak_memory(loader, snapshots, layout, k, tensors):
 # (one source: holding it is holding every source) carry U = 48 MiB (F = 80): bound 216 MiB, one copy of
 # the file beyond the model 87 MiB (the shared pickle, whose arrays become tensors one by one, 119 MiB).
 UNKNOWN_CASES = [
-    pytest.param("parts", 7, 12, marks=pytest.mark.requires("snapshot.parts"), id="7-parts-32MiB-model-192MiB-unknown"),
-    pytest.param("single", 1, 3, marks=pytest.mark.requires("snapshot.single"), id="single-32MiB-model-48MiB-unknown"),
-    pytest.param("legacy", 1, 3, marks=pytest.mark.requires("snapshot.legacy"), id="legacy-32MiB-model-48MiB-unknown"),
-    pytest.param("shared", 1, 3, marks=pytest.mark.requires("snapshot.shared_fallback"),
-                 id="shared-32MiB-model-48MiB-unknown"),
+    pytest.param("parts", 7, 12, False, marks=pytest.mark.requires("snapshot.parts"), id="7-parts-32MiB-model-192MiB-unknown"),
+    *(pytest.param(level, 1, 3, staged, marks=pytest.mark.requires(cap, *(["staged"] if staged else [])),
+                   id=f"{level}-32MiB-model-48MiB-unknown" + ("-staged" if staged else ""))
+      for level, cap in (("single", "snapshot.single"), ("legacy", "snapshot.legacy"),
+                         ("shared", "snapshot.shared_fallback")) for staged in (False, True)),
 ]
 KNOWN_TENSORS = 2
 
@@ -218,13 +220,13 @@ def snapshots_with_unknown(tmp_path_factory):
 
 
 @pytest.mark.rule("MEM-SNAPSHOT-PEAK")
-@pytest.mark.parametrize("layout,k,unknown", UNKNOWN_CASES)
-def test_snapshot_peak_memory_with_unknown_tensors(loader, snapshots_with_unknown, layout, k, unknown):
+@pytest.mark.parametrize("layout,k,unknown,staged", UNKNOWN_CASES)
+def test_snapshot_peak_memory_with_unknown_tensors(loader, snapshots_with_unknown, layout, k, unknown, staged):
     spec = _spec(KNOWN_TENSORS)
     model_dir, shared_dir, largest = snapshots_with_unknown(layout, k, unknown)
     for name in os.listdir(shared_dir):  # the shared fallback lives in the session's shared directory
         os.link(os.path.join(shared_dir, name), os.path.join(loader.shared_dir, name))
-    session = loader.open(spec, model_dir=model_dir)
+    session = loader.open(spec, model_dir=model_dir, options={"staged": True} if staged else {})
     bound = (spec.nbytes + 1.5 * largest) / 1024 + SLACK_MIB * 1024
     result = _in_child(lambda: _measure(session, spec))
     if "skip" in result:
@@ -251,8 +253,10 @@ STREAM_TENSORS = 10  # M = 160 MiB
 
 
 @pytest.mark.rule("MEM-STREAM-BOOTSTRAP")
-@pytest.mark.parametrize("strategy", [pytest.param("rsync", marks=pytest.mark.requires("stream.rsync"), id="rsync")])
-def test_stream_first_load_holds_one_model(loader, strategy):
+@pytest.mark.parametrize("strategy,staged", [pytest.param("rsync", False, marks=pytest.mark.requires("stream.rsync"), id="rsync"),
+                                             pytest.param("rsync", True, marks=pytest.mark.requires("stream.rsync", "staged"),
+                                                          id="rsync-staged")])
+def test_stream_first_load_holds_one_model(loader, strategy, staged):
     from conformance.stream_support import open_stream
     from fixtures import streams as ST
 
@@ -265,7 +269,11 @@ def test_stream_first_load_holds_one_model(loader, strategy):
         # file names the step is RSYNC-VERSION's.
         with open(os.path.join(loader.model_dir, "version.txt"), "w", encoding="utf-8") as f:
             f.write("1\n")
-        session, _ = open_stream(loader, trainer, spec, strategy, version=None)
+        if staged:
+            session = loader.open(spec, strategy=strategy, options={"rsync_config": ST.rsync_config(trainer), "staged": True})
+            ST.attach_loaders(session.models)
+        else:
+            session, _ = open_stream(loader, trainer, spec, strategy, version=None)
         result = _in_child(lambda: _measure(session, spec))
     finally:
         trainer.close()

@@ -14,7 +14,7 @@ import pytest
 
 from conformance import check
 from conformance.adapter import observe_paddle
-from conformance.paths import PATHS, cases, route  # noqa: F401 - route is a fixture
+from conformance.paths import PATHS, cases, route, staged_options  # noqa: F401 - route is a fixture
 from conformance.plugin import NOT_APPLICABLE, run_device
 from fixtures import tiny_transformer as TT
 
@@ -99,12 +99,13 @@ def _refused(path, breakage, where):
 
 # -- transforms ------------------------------------------------------------------------------------------
 @pytest.mark.rule("MODEL-TRANSFORM-ONCE")
-@pytest.mark.parametrize("path,updates", cases(2, extra=POST) + cases(20, paths=["single"], extra=POST,
-                                                                          id_suffix=":20-updates"))
-def test_transform_applied_once_per_update(route, path, updates):
+@pytest.mark.modes(call=("first", "second"))
+@pytest.mark.parametrize("path,updates,staged", cases(2, extra=POST, staged=True) + cases(
+    20, False, paths=["single"], extra=POST, id_suffix=":20-updates"))
+def test_transform_applied_once_per_update(route, path, updates, staged):
     rt = route(path)
     model = _model(rt)
-    session = rt.open(model)
+    session = rt.open(model, options=staged_options(staged))
     for version in range(1, updates + 1):
         st = TT.sent(model, version)
         where = _cycle(rt, model, version, tensors=st, clear=version > 1)
@@ -113,11 +114,11 @@ def test_transform_applied_once_per_update(route, path, updates):
 
 
 @pytest.mark.rule("MODEL-SAME-WEIGHTS")
-@pytest.mark.parametrize("path", cases(extra=POST))
-def test_reloading_the_served_weights_changes_nothing(route, path):
+@pytest.mark.parametrize("path,staged", cases(extra=POST, staged=True))
+def test_reloading_the_served_weights_changes_nothing(route, path, staged):
     rt = route(path)
     model = _model(rt)
-    session = rt.open(model)
+    session = rt.open(model, options=staged_options(staged))
     st = TT.sent(model, 1)
     where = _cycle(rt, model, 1, tensors=st, clear=False)
     _served_once(session, model, st, f"{where}: the first load")
@@ -128,11 +129,11 @@ def test_reloading_the_served_weights_changes_nothing(route, path):
 
 
 @pytest.mark.rule("MODEL-TRANSFORM-FROZEN")
-@pytest.mark.parametrize("path,updates", cases(2, extra=POST))
-def test_frozen_draft_is_not_transformed_again(route, path, updates):
+@pytest.mark.parametrize("path,updates,staged", cases(2, extra=POST, staged=True))
+def test_frozen_draft_is_not_transformed_again(route, path, updates, staged):
     rt = route(path)
     model = _model(rt, frozen_draft=True)
-    session = rt.open(model)
+    session = rt.open(model, options=staged_options(staged))
     draft = session.models[1]
     startup = TT.served_params(model, model.draft_startup_shard())
     startup_buffers = TT.served_buffers(model, model.draft_startup_shard())  # the draft's fused eh_proj
@@ -155,18 +156,18 @@ def test_frozen_draft_is_not_transformed_again(route, path, updates):
 # no failure there, so rsync fails by a dtype (its whole-step validation) and by a broken stream instead.
 # On GDR a missing tensor is the stream ending without it (GDR-SHORT-STREAM).
 CAN_MISS = [p for p in PATHS if p != "rsync"]
-FAILED = (cases("missing", paths=CAN_MISS, extra=POST)
-          + cases("dtype", paths=["parts", "rsync"], extra=POST, id_suffix=":dtype")
-          + cases("end", paths=["bucket"], extra=POST, id_suffix=":end-tampered")
-          + cases("stream-broken", paths=["gdr"], extra=POST, id_suffix=":stream-broken"))
+FAILED = (cases("missing", paths=CAN_MISS, extra=POST, staged=True)
+          + cases("dtype", paths=["parts", "rsync"], extra=POST, id_suffix=":dtype", staged=True)
+          + cases("end", paths=["bucket"], extra=POST, id_suffix=":end-tampered", staged=True)
+          + cases("stream-broken", paths=["gdr"], extra=POST, id_suffix=":stream-broken", staged=True))
 
 
 @pytest.mark.rule("MODEL-TRANSFORM-FAILED")
-@pytest.mark.parametrize("path,breakage", FAILED)
-def test_failed_update_runs_no_post_load_step(route, path, breakage):
+@pytest.mark.parametrize("path,breakage,staged", FAILED)
+def test_failed_update_runs_no_post_load_step(route, path, breakage, staged):
     rt = route(path)
     model = _model(rt, frozen_draft=True)
-    session = rt.open(model)
+    session = rt.open(model, options=staged_options(staged))
     draft = session.models[1]
     startup = observe_paddle(draft.state_dict())
     v1 = TT.sent(model, 1)
@@ -208,14 +209,20 @@ def _quant_order(st, order):
     return {first: st[first], **rest, last: st[last]}
 
 
+# staged: each path a loader can stage, once
+QUANT_STAGED = [pytest.param(*p.values, True, marks=[*p.marks, pytest.mark.requires("staged")], id=f"{p.id}:staged")
+                for p in {p.values[0]: p for p in reversed(QUANT)}.values() if p.values[0] not in ("gdr",)]
+
+
 @pytest.mark.rule("MODEL-QUANT-SCALE")
-@pytest.mark.parametrize("path,fp8,scale,order", QUANT)
-def test_fp8_weight_and_scale_dequantised_once(route, path, fp8, scale, order):
+@pytest.mark.parametrize("path,fp8,scale,order,staged", [pytest.param(*p.values, False, marks=p.marks, id=p.id)
+                                                          for p in QUANT] + QUANT_STAGED)
+def test_fp8_weight_and_scale_dequantised_once(route, path, fp8, scale, order, staged):
     rt = route(path)
     if not rt.fp8:
         pytest.skip(f"{NOT_APPLICABLE}: the {path} file is written with paddle.save for this adapter, which cannot hold fp8")
     model = _model(rt, fp8=fp8, scalar_scale=scale == "scalar")
-    session = rt.open(model)
+    session = rt.open(model, options=staged_options(staged))
     buffer = TT.buffer(session.models, "layers.0.attn.o_dq")
     pointer = buffer.data_ptr()
     for version in (1, 2):
@@ -234,17 +241,18 @@ def test_fp8_weight_and_scale_dequantised_once(route, path, fp8, scale, order):
 
 # -- tied parameters -------------------------------------------------------------------------------------
 # A model without post_load steps: the tie is a rule for every loader of a path, declarations or not.
-TIED = (cases("embed", extra=("mtp",), id_suffix=":embed-only")
-        + cases("head", paths=["parts", "bucket"], extra=("mtp",), id_suffix=":head-only")
-        + cases("both", paths=["single"], extra=("mtp",), id_suffix=":both"))
+TIED = (cases("embed", extra=("mtp",), id_suffix=":embed-only", staged=True)
+        + cases("head", paths=["parts", "bucket"], extra=("mtp",), id_suffix=":head-only", staged=True)
+        + cases("both", paths=["single"], extra=("mtp",), id_suffix=":both", staged=True))
 
 
 @pytest.mark.rule("MODEL-TIED")
-@pytest.mark.parametrize("path,carried", TIED)
-def test_tied_pair_serves_the_new_value_by_both_names(route, path, carried):
+@pytest.mark.modes(call=("first", "second"))
+@pytest.mark.parametrize("path,carried,staged", TIED)
+def test_tied_pair_serves_the_new_value_by_both_names(route, path, carried, staged):
     rt = route(path)
     model = _model(rt, plain=True)
-    session = rt.open(model)
+    session = rt.open(model, options=staged_options(staged))
     main = session.models[0]
     for version in (1, 2):
         st = TT.sent(model, version, tied=carried)
@@ -272,11 +280,11 @@ def _logits_equal(got, want, where) -> None:
 
 
 @pytest.mark.rule("MODEL-FORWARD")
-@pytest.mark.parametrize("path", cases(extra=POST))
-def test_served_logits_equal_the_trainer_models(route, path):
+@pytest.mark.parametrize("path,staged", cases(extra=POST, staged=True))
+def test_served_logits_equal_the_trainer_models(route, path, staged):
     rt = route(path)
     model = _model(rt)
-    sessions = [rt.open(model, rank) for rank in range(model.tp)]
+    sessions = [rt.open(model, rank, options=staged_options(staged)) for rank in range(model.tp)]
     for version in (1, 2):
         where = [_cycle(rt, model, version, rank, clear=version > 1) for rank in range(model.tp)]
         _logits_equal(TT.served_logits(model, [s.models for s in sessions]), TT.trainer_logits(model, version),

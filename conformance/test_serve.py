@@ -22,7 +22,7 @@ import time
 import pytest
 
 from conformance import check
-from conformance.paths import cases, route  # noqa: F401 (the fixture)
+from conformance.paths import PATHS, cases, route, staged_options  # noqa: F401 (the fixture)
 from fixtures import models as M
 
 # embed.weight fills one 1 KiB bucket, the other three share the next one (ipc_bucket: two buckets)
@@ -135,12 +135,27 @@ def _hold_update(rt, path: str, session, v2: dict):
     return None
 
 
+def _serve_cases(staged: bool):
+    """Every path (and, with ``staged``, every path a loader can stage, staged), with the operations it changes the
+    weights by: a clear, then the update into cleared parameters; on the streamed paths the update in place, and
+    also a clear() before a bootstrap load (``clears``)."""
+    out = []
+    for p in cases(extra=("serve",), staged=staged):
+        in_place = PATHS[p.values[0]].in_place
+        out.append(pytest.param(*p.values, False, id=p.id, marks=[*p.marks, pytest.mark.modes(
+            op="update" if in_place else ("clear", "update"))]))
+        if in_place and not p.values[-1]:
+            out.append(pytest.param(*p.values, True, id=f"{p.id}:clear-first",
+                                    marks=[*p.marks, pytest.mark.modes(op=("clear", "update"))]))
+    return out
+
+
 @pytest.mark.rule("SERVE-NO-MIXED-VERSIONS")
-@pytest.mark.parametrize("path", cases(extra=("serve",)))
-def test_forward_passes_never_mix_versions(route, loader, path):  # noqa: F811 (route: the fixture)
+@pytest.mark.parametrize("path,staged,clears", _serve_cases(staged=True))
+def test_forward_passes_never_mix_versions(route, loader, path, staged, clears):  # noqa: F811 (route: the fixture)
     rt = route(path)
-    in_place = rt.path.in_place
-    session = rt.open(SPEC)
+    in_place = rt.path.in_place and not clears  # a streamed session cleared first: its update fills cleared parameters
+    session = rt.open(SPEC, options=staged_options(staged))
     v1, v2 = M.state(SPEC, version=1), M.state(SPEC, version=2)
     versions = {1: {n: a.tobytes() for n, a in v1.items()}, 2: {n: a.tobytes() for n, a in v2.items()}}
     claims_status = "status" in loader.adapter.capabilities
@@ -169,7 +184,7 @@ def test_forward_passes_never_mix_versions(route, loader, path):  # noqa: F811 (
                                           f"{BOUND_S:g}s (nothing was changing: it must run at once)")
         forwards = [(a, "v1", "drained: it began on version 1 and must end on it before any byte changes")]
         change = (Change("the in-place update()", lambda: rt.update(0), updated) if in_place
-                  else Change("clear()", lambda: rt.clear(0), changed))
+                  else Change("clear()", session.clear, changed))
         if claims_status:  # once the status says the change began, a pass that arrives is held
             status = "NORMAL"
             while status == "NORMAL" and not change.returned.is_set() and time.monotonic() < deadline:
@@ -226,6 +241,7 @@ def _publish_failing(rt, path: str, v2: dict) -> str:
 
 
 @pytest.mark.rule("SERVE-NO-MIXED-VERSIONS")
+@pytest.mark.modes(op="update")
 @pytest.mark.parametrize("path", cases(extra=("serve",)))
 def test_a_failed_update_keeps_passes_held(route, loader, path):  # noqa: F811 (route: the fixture)
     """A pass held through an update that fails, and one arriving after the failure, run on no partial model:

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from conformance import check
+from conformance import mode_run as R
+from conformance import modes
 from fixtures import files as F
 from fixtures import models as M
 from fixtures import snapshot as S
@@ -48,6 +50,23 @@ LEGACY = _p(("legacy", None), ["snapshot.legacy"], "legacy")
 SHARED = _p(("shared", None), ["snapshot.shared_fallback"], "shared")
 SAFETENSORS_WHERE = [SINGLE, PART_FIRST, PART_MIDDLE, PART_LAST, LEGACY]
 WHERE = SAFETENSORS_WHERE + [SHARED]
+LEVEL_OF = {"part": "parts", "single": "single", "legacy": "legacy", "shared": "shared"}
+# The file a generated case damages on each level (a part: the middle one of three).
+WHERE_OF_PATH = {"parts": ("part", 1), "single": ("single", None), "legacy": ("legacy", None), "shared": ("shared", None)}
+
+
+def _mode_cases(rule, *extra, more=()):
+    """The rule's cases over its declared modes (SPEC.md Modes:), each a (combo, where, *extra) needing its level."""
+    caps = {"parts": "snapshot.parts", "single": "snapshot.single", "legacy": "snapshot.legacy",
+            "shared": "snapshot.shared_fallback"}
+    return modes.params(rule, requires=lambda combo: [caps[combo.get("path", "single")], *more,
+                                                      *(["staged"] if combo.get("staged") == "staged" else []),
+                                                      *(["mtp"] if combo.get("model") == "draft" else [])],
+                        extra=extra)
+
+
+def _where(combo):
+    return WHERE_OF_PATH[combo.get("path", "single")]
 
 
 _STATES: dict = {}
@@ -109,11 +128,21 @@ def _has(loader, cap):
     return cap in loader.adapter.capabilities
 
 
-def _rejects_then_recovers(loader, where, bad, *, exc=ValueError, match=None, names=(), what=""):
-    """The update raises ``exc`` naming the bad file; status not NORMAL; then a fixed snapshot loads."""
+def _open(loader, where, combo, spec=SPEC):
+    """A session in ``combo``'s modes (mode_run: staged, the earlier updates of the session, each at ``where``'s
+    level and removed after it)."""
+    session = loader.open(spec, options=R.options(combo or {}))
+    if combo:
+        R.earlier_snapshot(combo, session, spec, loader.model_dir, loader.shared_dir, level=LEVEL_OF[where[0]])
+    return session
+
+
+def _rejects_then_recovers(loader, where, bad, *, exc=ValueError, match=None, names=(), what="", combo=None):
+    """The update raises ``exc`` naming the bad file; status not NORMAL; then a fixed snapshot loads. ``combo``:
+    the update's modes (staged, the first or a later update of its session)."""
+    session = _open(loader, where, combo)
     path, _, _ = _write(loader, where, _state(SPEC, 1), bad)
-    what = f"{what} at {path}"
-    session = loader.open(SPEC)
+    what = f"{what} at {path}" + (f" ({R.label(combo)})" if combo else "")
     with check.raises(exc, match=match or re.escape(path), names=[path, *names], where=what):
         session.update()
     if _has(loader, "status"):
@@ -132,20 +161,36 @@ def _recover(loader, session, where, what):
 
 
 # -- FILE-NO-TENSORS / FILE-ZERO-BYTES -------------------------------------------------------
+def _no_tensors(path, _tensors, pickled):
+    (S.write_pickle_fallback if pickled else S.write_safetensors)(path, {})
+
+
 @pytest.mark.rule("FILE-NO-TENSORS")
+@pytest.mark.modes(call="first")
 @pytest.mark.parametrize("where", WHERE)
 def test_file_without_tensors_is_value_error(loader, where):
-    def bad(path, _tensors, pickled):
-        (S.write_pickle_fallback if pickled else S.write_safetensors)(path, {})
+    _rejects_then_recovers(loader, where, _no_tensors, what="a file with no tensors")
 
-    _rejects_then_recovers(loader, where, bad, what="a file with no tensors")
+
+@pytest.mark.rule("FILE-NO-TENSORS")
+@pytest.mark.parametrize("combo", _mode_cases("FILE-NO-TENSORS"))
+def test_file_without_tensors_is_value_error_in_every_mode(loader, combo):
+    _rejects_then_recovers(loader, _where(combo), _no_tensors, what="a file with no tensors", combo=combo)
 
 
 @pytest.mark.rule("FILE-ZERO-BYTES")
+@pytest.mark.modes(call="first")
 @pytest.mark.parametrize("where", WHERE)
 def test_zero_byte_file_is_value_error(loader, where):
     _rejects_then_recovers(loader, where, lambda path, _t, _p: S.write_zero_bytes(path), what="a 0-byte file",
                            match=r"(?i)empty|\b0 bytes")
+
+
+@pytest.mark.rule("FILE-ZERO-BYTES")
+@pytest.mark.parametrize("combo", _mode_cases("FILE-ZERO-BYTES"))
+def test_zero_byte_file_is_value_error_in_every_mode(loader, combo):
+    _rejects_then_recovers(loader, _where(combo), lambda path, _t, _p: S.write_zero_bytes(path), what="a 0-byte file",
+                           match=r"(?i)empty|\b0 bytes", combo=combo)
 
 
 # -- FILE-TRUNCATED ----------------------------------------------------------------------------
@@ -174,8 +219,20 @@ def _truncation_cases():
 
 
 @pytest.mark.rule("FILE-TRUNCATED")
+@pytest.mark.modes(call="first")
 @pytest.mark.parametrize("where,kind", list(_truncation_cases()))
 def test_truncated_file_is_value_error(loader, where, kind):
+    _truncated(loader, where, kind)
+
+
+@pytest.mark.rule("FILE-TRUNCATED")
+@pytest.mark.parametrize("combo", _mode_cases("FILE-TRUNCATED"))
+def test_truncated_file_is_value_error_in_every_mode(loader, combo):
+    """One byte short (the damage every format can take), in every pair of the rule's modes."""
+    _truncated(loader, _where(combo), "minus-one-byte", combo)
+
+
+def _truncated(loader, where, kind, combo=None):
     if kind not in PICKLE_TRUNCATIONS:
         _safetensors_only(where, f"truncation {kind}")
     names = []
@@ -190,7 +247,7 @@ def test_truncated_file_is_value_error(loader, where, kind):
         if "expects" in facts:  # a header describing more bytes than the file holds says so
             names.append(f"expects {facts['expects']} bytes, file has {facts['has']}")
 
-    _rejects_then_recovers(loader, where, bad, names=names, what=f"a file truncated ({kind})")
+    _rejects_then_recovers(loader, where, bad, names=names, what=f"a file truncated ({kind})", combo=combo)
 
 
 # -- FILE-CORRUPT-HEADER -----------------------------------------------------------------------
@@ -312,9 +369,24 @@ ATTACKS = {
 
 @pytest.mark.rule("FILE-PICKLE-NO-EXEC")
 @pytest.mark.requires("snapshot.shared_fallback")
+@pytest.mark.modes(call="first")
 @pytest.mark.parametrize("attack", ["builtins.open", "os.system", "builtins.exec", *ATTACKS])
 def test_fallback_pickle_never_runs_code(loader, tmp_path, attack):
     """The shared fallback's pickle names a global that would create a marker file."""
+    _never_runs(loader, tmp_path, attack, None)
+
+
+@pytest.mark.rule("FILE-PICKLE-NO-EXEC")
+@pytest.mark.parametrize("combo", modes.params("FILE-PICKLE-NO-EXEC", requires=lambda combo: [
+    "snapshot.shared_fallback", *(["staged"] if combo["staged"] == "staged" else [])]))
+def test_fallback_pickle_never_runs_code_in_every_mode(loader, tmp_path, combo):
+    """The os.system and NEWOBJ attacks, staged or not, at the first or a later update of the session."""
+    for attack in ("os.system", "newobj"):
+        _never_runs(loader, tmp_path, attack, combo)
+
+
+def _never_runs(loader, tmp_path, attack, combo):
+    session = _open(loader, ("shared", None), combo)
     marker = str(tmp_path / "PWNED.npy")
     path = os.path.join(loader.shared_dir, S.base_name(0, 0) + S.PDPARAMS)
     names = [path]
@@ -327,9 +399,9 @@ def test_fallback_pickle_never_runs_code(loader, tmp_path, attack):
     else:
         F.write_bytes(path, F.pickle_attack(attack, marker))
         names.append(ATTACKS[attack])  # the refused global is named
-    session = loader.open(SPEC)
     try:
-        with check.raises(ValueError, match=re.escape(path), names=names, where=f"{attack} pickle at {path}"):
+        with check.raises(ValueError, match=re.escape(path), names=names,
+                          where=f"{attack} pickle at {path}" + (f" ({R.label(combo)})" if combo else "")):
             session.update()
     finally:
         check.that(not os.path.exists(marker), f"{path}: unpickling ran {attack}: marker {marker} was created")
@@ -341,15 +413,28 @@ def test_fallback_pickle_never_runs_code(loader, tmp_path, attack):
 
 # -- FILE-DETACHED -----------------------------------------------------------------------------
 @pytest.mark.rule("FILE-DETACHED")
+@pytest.mark.modes(model="main")
 @pytest.mark.parametrize("where", [SINGLE, PART_FIRST, PART_LAST, LEGACY])
 def test_parameters_do_not_alias_the_snapshot_file(loader, tmp_path, where):
     """Rewrite the loaded files in place (same inode, same size): the model keeps the loaded values."""
+    _detached(loader, tmp_path, where, None)
+
+
+@pytest.mark.rule("FILE-DETACHED")
+@pytest.mark.parametrize("combo", _mode_cases("FILE-DETACHED"))
+def test_parameters_do_not_alias_the_snapshot_file_in_every_mode(loader, tmp_path, combo):
+    """The same with a draft model beside the main one (its tensors in the same files), staged or not."""
+    _detached(loader, tmp_path, _where(combo), combo)
+
+
+def _detached(loader, tmp_path, where, combo):
     _safetensors_only(where, "a rewrite in place with safetensors bytes")
-    v1, v2 = _state(SPEC, 1), _state(SPEC, 2)
+    spec = R.with_draft(SPEC, combo or {})
+    v1, v2 = _state(spec, 1), _state(spec, 2)
+    session = loader.open(spec, options=R.options(combo or {}))
     _, _, paths = _write(loader, where, v1)
     fresh_dir = tmp_path / "v2"
     fresh_dir.mkdir()
-    session = loader.open(SPEC)
     session.update()
     kind = where[0]
     groups = S.split(v2, 3) if kind == "part" else [v2]
@@ -358,7 +443,8 @@ def test_parameters_do_not_alias_the_snapshot_file(loader, tmp_path, where):
         assert os.path.getsize(path) == len(data), f"{path}: v2 layout differs in size; cannot rewrite in place"
         with open(path, "r+b") as f:  # same inode: a mapping of the old file sees these bytes
             f.write(data)
-    check.params_equal(session.observe(), v1, f"{where}: after rewriting {', '.join(map(os.path.basename, paths))} in place")
+    check.params_equal(session.observe(), v1, f"{where}: after rewriting {', '.join(map(os.path.basename, paths))} in place"
+                       + (f" ({R.label(combo)})" if combo else ""))
 
 
 # -- FILE-RELEASED -----------------------------------------------------------------------------
@@ -366,16 +452,27 @@ OUTCOMES = ["success", "truncated", "corrupt", "no-tensors"]
 
 
 def _released_cases():
+    def case(where, outcome, staged=False):
+        marks = [*where.marks, pytest.mark.modes(outcome="success" if outcome == "success" else "rejected")]
+        if staged:
+            marks.append(pytest.mark.requires("staged"))
+        return pytest.param(where.values[0], outcome, staged, marks=marks,
+                            id=f"{where.id}-{outcome}" + ("-staged" if staged else ""))
+
     for where in WHERE:
-        yield _case(where, "success")
+        yield case(where, "success")
     for where, outcome in [(PART_LAST, "truncated"), (SHARED, "truncated"), (SINGLE, "corrupt"), (LEGACY, "corrupt"),
                            (PART_FIRST, "corrupt"), (PART_MIDDLE, "no-tensors"), (SHARED, "no-tensors")]:
-        yield _case(where, outcome)
+        yield case(where, outcome)
+    # Staged: every level, each outcome on two of them.
+    for where, outcome in [(PART_MIDDLE, "success"), (SINGLE, "truncated"), (LEGACY, "success"), (SHARED, "truncated"),
+                           (PART_LAST, "no-tensors"), (SINGLE, "success"), (SHARED, "success"), (LEGACY, "truncated")]:
+        yield case(where, outcome, staged=True)
 
 
 @pytest.mark.rule("FILE-RELEASED")
-@pytest.mark.parametrize("where,outcome", list(_released_cases()))
-def test_no_descriptor_or_mapping_kept(loader, where, outcome):
+@pytest.mark.parametrize("where,outcome,staged", list(_released_cases()))
+def test_no_descriptor_or_mapping_kept(loader, where, outcome, staged):
     if outcome == "corrupt":
         _safetensors_only(where, "an overlapping header")
 
@@ -390,7 +487,7 @@ def test_no_descriptor_or_mapping_kept(loader, where, outcome):
 
     path, _, paths = _write(loader, where, _state(SPEC, 1), bad)
     watched = [loader.model_dir, loader.shared_dir]
-    session = loader.open(SPEC)
+    session = loader.open(SPEC, options={"staged": True} if staged else {})
     if outcome == "success":
         session.update()
         check.params_equal(session.observe(), _state(SPEC, 1), f"{path} loaded")
@@ -493,9 +590,20 @@ def _digest(a: np.ndarray) -> str:
 
 
 @pytest.mark.rule("FILE-UNREADABLE")
+@pytest.mark.modes(call="first")
 @pytest.mark.parametrize("where", [SINGLE, PART_FIRST, PART_LAST, LEGACY, SHARED])
 def test_permission_denied_is_reported_as_such(loader, where):
-    path, _, _ = _write(loader, where, _state(SPEC, 1))
+    _unreadable(loader, where, None)
+
+
+@pytest.mark.rule("FILE-UNREADABLE")
+@pytest.mark.parametrize("combo", _mode_cases("FILE-UNREADABLE"))
+def test_permission_denied_is_reported_as_such_in_every_mode(loader, combo):
+    _unreadable(loader, _where(combo), combo)
+
+
+def _unreadable(loader, where, combo):
+    path, _, paths = _write(loader, where, _state(SPEC, 1))
     os.chmod(path, 0)
     try:
         def child():
@@ -505,7 +613,12 @@ def test_permission_denied_is_reported_as_such(loader, where):
                 return {"provoked": False, "how": how}
             except PermissionError:
                 pass
-            return {"provoked": True, **_try_update(loader.open(SPEC), loader)}
+            for p in paths:  # the session's earlier updates read files of their own, written where these lie
+                os.rename(p, p + ".aside")
+            session = _open(loader, where, combo)
+            for p in paths:
+                os.rename(p + ".aside", p)
+            return {"provoked": True, **_try_update(session, loader)}
 
         result, ended = _in_child(child)
     finally:
@@ -513,14 +626,15 @@ def test_permission_denied_is_reported_as_such(loader, where):
     check.that(result is not None, f"update of unreadable {path}: the child {ended}")
     check.that(result["provoked"], f"cannot make {path} unreadable here ({result.get('how')})")
     raised, message = result["raised"], result.get("message", "")
-    check.that(raised is not None, f"update of unreadable (mode 000) {path} succeeded; expected PermissionError")
-    check.that("PermissionError" in raised, f"unreadable {path}: raised {raised[0]} ({message!r}); expected a PermissionError")
+    shown = path + (f" ({R.label(combo)})" if combo else "")
+    check.that(raised is not None, f"update of unreadable (mode 000) {shown} succeeded; expected PermissionError")
+    check.that("PermissionError" in raised, f"unreadable {shown}: raised {raised[0]} ({message!r}); expected a PermissionError")
     check.that(path in message and re.search(r"(?i)permission denied", message) is not None,
-               f"unreadable {path}: message {message!r} must name the file and say 'permission denied'")
+               f"unreadable {shown}: message {message!r} must name the file and say 'permission denied'")
     check.that(not re.search(r"(?i)corrupt|not a valid|truncat|empty|no parameter", message),
-               f"unreadable {path}: message {message!r} reports a damaged file; the file is intact, only unreadable")
+               f"unreadable {shown}: message {message!r} reports a damaged file; the file is intact, only unreadable")
     if "status" in result:
-        check.that(result["status"] != "NORMAL", f"after unreadable {path}: status is NORMAL")
+        check.that(result["status"] != "NORMAL", f"after unreadable {shown}: status is NORMAL")
     session = loader.open(SPEC)  # after the mode is restored, the same files load
     _recover(loader, session, where, f"unreadable {path}")
 
@@ -534,20 +648,29 @@ READING = 64 << 10  # bytes read (rchar) since the opening that count as "the re
 # with the loader stopped there (FILE-CHANGED-BETWEEN-PARTS): a loader that validates every header first
 # and then reads loads a part 0 that changed since its header was checked; a one-pass loader has read
 # part 0 already, and keeps it only if its parameters are views of the file (CPU).
+def _change(where, change, when, staged=False):
+    marks = [*where.marks, *([pytest.mark.requires("staged")] if staged else [])]
+    return pytest.param(where.values[0], change, when, staged, marks=marks,
+                        id=f"{where.id}-{change}-{when}" + ("-staged" if staged else ""))
+
+
 READING_CHANGES = [
-    pytest.param(("single", None), "truncate", "reading", marks=SINGLE.marks, id="single-truncate-reading"),
-    pytest.param(("single", None), "rewrite", "reading", marks=SINGLE.marks, id="single-rewrite-reading"),
-    pytest.param(("part", 1), "rewrite", "reading", marks=PART_MIDDLE.marks, id="part-middle-rewrite-reading"),
-    pytest.param(("part", 2), "truncate", "reading", marks=PART_LAST.marks, id="part-last-truncate-reading"),
+    _change(SINGLE, "truncate", "reading"), _change(SINGLE, "rewrite", "reading"),
+    _change(PART_MIDDLE, "rewrite", "reading"), _change(PART_LAST, "truncate", "reading"),
+    _change(LEGACY, "rewrite", "reading"),
+    # staged: every level
+    _change(SINGLE, "truncate", "reading", True), _change(PART_MIDDLE, "rewrite", "reading", True),
+    _change(LEGACY, "truncate", "reading", True),
 ]
 BETWEEN_CHANGES = [
-    pytest.param(("part", 0), "truncate", "between", marks=PART_FIRST.marks, id="part-first-truncate-between"),
-    pytest.param(("part", 0), "rewrite", "between", marks=PART_FIRST.marks, id="part-first-rewrite-between"),
+    _change(PART_FIRST, "truncate", "between"), _change(PART_FIRST, "rewrite", "between"),
+    _change(PART_FIRST, "rewrite", "between", True),
 ]
 
 
 def _write_big(loader, where, state):
     kind, index = where
+    _safetensors_only(where, "a change of safetensors bytes during the load")
     groups = S.split(state, 3) if kind == "part" else [state]
     paths = ([S.part_path(loader.model_dir, 0, 0, i) for i in range(3)] if kind == "part"
              else [S.single_path(loader.model_dir, 0, 0) if kind == "single" else S.legacy_path(loader.model_dir, 0)])
@@ -658,7 +781,7 @@ def _held_until_reading(notify, resume, ino, path, opens, deadline, damage) -> b
     return False
 
 
-def _changed_while_loading(loader, ino, path, paths, opens, when, damage, holder=None):
+def _changed_while_loading(loader, ino, path, paths, opens, when, damage, holder=None, options=None):
     """One update of BIG in a forked child, ``damage()`` applied at the moment ``when`` names; returns
     (the child's result or None, how it ended, whether the damage landed). With ``holder`` ("reading"),
     the child's reads of the file wait for this process (``_held_until_reading``): the change lands
@@ -684,7 +807,7 @@ def _changed_while_loading(loader, ino, path, paths, opens, when, damage, holder
                 os.close(hold[0][0])
                 os.close(hold[1][1])
                 holder.hold(path, hold[0][1], hold[1][0])
-            out = json.dumps({"value": _try_update(loader.open(BIG), loader)})
+            out = json.dumps({"value": _try_update(loader.open(BIG, options=options), loader)})
         except BaseException as e:  # noqa: BLE001
             out, code = json.dumps({"crash": f"{type(e).__name__}: {e}"}), 1
         os.write(w, out.encode())
@@ -721,28 +844,28 @@ def _changed_while_loading(loader, ino, path, paths, opens, when, damage, holder
 
 @pytest.mark.rule("FILE-CHANGED-DURING-LOAD")
 @pytest.mark.race("where the loader's reads pass by the hold (no C compiler, or reads inside the C library), the change lands while it reads only if this process stops it in time")
-@pytest.mark.parametrize("where,change,when", READING_CHANGES)
-def test_file_changed_while_loading(loader, tmp_path, where, change, when, read_holder):
+@pytest.mark.parametrize("where,change,when,staged", READING_CHANGES)
+def test_file_changed_while_loading(loader, tmp_path, where, change, when, staged, read_holder):
     """The trainer truncates a file to half, or rewrites its second half with new values, while the
     loader reads it: at the loader's last opening of the file (counted with inotify in a dry run), once
     it has mapped the file or read READING bytes of it, between two of its reads (the loading child
     waits for this process after each read: ``read_cap.Capped.hold``; stepped with SIGSTOP/SIGCONT
     where that library cannot be built, or the loader's reads pass by it). Outcome: an error naming
     the file, or the old version complete; never a crash, never a mix."""
-    _changed_during_update(loader, tmp_path, where, change, when, read_holder)
+    _changed_during_update(loader, tmp_path, where, change, when, staged, read_holder)
 
 
 # -- FILE-CHANGED-BETWEEN-PARTS ------------------------------------------------------------------
 @pytest.mark.rule("FILE-CHANGED-BETWEEN-PARTS")
-@pytest.mark.parametrize("where,change,when", BETWEEN_CHANGES)
-def test_part_changed_while_the_next_part_opens(loader, tmp_path, where, change, when):
+@pytest.mark.parametrize("where,change,when,staged", BETWEEN_CHANGES)
+def test_part_changed_while_the_next_part_opens(loader, tmp_path, where, change, when, staged):
     """Part 0 is truncated to half, or its second half rewritten, while the loader is held in its first
     open() of part 1 (a write lease). Outcome: an error naming part 0, or the old version complete; never
     a crash, never a mix."""
-    _changed_during_update(loader, tmp_path, where, change, when)
+    _changed_during_update(loader, tmp_path, where, change, when, staged)
 
 
-def _changed_during_update(loader, tmp_path, where, change, when, holder=None):
+def _changed_during_update(loader, tmp_path, where, change, when, staged, holder=None):
     v1, v2 = _state(BIG, 1), _state(BIG, 2)
     path, group, paths = _write_big(loader, where, v1)
     ino = F.Inotify()
@@ -750,7 +873,8 @@ def _changed_during_update(loader, tmp_path, where, change, when, holder=None):
         ino.watch(path, F.IN_OPEN | F.IN_ACCESS)
 
         # 1. How many times does this loader open the file in one update? (The last opening reads it.)
-        session = loader.open(BIG)
+        options = {"staged": True} if staged else {}
+        session = loader.open(BIG, options=options)
         session.update()
         check.params_equal(session.observe(), v1, f"{path}: undisturbed update")
         opens = 0
@@ -783,7 +907,7 @@ def _changed_during_update(loader, tmp_path, where, change, when, holder=None):
             # The first attempt holds the loader's reads; a loader whose reads pass by the hold (the C library's
             # own, as fread makes) is stepped with signals in the next ones.
             result, ended, landed = _changed_while_loading(loader, ino, path, paths, opens, when, damage,
-                                                           holder if attempt == 0 else None)
+                                                           holder if attempt == 0 else None, options)
             if landed or result is None:
                 break
     finally:
@@ -825,11 +949,12 @@ def _random_state(spec, seed: int) -> dict:
 
 
 @pytest.mark.rule("FILE-LARGE")
-@pytest.mark.parametrize("where", [SINGLE, PART_FIRST])
-def test_large_tensors_load_bit_exact(loader, where):
-    _safetensors_only(where, "a safetensors layout")
+@pytest.mark.parametrize("combo", _mode_cases("FILE-LARGE"))
+def test_large_tensors_load_bit_exact(loader, combo):
+    where = WHERE_OF_PATH[combo["path"]] if combo["path"] != "parts" else ("part", 0)
     state = _random_state(LARGE, 11)
     _, _, paths = _write(loader, where, state)
-    session = loader.open(LARGE)
+    session = loader.open(LARGE, options=R.options(combo))
     session.update()
-    check.params_equal(session.observe(), state, f"{where}: tensors of 4 MiB and 8 MiB + 12 bytes from {paths}")
+    check.params_equal(session.observe(), state, f"{where}: tensors of 4 MiB and 8 MiB + 12 bytes from {paths} "
+                       f"({R.label(combo)})")

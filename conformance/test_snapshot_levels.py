@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from conformance import check
+from conformance import mode_run as R
+from conformance import modes
 from conformance.harness import ChildFailed, ChildTimedOut, Worker, in_child
 from fixtures import models as M
 from fixtures import snapshot as S
@@ -49,17 +51,19 @@ def _fallback_path(loader):
     return S.fallback_path(loader.shared_dir, RANK, GPU)
 
 
-def _check_level_wins(loader, winner, losers, observe="values"):
+def _check_level_wins(loader, winner, losers, observe="values", combo=None):
     """Write ``winner`` clean, then every loser poisoned and newer; update; ``winner`` must be all
-    that was read."""
+    that was read. ``combo``: the modes of the update (mode_run): staged, a later call of the session."""
+    combo = combo or {}
+    session = loader.open(SPEC, worker=WORKER, options=R.options(combo))
+    R.earlier_snapshot(combo, session, SPEC, loader.model_dir, loader.shared_dir, level=winner, rank=RANK, gpu_id=GPU)
     names = {winner: [os.path.basename(p) for p in _write(loader, winner, _state(winner))]}
     future = time.time() + 3600
     for level in losers:
         for path in _write(loader, level, _state(level, poisoned=True)):
             os.utime(path, (future, future))
-    session = loader.open(SPEC, worker=WORKER)
     where = (f"rank {RANK} gpu {GPU}: {winner} against {', '.join(losers)} (written later, newer mtime, "
-             f"{POISONED} of the wrong dtype) in {loader.model_dir} + {loader.shared_dir}")
+             f"{POISONED} of the wrong dtype) in {loader.model_dir} + {loader.shared_dir} ({R.label(combo)})")
     try:
         session.update()
     except Exception as e:  # noqa: BLE001  (any error means a losing level was read)
@@ -73,11 +77,43 @@ def _check_level_wins(loader, winner, losers, observe="values"):
 
 
 def _case(winner, losers, observe="values", extra=()):
-    marks = [pytest.mark.requires(*sorted({CAP[winner], *(CAP[lv] for lv in losers)}))]
+    marks = [pytest.mark.requires(*sorted({CAP[winner], *(CAP[lv] for lv in losers)})), pytest.mark.modes(call="first")]
     if observe == "trace":
         marks.append(TRACE)
     label = f"{winner}-vs-{'+'.join(losers)}:{observe}"
     return pytest.param(winner, losers, observe, marks=marks, id=label)
+
+
+def _mode_cases(rule, winner, losers):
+    """The rule's cases over its declared modes: ``winner`` against every lower level at once."""
+    caps = sorted({CAP[winner], *(CAP[lv] for lv in losers)})
+    return modes.params(rule, requires=lambda combo: [*caps, *modes.default_requires(combo)], extra=(winner, losers))
+
+
+@pytest.mark.rule("LEVEL-PARTS-FIRST")
+@pytest.mark.parametrize("combo,winner,losers", _mode_cases("LEVEL-PARTS-FIRST", "parts", ("single", "legacy", "shared")))
+def test_parts_win_over_every_level_in_every_mode(loader, combo, winner, losers):
+    _check_level_wins(loader, winner, losers, combo=combo)
+
+
+@pytest.mark.rule("LEVEL-SINGLE-SECOND")
+@pytest.mark.parametrize("combo,winner,losers", _mode_cases("LEVEL-SINGLE-SECOND", "single", ("legacy", "shared")))
+def test_single_file_wins_without_parts_in_every_mode(loader, combo, winner, losers):
+    _check_level_wins(loader, winner, losers, combo=combo)
+
+
+@pytest.mark.rule("LEVEL-LEGACY-THIRD")
+@pytest.mark.parametrize("combo,winner,losers", _mode_cases("LEVEL-LEGACY-THIRD", "legacy", ("shared",)))
+def test_legacy_file_wins_without_parts_or_single_in_every_mode(loader, combo, winner, losers):
+    _write_foreign_higher_levels(loader)
+    _check_level_wins(loader, winner, losers, combo=combo)
+
+
+@pytest.mark.rule("LEVEL-SHARED-LAST")
+@pytest.mark.parametrize("combo,winner,losers", _mode_cases("LEVEL-SHARED-LAST", "shared", ()))
+def test_shared_pickle_used_when_model_dir_has_nothing_in_every_mode(loader, combo, winner, losers):
+    _write_foreign_higher_levels(loader)
+    _check_level_wins(loader, winner, losers, combo=combo)
 
 
 @pytest.mark.rule("LEVEL-PARTS-FIRST")
@@ -124,7 +160,8 @@ def _write_foreign_higher_levels(loader):
 @pytest.mark.parametrize(
     "winner,losers,observe",
     [
-        pytest.param("legacy", (), "values", marks=pytest.mark.requires("snapshot.legacy"), id="legacy-beside-other-workers-files"),
+        pytest.param("legacy", (), "values", marks=[pytest.mark.requires("snapshot.legacy"), pytest.mark.modes(call="first")],
+                     id="legacy-beside-other-workers-files"),
         _case("legacy", ("shared",)),
         _case("legacy", ("shared",), "trace"),
     ],
@@ -137,6 +174,7 @@ def test_legacy_file_wins_without_parts_or_single(loader, winner, losers, observ
 
 @pytest.mark.rule("LEVEL-SHARED-LAST")
 @pytest.mark.requires("snapshot.shared_fallback")
+@pytest.mark.modes(call="first")
 @pytest.mark.parametrize(
     "others,observe",
     [
@@ -161,14 +199,19 @@ def _claims_shared(loader) -> bool:
 @pytest.mark.rule("LEVEL-NONE-FOUND")
 @pytest.mark.requires("snapshot.single")
 @pytest.mark.parametrize(
-    "layout",
+    "layout,call",
     [
-        pytest.param("empty", id="nothing-anywhere"),
-        pytest.param("other-ranks", id="only-other-ranks-files"),
-        pytest.param("invalid-parts", id="only-invalid-part-names"),
+        pytest.param("empty", "first", id="nothing-anywhere"),
+        pytest.param("other-ranks", "first", id="only-other-ranks-files"),
+        pytest.param("invalid-parts", "first", id="only-invalid-part-names"),
+        # After a healthy update and a clear, the trainer's files are gone: the next update finds nothing.
+        pytest.param("empty", "second", id="nothing-anywhere:second-update"),
+        pytest.param("other-ranks", "second", id="only-other-ranks-files:second-update"),
     ],
 )
-def test_no_snapshot_is_file_not_found_listing_checks(loader, layout):
+def test_no_snapshot_is_file_not_found_listing_checks(loader, layout, call):
+    session = loader.open(SPEC, worker=WORKER)
+    R.earlier_snapshot({"call": call}, session, SPEC, loader.model_dir, loader.shared_dir, rank=RANK, gpu_id=GPU)
     decoy = M.state(SPEC, version=9)
     if layout == "other-ranks":
         S.write_safetensors(S.single_path(loader.model_dir, 0, GPU), decoy)
@@ -182,9 +225,8 @@ def test_no_snapshot_is_file_not_found_listing_checks(loader, layout):
         FileNotFoundError,
         match=re.escape(f"No snapshot found for {base}"),
         names=[loader.model_dir] + ([_fallback_path(loader)] if _claims_shared(loader) else []),
-        where=f"rank {RANK} gpu {GPU}, {layout}",
+        where=f"rank {RANK} gpu {GPU}, {layout}, {call} update of the session",
     ):
-        session = loader.open(SPEC, worker=WORKER)
         session.update()
 
 
@@ -292,17 +334,24 @@ _BAD_KINDS = {
 }
 
 
+_PATH_OF = {"single": "single", "legacy": "legacy", "part1-of-0-1-2": "parts", "only-part": "parts", "shared": "shared"}
+
+
 def _not_file_params():
+    """Every bad kind at every position, plain; and a directory at every position, staged."""
     out = []
     for position, (caps, _lower) in _POSITIONS.items():
         for kind in (*_BAD_KINDS[position], "symlink-to-regular-file"):
-            out.append(pytest.param(position, kind, marks=pytest.mark.requires(*caps), id=f"{position}:{kind}"))
+            out.append(pytest.param(position, kind, False, id=f"{position}:{kind}",
+                                    marks=[pytest.mark.requires(*caps), pytest.mark.modes(path=_PATH_OF[position])]))
+        out.append(pytest.param(position, "directory", True, id=f"{position}:directory:staged",
+                                marks=[pytest.mark.requires(*caps, "staged"), pytest.mark.modes(path=_PATH_OF[position])]))
     return out
 
 
 @pytest.mark.rule("LEVEL-CANDIDATE-NOT-FILE")
-@pytest.mark.parametrize("position,kind", _not_file_params())
-def test_candidate_that_is_not_a_regular_file_is_an_error(loader, tmp_path, position, kind):
+@pytest.mark.parametrize("position,kind,staged", _not_file_params())
+def test_candidate_that_is_not_a_regular_file_is_an_error(loader, tmp_path, position, kind, staged):
     """A candidate that exists but is no regular file is an error naming it, never a fall-through
     to the (stale) lower level written beside it; a symlink to a regular file loads. After the
     error, replacing the candidate with a real file, clear() and update() load it."""
@@ -316,14 +365,14 @@ def test_candidate_that_is_not_a_regular_file_is_an_error(loader, tmp_path, posi
         write = S.write_pickle_fallback if position == "shared" else S.write_safetensors
         target = write(os.path.join(str(tmp_path), "store", "real.pdparams"), content)
         os.symlink(target, path)
-        session = loader.open(SPEC, worker=WORKER)
+        session = loader.open(SPEC, worker=WORKER, options={"staged": True} if staged else {})
         session.update()
         check.params_equal(session.observe(), want, f"{where}: the link's target must be loaded")
         return
     _make(kind, path, str(tmp_path))
     watch = _Watch(path, kind, where)
     try:  # in a forked child: the update may block inside the implementation (a FIFO, a device)
-        in_child(_rejects_candidate_then_loads_it, loader, path, content, want, where,
+        in_child(_rejects_candidate_then_loads_it, loader, path, content, want, where, staged,
                  timeout_s=BLOCK_DEADLINE_S, watch=watch)
     except ChildTimedOut as e:
         check.that(False, f"{where}: the update blocked for {e.seconds:.1f}s (in {e.blocked_in or 'an unknown wait'}) "
@@ -346,10 +395,10 @@ def _check_fifo_not_opened(watch, where):
                                      "without opening it (os.stat)")
 
 
-def _rejects_candidate_then_loads_it(loader, path, content, want, where):
+def _rejects_candidate_then_loads_it(loader, path, content, want, where, staged=False):
     """In the child: the update raises naming the candidate, loads nothing, is not NORMAL; after the
     candidate is replaced with a regular file, clear() and update() load it."""
-    session = loader.open(SPEC, worker=WORKER)
+    session = loader.open(SPEC, worker=WORKER, options={"staged": True} if staged else {})
     with check.raises((ValueError, OSError), match=re.escape(os.path.basename(path)), names=[path], where=where):
         session.update()
     check.not_loaded(session.observe(), NAMES, f"{where}: after the error")

@@ -13,6 +13,8 @@ import re
 import pytest
 
 from conformance import check, harness
+from conformance import mode_run as R
+from conformance import modes
 from conformance.harness import Worker, set_worker_env
 from fixtures import models as M
 from fixtures import snapshot as S
@@ -59,11 +61,22 @@ def _write_decoys(loader, level, identities, own_gpu, shared_identities=(), vers
     return written
 
 
-def _update_and_expect(loader, worker, want, where):
-    session = loader.open(SPEC, worker=worker)
+def _update_and_expect(loader, worker, want, where, combo=None, level="single"):
+    """Open ``worker``'s session in ``combo``'s modes (staged, earlier updates at ``level`` first), update, compare."""
+    combo = combo or {}
+    session = loader.open(SPEC, worker=worker, options=R.options(combo))
+    if R.CALLS[combo.get("call", "first")]:  # (a worker whose GPU selection is the case's fault has no gpu_id)
+        R.earlier_snapshot(combo, session, SPEC, loader.model_dir, loader.shared_dir, level=level, rank=worker.rank,
+                           gpu_id=worker.gpu_id)
     session.update()
-    check.params_equal(session.observe(), want, where)
+    check.params_equal(session.observe(), want, f"{where} ({R.label(combo)})" if combo else where)
     return session
+
+
+def _level_combos(rule):
+    """The rule's cases over its declared modes, each requiring its level (``path``) and ``staged`` if staged."""
+    return modes.params(rule, requires=lambda combo: [LEVEL_CAP[combo.get("path", "parts")], *(
+        ["staged"] if combo.get("staged") == "staged" else [])])
 
 
 # -- SNAP-NAME-SINGLE -----------------------------------------------------------------------------
@@ -73,6 +86,7 @@ _DOT_DECOYS = ((1, 23), (12, 3), (1, 2345), (123, 4), (1, 34), (12, 234))
 
 
 @pytest.mark.rule("SNAP-NAME-SINGLE")
+@pytest.mark.modes(rank="follower")
 @pytest.mark.parametrize(
     "level",
     [pytest.param(lvl, marks=pytest.mark.requires(LEVEL_CAP[lvl]), id=lvl) for lvl in ("single", "shared")],
@@ -94,9 +108,30 @@ def test_single_file_rank_and_id_are_separated(loader, level):
         )
 
 
+# Rank 0 on GPU 12 (tp0.12) and rank 12 on GPU 34 (tp12.34), with names sharing a prefix or a dot moved.
+_DOT_BY_RANK = {"rank0": (Worker(0, "5,12", "1"), ((0, 1), (0, 123), (1, 2), (0, 5))),
+                "follower": (Worker(12, "34,5", "0"), ((1, 234), (12, 3), (123, 4), (12, 345)))}
+
+
+@pytest.mark.rule("SNAP-NAME-SINGLE")
+@pytest.mark.parametrize("combo", _level_combos("SNAP-NAME-SINGLE"))
+def test_single_file_rank_and_id_are_separated_in_every_mode(loader, combo):
+    """Rank 0 (tp0.12 beside tp0.1, tp0.123, tp01.2) or a follower (tp12.34 beside tp1.234, tp12.3, tp123.4,
+    tp12.345), on the single file or the shared fallback, plain or staged."""
+    level = combo["path"]
+    worker, decoys = _DOT_BY_RANK[combo["rank"]]
+    want = M.state(SPEC, version=1)
+    S.write_level(level, loader.model_dir, loader.shared_dir, worker.rank, worker.gpu_id, want)
+    for i, (rank, gpu) in enumerate(decoys if level != "shared" else decoys[:2]):  # paddle.save is slow
+        S.write_level(level, loader.model_dir, loader.shared_dir, rank, gpu, M.state(SPEC, version=20 + i))
+    _update_and_expect(loader, worker, want, f"{level}: worker rank={worker.rank} gpu={worker.gpu_id} must load "
+                       f"{S.base_name(worker.rank, worker.gpu_id)}", combo)
+
+
 # -- SNAP-NAME-PARTS ------------------------------------------------------------------------------
 @pytest.mark.rule("SNAP-NAME-PARTS")
 @pytest.mark.requires("snapshot.parts")
+@pytest.mark.modes(rank="follower")
 @pytest.mark.parametrize(
     "worker,decoys",
     [
@@ -124,6 +159,28 @@ def test_part_glob_does_not_match_longer_id(loader, worker, decoys):
     )
 
 
+_PART_DECOYS = {"rank0": (Worker(0, "7,2", "1"), ("model_state.tp0.23.part5", "model_state.tp0.20.part5",
+                                                     "model_state.tp02.part7", "model_state.tp0.2.part6.pdparams.tmp")),
+                "follower": (Worker(12, "13,3", "1"), ("model_state.tp12.34.part9", "model_state.tp1.23.part9",
+                                                        "model_state.tp12.3.part7.pdparams.tmp"))}
+
+
+@pytest.mark.rule("SNAP-NAME-PARTS")
+@pytest.mark.parametrize("combo", modes.params("SNAP-NAME-PARTS", requires=lambda combo: [
+    "snapshot.parts", *(["staged"] if combo["staged"] == "staged" else [])]))
+def test_part_glob_does_not_match_longer_id_in_every_mode(loader, combo):
+    """Rank 0 (tp0.2 beside tp0.23, tp0.20, tp02) or a follower (tp12.3 beside tp12.34, tp1.23), plain or staged;
+    every decoy has a higher index than the worker's parts."""
+    worker, decoys = _PART_DECOYS[combo["rank"]]
+    mine = M.state(SPEC, version=1)
+    S.write_parts(loader.model_dir, worker.rank, worker.gpu_id, dict(enumerate(S.split(mine, 2))))
+    for i, decoy in enumerate(decoys):
+        name = decoy if decoy.endswith(".tmp") else decoy + S.PDPARAMS
+        S.write_safetensors(os.path.join(loader.model_dir, name), M.state(SPEC, version=10 + i))
+    _update_and_expect(loader, worker, mine, f"worker rank={worker.rank} gpu={worker.gpu_id} with "
+                       f"{', '.join(decoys)} beside its parts", combo)
+
+
 # -- SNAP-RANK-OWN-SHARD --------------------------------------------------------------------------
 # Ranks 0, 1, 12, 10 on physical GPUs 5, 23, 3, 7 (ordinals 0..3): rank differs from the ordinal,
 # tp1.23 and tp12.3 share a prefix, and the legacy names tp05, tp023, tp03, tp07 are all distinct.
@@ -145,6 +202,21 @@ def test_each_rank_loads_its_own_shard(loader, level):
         S.write_level(level, loader.model_dir, loader.shared_dir, w.rank, w.gpu_id, states[w.rank])
     for w in workers:
         _update_and_expect(loader, w, states[w.rank], f"{level}: rank {w.rank} on physical gpu {w.gpu_id}")
+
+
+@pytest.mark.rule("SNAP-RANK-OWN-SHARD")
+@pytest.mark.parametrize("combo", _level_combos("SNAP-RANK-OWN-SHARD"))
+def test_each_rank_loads_its_own_shard_in_every_mode(loader, combo):
+    """Every rank's shard present at one level; rank 0 or a follower (rank 12 on GPU 3) loads its own, plain or
+    staged."""
+    level = combo["path"]
+    workers = [Worker(r, _VISIBLE, str(i)) for i, r in enumerate(_RANKS)]
+    states = {w.rank: M.state(SPEC, seed=w.rank, version=1) for w in workers}
+    for w in workers:
+        S.write_level(level, loader.model_dir, loader.shared_dir, w.rank, w.gpu_id, states[w.rank])
+    judged = workers[0] if combo["rank"] == "rank0" else workers[2]
+    _update_and_expect(loader, judged, states[judged.rank], f"{level}: rank {judged.rank} on physical gpu "
+                       f"{judged.gpu_id}, every rank's shard beside its own", combo, level=level)
 
 
 # -- SNAP-GPU-ID ----------------------------------------------------------------------------------
@@ -184,6 +256,24 @@ def test_file_id_is_physical_gpu(loader, level, worker):
         f"{level}: rank {worker.rank}, CUDA_VISIBLE_DEVICES={worker.visible} FLAGS_selected_gpus={worker.selected} "
         f"(physical {worker.gpu_id}) with decoys {sorted(decoys)}",
     )
+
+
+@pytest.mark.rule("SNAP-GPU-ID")
+@pytest.mark.parametrize("combo", _level_combos("SNAP-GPU-ID"))
+def test_file_id_is_physical_gpu_in_every_mode(loader, combo):
+    """The middle entry of CUDA_VISIBLE_DEVICES selected (physical 3, ordinal 1), with decoys, in every pair of the
+    rule's modes (a later update reads the same id again)."""
+    level, worker = combo["path"], Worker(1, "5,3,7", "1")
+    session = loader.open(SPEC, worker=worker, options=R.options(combo))
+    R.earlier_snapshot(combo, session, SPEC, loader.model_dir, loader.shared_dir, level=level, rank=worker.rank,
+                       gpu_id=worker.gpu_id)
+    want = M.state(SPEC, version=1)
+    S.write_level(level, loader.model_dir, loader.shared_dir, worker.rank, worker.gpu_id, want)
+    identities = _gpu_decoys(worker)
+    decoys = _write_decoys(loader, level, identities, worker.gpu_id, [(r, g) for r, g in identities if g == 1 or r == 0])
+    session.update()
+    check.params_equal(session.observe(), want, f"{level}: rank 1, CUDA_VISIBLE_DEVICES=5,3,7 FLAGS_selected_gpus=1 "
+                       f"(physical 3) with decoys {sorted(decoys)} ({R.label(combo)})")
 
 
 # -- SNAP-GPU-ID-INVALID --------------------------------------------------------------------------
@@ -262,6 +352,26 @@ def test_invalid_gpu_identity_is_a_clear_error(loader, monkeypatch, visible, sel
         check.not_loaded(opened[0].observe(), NAMES, f"{where}: after the identity error")
 
 
+@pytest.mark.rule("SNAP-GPU-ID-INVALID")
+@pytest.mark.parametrize("level", [pytest.param(lvl, marks=pytest.mark.requires(LEVEL_CAP[lvl]), id=lvl)
+                                   for lvl in ("parts", "shared")])
+@pytest.mark.parametrize("visible,selected,culprit", [("5,3,7", "3", "FLAGS_selected_gpus"),
+                                                      ("5," + _UUID + ",7", "1", "CUDA_VISIBLE_DEVICES")],
+                         ids=["one-past-last", "uuid-selected"])
+def test_invalid_gpu_identity_is_a_clear_error_on_parts_and_shared(loader, level, visible, selected, culprit):
+    """The same error on the parts level and the shared fallback, files present for every id a tolerant reading
+    could produce."""
+    for gpu in (0, 1, 2, 3, 5, 7):
+        S.write_level(level, loader.model_dir, loader.shared_dir, 0, gpu, M.state(SPEC, version=100 + gpu))
+    where = f"{level}: CUDA_VISIBLE_DEVICES={visible!r} FLAGS_selected_gpus={selected!r}"
+    opened = []
+    with check.raises((ValueError, IndexError), match=re.escape(culprit), where=where):
+        opened.append(loader.open(SPEC, worker=Worker(0, visible, selected)))
+        opened[0].update()
+    if opened:
+        check.not_loaded(opened[0].observe(), NAMES, f"{where}: after the identity error")
+
+
 # -- SNAP-IDENTITY-AT-OPEN ------------------------------------------------------------------------
 _A = Worker(1, "5,3,7", "1")  # physical 3
 _B = Worker(12, "4,13", "1")  # physical 13
@@ -269,6 +379,7 @@ _C = Worker(0, "0,1", "0")  # the process environment at update time
 
 
 @pytest.mark.rule("SNAP-IDENTITY-AT-OPEN")
+@pytest.mark.modes(call="first")
 @pytest.mark.parametrize(
     "level,order",
     [
@@ -297,3 +408,26 @@ def test_sessions_keep_the_identity_they_were_opened_with(loader, level, order):
             f"{level}: session {key} opened as rank {w.rank} gpu {w.gpu_id}, updated (order {order}) while the "
             f"environment says rank {_C.rank} gpu {_C.gpu_id}",
         )
+
+
+@pytest.mark.rule("SNAP-IDENTITY-AT-OPEN")
+@pytest.mark.parametrize("combo", _level_combos("SNAP-IDENTITY-AT-OPEN"))
+def test_sessions_keep_the_identity_they_were_opened_with_in_every_mode(loader, combo):
+    """Workers A and B opened one after the other, their earlier updates done, then the environment switched to C:
+    each update under test (the first, or a later one) still loads the session's own files."""
+    level = combo["path"]
+    workers = {"A": _A, "B": _B}
+    wants = {"A": M.state(SPEC, version=1), "B": M.state(SPEC, version=2)}
+    sessions = {key: loader.open(SPEC, worker=w, options=R.options(combo)) for key, w in workers.items()}
+    set_worker_env(os.environ, _C.rank, _C.visible, _C.selected)  # the test's monkeypatch restores it
+    for key, w in workers.items():
+        R.earlier_snapshot(combo, sessions[key], SPEC, loader.model_dir, loader.shared_dir, level=level, rank=w.rank,
+                           gpu_id=w.gpu_id)
+    for key, w in workers.items():
+        S.write_level(level, loader.model_dir, loader.shared_dir, w.rank, w.gpu_id, wants[key])
+    S.write_level(level, loader.model_dir, loader.shared_dir, _C.rank, _C.gpu_id, M.state(SPEC, version=3))
+    for key in "BA":
+        sessions[key].update()
+        check.params_equal(sessions[key].observe(), wants[key], f"{level}: session {key} opened as rank "
+                           f"{workers[key].rank} gpu {workers[key].gpu_id}, updated while the environment says rank "
+                           f"{_C.rank} gpu {_C.gpu_id} ({R.label(combo)})")

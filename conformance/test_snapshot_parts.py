@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from conformance import check
+from conformance import mode_run as R
+from conformance import modes
 from fixtures import models as M
 from fixtures import snapshot as S
 
@@ -27,13 +29,26 @@ def _part_file(model_dir, token):
     return os.path.join(model_dir, f"{S.base_name(0, 0)}.part{token}{S.PDPARAMS}")
 
 
-def _write_versioned_parts(model_dir, write_order):
+def _write_versioned_parts(model_dir, write_order, spec=SPEC):
     """Part ``token`` holds the whole state at version 100 + its rank in numeric order; files are
     created in ``write_order``. Returns the state of the numerically last part."""
     numeric = sorted(write_order, key=int)
     for token in write_order:
-        S.write_safetensors(_part_file(model_dir, token), M.state(SPEC, version=100 + numeric.index(token)))
-    return M.state(SPEC, version=100 + len(numeric) - 1)
+        S.write_safetensors(_part_file(model_dir, token), M.state(spec, version=100 + numeric.index(token)))
+    return M.state(spec, version=100 + len(numeric) - 1)
+
+
+def _parts_params(rule: str, *more: str):
+    """The rule's cases over its declared modes (SPEC.md Modes:), each needing parts and ``more``."""
+    return modes.params(rule, requires=lambda combo: ["snapshot.parts", *more, *modes.default_requires(combo)])
+
+
+def _open(loader, combo, spec=SPEC, model_dir=None):
+    """A session in the combination's modes, its earlier updates done (each from a single file, then removed)."""
+    spec = R.with_draft(spec, combo)
+    session = loader.open(spec, model_dir=model_dir, options=R.options(combo))
+    R.earlier_snapshot(combo, session, spec, model_dir or loader.model_dir, loader.shared_dir)
+    return session, spec
 
 
 def _labels(tokens):
@@ -51,6 +66,7 @@ def _order(write_order, observe, case_id):
 
 @pytest.mark.rule("PART-ORDER-NUMERIC")
 @pytest.mark.requires("snapshot.parts")
+@pytest.mark.modes(call="first", model="main")
 @pytest.mark.parametrize(
     "write_order,observe",
     [
@@ -79,8 +95,21 @@ def test_parts_load_in_numeric_order(loader, write_order, observe):
         check.labels(session.trace(), _labels(write_order), where)
 
 
+@pytest.mark.rule("PART-ORDER-NUMERIC")
+@pytest.mark.parametrize("combo", _parts_params("PART-ORDER-NUMERIC"))
+def test_parts_load_in_numeric_order_in_every_mode(loader, combo):
+    """Six parts created scrambled, each holding the whole state (main and draft) at a version of its own, in
+    every pair of the rule's modes: the highest index's values win."""
+    session, spec = _open(loader, combo)
+    last = _write_versioned_parts(loader.model_dir, _SIX, spec)
+    session.update()
+    check.params_equal(session.observe(), last, f"{loader.model_dir}: parts {sorted(_SIX, key=int)} created in order "
+                       f"{list(_SIX)} ({R.label(combo)}): every tensor must hold the highest index's value")
+
+
 @pytest.mark.rule("PART-LABEL-INDEX")
 @pytest.mark.requires("snapshot.parts", "trace")
+@pytest.mark.modes(call="first")
 @pytest.mark.parametrize(
     "tokens,dirname",
     [
@@ -104,11 +133,28 @@ def test_parts_are_labelled_by_parsed_index(loader, tokens, dirname):
     check.sources(session.trace(), [os.path.basename(_part_file("", t)) for t in tokens], where)
 
 
+@pytest.mark.rule("PART-LABEL-INDEX")
+@pytest.mark.parametrize("combo", _parts_params("PART-LABEL-INDEX", "trace"))
+def test_parts_are_labelled_by_parsed_index_in_every_mode(loader, combo):
+    """Parts 0, 02 and 010 each hold a third of the state, in every pair of the rule's modes: the trace of the
+    update under test lists exactly them, by parsed index."""
+    session, _ = _open(loader, combo)
+    tokens = ("0", "02", "010")
+    want = M.state(SPEC, version=1)
+    for token, part in zip(tokens, S.split(want, 3)):
+        S.write_safetensors(_part_file(loader.model_dir, token), part)
+    session.update()
+    where = f"{loader.model_dir}: parts {list(tokens)} ({R.label(combo)})"
+    check.params_equal(session.observe(), want, where)
+    check.labels(session.trace(), _labels(tokens), where)
+
+
 _DIRS = ("ckpt.part7.run", "w.part10", "model_state.tp0.0.part99.pdparams.d")
 
 
 @pytest.mark.rule("PART-INDEX-BASENAME")
 @pytest.mark.requires("snapshot.parts")
+@pytest.mark.modes(call="first")
 @pytest.mark.parametrize(
     "dirname,write_order,observe",
     [
@@ -130,6 +176,19 @@ def test_part_index_ignores_directory_name(loader, dirname, write_order, observe
         check.labels(session.trace(), _labels(("2", "10")), where)
 
 
+@pytest.mark.rule("PART-INDEX-BASENAME")
+@pytest.mark.parametrize("combo", _parts_params("PART-INDEX-BASENAME"))
+def test_part_index_ignores_directory_name_in_every_mode(loader, combo):
+    """Parts 2 and 10 (created 10 first) under a directory named ``w.part10``, in every pair of the rule's modes."""
+    model_dir = os.path.join(os.path.dirname(loader.model_dir), "w.part10")
+    os.makedirs(model_dir, exist_ok=True)
+    session, _ = _open(loader, combo, model_dir=model_dir)
+    last = _write_versioned_parts(model_dir, ("10", "2"))
+    session.update()
+    check.params_equal(session.observe(), last, f"{model_dir}: parts 2 and 10 ({R.label(combo)}): every tensor must "
+                       "hold part10's value")
+
+
 # Invalid index texts, by where their names sort among part0, part1, part2: int() accepts the
 # first of each group but "-1", "+1", " 1", "1_0" and the Arabic-Indic digit are no ASCII digits.
 INVALID = {
@@ -149,6 +208,7 @@ def _poisoned(version):
 
 @pytest.mark.rule("PART-INVALID-IGNORED")
 @pytest.mark.requires("snapshot.parts")
+@pytest.mark.modes(call="first")
 @pytest.mark.parametrize(
     "invalid,layout",
     [
@@ -168,6 +228,18 @@ def test_invalid_part_names_are_ignored_with_one_warning(loader, caplog, invalid
     """Valid parts 0, 1, 2 each hold a third of the state (or, with no valid part, the next level
     holds it); the invalid files are poisoned. Exactly one WARNING names each invalid file once,
     whichever level ends up loaded."""
+    _invalid_ignored(loader, caplog, invalid, layout, loader.open(SPEC), {"call": "first"})
+
+
+@pytest.mark.rule("PART-INVALID-IGNORED")
+@pytest.mark.parametrize("combo", _parts_params("PART-INVALID-IGNORED"))
+def test_invalid_part_names_are_ignored_with_one_warning_in_every_mode(loader, caplog, combo):
+    """Every kind of invalid part name beside valid parts, in every pair of the rule's modes."""
+    session, _ = _open(loader, combo)
+    _invalid_ignored(loader, caplog, sum(INVALID.values(), ()), "parts", session, combo)
+
+
+def _invalid_ignored(loader, caplog, invalid, layout, session, combo) -> None:
     want = M.state(SPEC, version=1)
     names = [os.path.basename(S.write_safetensors(_part_file(loader.model_dir, s.removeprefix("part")), _poisoned(9)))
              for s in invalid]
@@ -179,8 +251,8 @@ def test_invalid_part_names_are_ignored_with_one_warning(loader, caplog, invalid
     others = [S.write_safetensors(os.path.join(loader.model_dir, n), _poisoned(8)) for n in OTHERS]
     not_invalid = [os.path.basename(p) for p in valid + others]
     caplog.set_level(logging.WARNING)  # root logger: whatever logger the implementation uses
-    session = loader.open(SPEC)
-    where = f"{loader.model_dir} ({layout}) with {names}"
+    caplog.clear()  # what the earlier updates logged is not this update's
+    where = f"{loader.model_dir} ({layout}; {R.label(combo)}) with {names}"
     try:
         session.update()
     except Exception as e:  # noqa: BLE001
@@ -202,6 +274,7 @@ def test_invalid_part_names_are_ignored_with_one_warning(loader, caplog, invalid
 
 @pytest.mark.rule("PART-DUPLICATE-LATER-WINS")
 @pytest.mark.requires("snapshot.parts")
+@pytest.mark.modes(call="first", model="main")
 @pytest.mark.parametrize(
     "parts,want",
     [
@@ -223,3 +296,24 @@ def test_tensor_repeated_across_parts_takes_later_value(loader, parts, want):
         session.observe(), {n: states[v][n] for n, v in want.items()},
         f"{loader.model_dir}: parts {parts} (tensor: version); the highest index holding a tensor wins",
     )
+
+
+@pytest.mark.rule("PART-DUPLICATE-LATER-WINS")
+@pytest.mark.parametrize("combo", _parts_params("PART-DUPLICATE-LATER-WINS"))
+def test_tensor_repeated_across_parts_takes_later_value_in_every_mode(loader, combo):
+    """Parts 2, 9 and 10 repeat the judged model's tensors (the main one's, or the draft's), the other model's
+    tensors in part 2 only, in every pair of the rule's modes: the highest index holding a tensor wins."""
+    session, spec = _open(loader, combo)
+    states = {v: M.state(spec, version=v) for v in (1, 2, 3)}
+    e, w, b = (R.judged(n, combo) for n in (E, W, B))
+    parts = {2: {e: 1, w: 1}, 9: {e: 2, b: 2}, 10: {e: 3}}
+    want = {e: 3, w: 1, b: 2}
+    others = {p.name: 1 for p in spec.all_params if p.name not in want}
+    parts[2].update(others)
+    want.update(others)
+    for index, tensors in parts.items():
+        S.write_safetensors(S.part_path(loader.model_dir, 0, 0, index), {n: states[v][n] for n, v in tensors.items()})
+    session.update()
+    check.params_equal(session.observe(), {n: states[v][n] for n, v in want.items()},
+                       f"{loader.model_dir}: parts {parts} (tensor: version; {R.label(combo)}); the highest index "
+                       "holding a tensor wins")

@@ -12,12 +12,15 @@ recorded the same way: at each call the storage of every parameter is held, and 
 only by a call that names it and saw it in the memory it ends the update in (a call before the last move
 covers nothing).
 
-Two tests, on every path: updates in place (rsync and GDR, without a clear; a strided FP8-style layout, a 0-d
-parameter, main + MTP where the loader has ``mtp``; again with a weight the model declares ``post_load``
-transposed, where the loader has ``model.post_load``), where a loader without
-``model.recapture`` must keep every storage; and updates after ``clear()`` (every path; rsync and GDR then
-load as a bootstrap), where the storage necessarily moves and only the hook makes the graphs right
-(``model.recapture``).
+One test, its cases generated over the rule's declared modes (SPEC.md: path x start x model x layout x swap x
+call, every pair; ``conformance.modes``): updates into parameters built without memory and after ``clear()``
+(every path; rsync and GDR then load as a bootstrap), where the storage necessarily moves and only the hook
+makes the graphs right (``model.recapture``); and into loaded weights: the engine's allocated placeholders at a
+first update, in place (rsync and GDR, without a clear) at later ones, where a loader without ``model.recapture``
+must keep every storage. The case's model may carry strided layouts (an FP8 scale column-major, a per-expert
+one), a draft (MTP) model holding what the case is about, a weight it declares ``post_load`` transposed (where
+the loader has ``model.post_load``), or, on GDR, models whose own loaders (the suite's, as an engine's) swap
+each buffer under the same parameter object: moved is judged by address, never by object.
 """
 from __future__ import annotations
 
@@ -26,8 +29,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from conformance import check
-from conformance.paths import PATHS, cases, route  # noqa: F401 (the fixture)
+from conformance import check, modes
+from conformance.paths import PATHS, route  # noqa: F401 (the fixture)
 from fixtures import models as M
 from fixtures import streams as S
 from fixtures import strided as ST
@@ -43,39 +46,9 @@ MAIN = (("a.scale", "float32", (4, 3)),  # column-major (strided), first by name
 MTP = (("model.layers.2.eh_proj.weight", "float32", (4, 4)), ("mtp_block.0.norm.weight", "bfloat16", (4,)))
 MTP_LAYER = 2  # the MTP model serves layer 2 (GDR routes model.layers.2.* to it)
 LAYOUTS = {"a.scale": (1, 0), "c.experts.scale": (0, 2, 1), "z.scale": (1, 0)}
-IN_PLACE = [p for p in PATHS if PATHS[p].in_place]
-
-
-def _spec(loader, strided: bool, transposed: bool = False):
-    """Main (+ MTP where the loader has ``mtp``); strided layouts only in place: a strided target after a
-    clear is APPLY-STRIDED-CLEARED's, judged on the device the loader serves on."""
-    model = M.spec(*MAIN, *([TRANSPOSED] if transposed else []), mtp=[MTP] if "mtp" in loader.adapter.capabilities else [])
-    spec = ST.StridedSpec(model, LAYOUTS if strided else {})
-    return TransposingSpec(spec) if transposed else spec
 
 
 TRANSPOSED = ("g.proj.weight", "float32", (4, 4))  # square: the source carries it in the served shape too
-
-
-@dataclass(frozen=True)
-class TransposingSpec:
-    """The model plus a square weight the main model declares ``post_load`` transposed (FastDeploy's
-    ``process_weight_transpose``, which swaps a new tensor in: MODEL, fd-spec §3.8)."""
-
-    model: object
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def build_models(self):
-        models = self.model.build_models()
-        models[0].post_load = {"transpose": [TRANSPOSED[0]]}
-        return models
-
-
-def _served(state: dict) -> dict:
-    """What the served model holds for a trainer's ``state``: the declared weight transposed."""
-    return {n: (a.T.copy() if n == TRANSPOSED[0] else a) for n, a in state.items()}
 
 
 def _params(models) -> dict:
@@ -176,27 +149,108 @@ def _judge(where: str, before: dict, models, rec: Recorder, built: dict, claims_
                + f"; recapture calls (names, status): {calls}")
 
 
+# -- the mode space: path x start x model x layout x call x swap, every pair (SPEC.md's Modes line) -----------------
+#: what may move a parameter's storage besides the path: ``none``; ``transform``: the model declares a weight
+#: ``post_load`` transposed (the loader's own step: FastDeploy's swaps a new tensor in); ``engine``: GDR hands the
+#: items to the models' own loaders, which the suite provides and which here give each parameter new memory under
+#: the same parameter object (``_share_buffer_to``, then ``param.data = ...``, by turns), as engines' loaders do
+ENGINE_SWAPS = ("share", "data", "share")
+DRAFT_SQUARE = ("mtp_block.0.proj.weight", "float32", (4, 4))  # the draft's weight a transform may transpose
+DRAFT_SCALE = ("mtp_block.0.scale", "bfloat16", (3, 4))  # the draft's parameter a strided layout applies to
+
+
+def _modal_spec(combo, transposed_name=None):
+    """The case's model: the main one (``model=main``) or the main one and a draft (``draft``), the strided layouts
+    and the declared transpose (``transform``) in the model the case names; engine placeholders for
+    ``start=loaded``."""
+    draft = combo["model"] == "draft"
+    main = list(MAIN) + ([TRANSPOSED] if combo["swap"] == "transform" and not draft else [])
+    mtp = [[*MTP, DRAFT_SCALE, DRAFT_SQUARE]] if draft else []
+    layouts = ({} if combo["layout"] == "contiguous" else {DRAFT_SCALE[0]: (1, 0)} if draft else LAYOUTS)
+    spec = ST.StridedSpec(M.spec(*main, mtp=mtp), layouts, placeholders=combo["start"] == "loaded")
+    if combo["swap"] != "transform":
+        return spec
+    return DeclaringSpec(spec, 1 if draft else 0, DRAFT_SQUARE[0] if draft else TRANSPOSED[0])
+
+
+@dataclass(frozen=True)
+class DeclaringSpec:
+    """A spec whose model ``index`` declares ``name`` ``post_load`` transposed (square: the source carries it in
+    the served shape too)."""
+
+    model: object
+    index: int
+    name: str
+
+    def __getattr__(self, attr):
+        return getattr(self.model, attr)
+
+    def build_models(self):
+        models = self.model.build_models()
+        models[self.index].post_load = {"transpose": [self.name]}
+        return models
+
+
+def _served_by(spec, state: dict) -> dict:
+    name = getattr(spec, "name", None)
+    return {n: (a.T.copy() if n == name else a) for n, a in state.items()}
+
+
+def _storage_valid(combo) -> bool:
+    """A clear-first path updates loaded weights only at its first update (into the engine's placeholders)."""
+    return not (combo["start"] == "loaded" and not PATHS[combo["path"]].in_place and combo["call"] != "first")
+
+
+def _storage_requires(combo) -> list[str]:
+    caps = [*modes.default_requires(combo)]
+    if combo["swap"] == "transform":
+        caps.append("model.post_load")
+    if combo["swap"] == "engine" or (combo["start"] == "cleared" and combo["call"] != "first"):
+        caps.append(RECAPTURE)  # the memory necessarily moves: only the hook can make the graphs right
+    return caps
+
+
+CALLS = {"first": 1, "second": 2, "third": 3}
+ZERO_FIRST = pytest.param({"path": "single", "start": "cleared", "model": "main", "layout": "contiguous",
+                           "call": "third", "swap": "none"}, True,
+                          marks=[pytest.mark.requires("snapshot.single", RECAPTURE),
+                                 pytest.mark.modes(path="single", start="cleared", model="main", layout="contiguous",
+                                                   call="third", swap="none")],
+                          id="single-zero-element-first")
+
+
 @pytest.mark.rule("MODEL-STORAGE-KEPT")
-@pytest.mark.parametrize("path, transposed", cases(False, paths=IN_PLACE)
-                         + cases(True, paths=IN_PLACE, extra=("model.post_load",), id_suffix="-transposed"))
-def test_update_in_place_keeps_storage_or_recaptures(route, loader, path, transposed):
-    """Two updates without a clear after the first load: storage kept (or moved and recaptured); with a
-    declared transpose, the post-load step too."""
+@pytest.mark.parametrize("combo, zero_first", modes.params("MODEL-STORAGE-KEPT", requires=_storage_requires,
+                                                           valid=_storage_valid, extra=(False,)) + [ZERO_FIRST])
+def test_storage_kept_or_recaptured_in_every_mode(route, loader, combo, zero_first):
+    """``call`` consecutive updates, each judged: ``start=cleared``, the first into parameters built without memory
+    and each later one after clear() (the streamed paths then load as a bootstrap); ``loaded``, the first into the
+    engine's placeholders and each later one in place (rsync, GDR). Every parameter keeps its memory of before, or
+    a recapture call made after its last move, before NORMAL, names it; strides never change; values bit for bit.
+    ``zero_first``: the model's first parameter holds no memory (zero elements), which needs no recapture; every
+    parameter after it still does (a loader that stops looking at it covers none)."""
+    path, loaded = combo["path"], combo["start"] == "loaded"
+    spec = _modal_spec(combo)
+    if zero_first:
+        spec = _with_zero_first(spec)
     rt = route(path)
-    spec = _spec(loader, strided=True, transposed=transposed)
-    session, rec = _open(rt, loader, spec)
-    claims = RECAPTURE in loader.adapter.capabilities
+    bootstrap = {"version": None} if PATHS[path].in_place and not loaded else None
+    session, rec = _open(rt, loader, spec, bootstrap)
+    swapping = 1 if combo["model"] == "draft" else 0
     built = {n: h.strides for n, h in hold(session.models).items()}  # as the suite built the layers
-    rt.publish(0, M.state(spec, version=1), 1)
-    rt.update(0)
-    for version in (2, 3):
-        where = f"{path}: in-place update {version} (no clear{', a declared transpose' if transposed else ''})"
-        state = M.state(spec, version=version)
-        rt.publish(0, state, version)
-        before = hold(session.models)
+    claims = RECAPTURE in loader.adapter.capabilities
+    for k in range(1, CALLS[combo["call"]] + 1):
+        if combo["swap"] == "engine":
+            session.models[swapping].load_weights.swap = ENGINE_SWAPS[k - 1]
+        state = M.state(spec, version=k)
+        where = rt.publish(0, state, k) + (f": update {k} ({combo['start']} weights, {combo['model']} model, "
+                                           f"{combo['layout']}, swap {combo['swap']})")
+        before = hold(session.models)  # the storage the engine's graphs were captured on
+        if k > 1 and not loaded:
+            session.clear()
         rec.calls.clear()
         rt.update(0)
-        check.params_equal(session.observe(), _served(state), where)
+        check.params_equal(session.observe(), _served_by(spec, state), where)
         _judge(where, before, session.models, rec, built, claims)
 
 
@@ -205,31 +259,3 @@ ZERO = ("a.empty", "float32", (0, 3))  # zero-element, first of all: it holds no
 
 def _with_zero_first(spec):
     return ST.StridedSpec(M.ModelSpec((M.ParamSpec(*ZERO), *spec.main), spec.mtp), {})
-
-
-@pytest.mark.rule("MODEL-STORAGE-KEPT")
-@pytest.mark.parametrize("path, zero_first", cases(False, extra=(RECAPTURE,))
-                         + cases(True, paths=("single",), extra=(RECAPTURE,), id_suffix="-zero-element-first"))
-def test_update_after_clear_recaptures_before_normal(route, loader, path, zero_first):
-    """clear() then update, twice: every parameter's memory is new, so the hook must cover it before NORMAL.
-    ``-zero-element-first``: the model's first parameter holds no memory (zero elements), which needs no
-    recapture; every parameter after it still does (a loader that stops looking at it covers none)."""
-    rt = route(path)
-    spec = _spec(loader, strided=False)
-    if zero_first:
-        spec = _with_zero_first(spec)
-    # the streamed paths load cleared parameters as a bootstrap: the version from version.yaml
-    session, rec = _open(rt, loader, spec, {"version": None} if PATHS[path].in_place else None)
-    built = {n: h.strides for n, h in hold(session.models).items()}  # as the suite built the layers
-    rt.publish(0, M.state(spec, version=1), 1)
-    rt.update(0)
-    for version in (2, 3):
-        where = f"{path}: update {version} after clear()"
-        state = M.state(spec, version=version)
-        rt.publish(0, state, version)
-        before = hold(session.models)  # the storage the engine's graphs were captured on
-        session.clear()
-        rec.calls.clear()
-        rt.update(0)
-        check.params_equal(session.observe(), state, where)
-        _judge(where, before, session.models, rec, built, True)

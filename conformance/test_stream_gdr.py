@@ -13,8 +13,9 @@ import types
 import pytest
 
 from conformance import check
+from conformance import modes
 from conformance.harness import Worker
-from conformance.stream_support import case, ct_trainer, open_stream  # noqa: F401 - ct_trainer is a fixture
+from conformance.stream_support import STRATEGY_CAPS, both_gdr, case, ct_trainer, open_stream  # noqa: F401 - ct_trainer is a fixture
 from fixtures import models as M
 from fixtures import streams as S
 from fixtures.ipc import patterned
@@ -67,10 +68,10 @@ def _state(spec, version):
 
 @pytest.mark.rule("GDR-MAIN-EVERY-ITEM")
 @pytest.mark.parametrize("strategy, spec", [
-    case("gdr", EVERY_KIND, id="gdr-every-dtype-0d-empty"),
-    case("gdr", LARGE, id="gdr-8MiB"),
-    case("gdr", SPEC_MTP, extra=("mtp",), id="gdr-main+mtp"),
-    case("gdr_ipc", SPEC_MTP, extra=("mtp",), id="gdr_ipc-main+mtp"),
+    case("gdr", EVERY_KIND, id="gdr-every-dtype-0d-empty", modes={"start": ("cleared", "loaded")}),
+    case("gdr", LARGE, id="gdr-8MiB", modes={"start": "cleared"}),
+    case("gdr", SPEC_MTP, extra=("mtp",), id="gdr-main+mtp", modes={"start": ("cleared", "loaded")}),
+    case("gdr_ipc", SPEC_MTP, extra=("mtp",), id="gdr_ipc-main+mtp", modes={"start": ("cleared", "loaded")}),
 ])
 def test_gdr_main_model_gets_every_item_in_order(loader, ct_trainer, strategy, spec):
     v1, v2 = _state(spec, 1), _state(spec, 2)
@@ -110,19 +111,30 @@ def _chunks(size: int) -> tuple[list, list]:
 
 
 @pytest.mark.rule("GDR-MTP-CHUNKS")
-@pytest.mark.requires("stream.gdr", "mtp")
-def test_gdr_mtp_items_flushed_in_chunks(loader, ct_trainer):
+@pytest.mark.parametrize("strategy", [*both_gdr(modes={"start": "cleared"}, suffix="-first-load"),
+                                      *both_gdr(modes={"start": "loaded"}, suffix="-in-place")])
+def test_gdr_mtp_items_flushed_in_chunks(loader, ct_trainer, strategy, request):
     """One session per gdr_mtp_chunk_size (absent: 16; 0 or less: 1), two MTP models each handed every chunk;
-    update() returns the items the main model took (7) and those routed to the MTP models (4)."""
-    for size, effective in ((None, 16), (1, 1), (2, 2), (3, 3), (4, 4), (0, 1), (-3, 1)):
-        state = M.state(CHUNK_SPEC, version=1)
-        ct_trainer.serve(S.stream_of({n: state[n] for n in CHUNK_ORDER}))
+    update() returns the items the main model took (7) and those routed to the MTP models (4). On the first load
+    into cleared parameters, or on an update in place after it (the chunks of that update alone)."""
+    in_place = request.node.callspec.id.endswith("in-place")
+    sizes = ((None, 16), (1, 1), (2, 2), (3, 3), (4, 4), (0, 1), (-3, 1)) if not in_place else ((None, 16), (2, 2), (0, 1))
+    for size, effective in sizes:
+        state = M.state(CHUNK_SPEC, version=2 if in_place else 1)
         extra = {} if size is None else {"gdr_mtp_chunk_size": size}
-        session, record = _gdr(loader, ct_trainer, CHUNK_SPEC, worker=Worker(rank=2, visible="4,6", selected="1"), **extra)
+        session, record = _gdr(loader, ct_trainer, CHUNK_SPEC, strategy, worker=Worker(rank=2, visible="4,6", selected="1"),
+                               **extra)
+        before, base = {1: 0, 2: 0}, 0
+        if in_place:
+            ct_trainer.serve(S.stream_of(M.state(CHUNK_SPEC, version=1)))
+            session.update()
+            before = {m: len(record.names(m)) for m in (1, 2)}  # the chunks of the first load, left out below
+            base = record.main_taken  # the items the main model took in the first load
+        ct_trainer.serve(S.stream_of({n: state[n] for n in CHUNK_ORDER}))
         started = time.perf_counter()
         result = session.update() or {}
         wall = time.perf_counter() - started
-        where = f"gdr_mtp_chunk_size {size!r}"
+        where = f"{strategy} gdr_mtp_chunk_size {size!r} ({'in place' if in_place else 'first load'})"
         check.params_equal(session.observe(), state, where)
         counts = {k: result.get(k) for k in ("update_count", "mtp_cache_count", "version", "rank")}
         check.equal(counts, {"update_count": 7, "mtp_cache_count": 4, "version": "1", "rank": 1}, f"{where}: update()'s result")
@@ -131,16 +143,17 @@ def test_gdr_mtp_items_flushed_in_chunks(loader, ct_trainer):
                    f"{where}: update_cost and total_cost {costs} are seconds within the call's own {wall:.4f}s")
         want, at = _chunks(effective)
         for model in (1, 2):
-            check.equal(record.names(model), want, f"{where}: chunks handed to MTP model {model}")
-            check.equal(record.started_at(model), at, f"{where}: items the main model had taken when each chunk was flushed")
+            check.equal(record.names(model)[before[model]:], want, f"{where}: chunks handed to MTP model {model}")
+            check.equal([a - base for a in record.started_at(model)[before[model]:]], at,
+                        f"{where}: items the main model had taken when each chunk was flushed")
 
 
 # -- GDR-MTP-ROUTE ---------------------------------------------------------------------------------
-def _route(loader, trainer, main, mtp, order, setup, where):
+def _route(loader, trainer, main, mtp, order, setup, where, strategy="gdr"):
     spec = M.spec(*((n, "float32", (2,)) for n in main), mtp=[[(n, "float32", (2,)) for n in mtp]])
     state = M.state(spec, version=1)
     trainer.serve(S.stream_of({n: state[n] for n in order}))
-    session, record = open_stream(loader, trainer, spec, "gdr")
+    session, record = open_stream(loader, trainer, spec, strategy)
     setup(session.models[1])
     session.update()
     check.params_equal(session.observe(), state, where)
@@ -157,51 +170,54 @@ def _fd_config(model, start=2, count=2):
 
 
 @pytest.mark.rule("GDR-MTP-ROUTE")
-@pytest.mark.requires("stream.gdr", "mtp")
-def test_gdr_routes_mtp_layers_and_mtp_names(loader, ct_trainer):
+@pytest.mark.parametrize("strategy", both_gdr())
+def test_gdr_routes_mtp_layers_and_mtp_names(loader, ct_trainer, strategy):
     main = ["model.layers.0.q", "model.layers.1.q", "model.layers.4.q", "model.layers.20.q"]
     mtp = ["model.layers.2.q", "ernie.mtp_linear_proj.0.weight", "model.layers.3.q"]
     order = ["model.layers.0.q", "model.layers.1.q", "model.layers.2.q", "model.layers.20.q",
              "ernie.mtp_linear_proj.0.weight", "model.layers.3.q", "model.layers.4.q"]
     routed = ["model.layers.2.q", "ernie.mtp_linear_proj.0.weight", "model.layers.3.q"]
     for how, setup in (("mtp_start_layer_idx/num_mtp_layers", _attrs), ("fd_config.model_config", _fd_config)):
-        where = f"MTP layers 2-3 from {how}"
-        check.equal(_route(loader, ct_trainer, main, mtp, order, setup, where), routed, f"{where}: items routed to the MTP model")
+        where = f"{strategy}: MTP layers 2-3 from {how}"
+        check.equal(_route(loader, ct_trainer, main, mtp, order, setup, where, strategy), routed,
+                    f"{where}: items routed to the MTP model")
     # a model without a complete pair of attributes (none, or a start without a count) gets the mtp_ items only
     for how, setup in (("no layer attributes", lambda m: None), ("a start without a count",
                                                                  lambda m: setattr(m, "mtp_start_layer_idx", 2))):
         got = _route(loader, ct_trainer, main + ["model.layers.2.q", "model.layers.3.q"], ["ernie.mtp_linear_proj.0.weight"],
-                     order, setup, f"an MTP model with {how}")
-        check.equal(got, ["ernie.mtp_linear_proj.0.weight"], f"items routed to an MTP model with {how}")
+                     order, setup, f"{strategy}: an MTP model with {how}", strategy)
+        check.equal(got, ["ernie.mtp_linear_proj.0.weight"], f"{strategy}: items routed to an MTP model with {how}")
 
 
 @pytest.mark.rule("GDR-MTP-ROUTE-COMPONENTS")
-@pytest.mark.requires("stream.gdr", "mtp")
-def test_gdr_routes_by_whole_name_components(loader, ct_trainer):
+@pytest.mark.parametrize("strategy", both_gdr())
+def test_gdr_routes_by_whole_name_components(loader, ct_trainer, strategy):
     main = ["model.sublayers.2.q", "model.xmtp_proj.w", "decoder.pre_mtp_norm.w", "model.layers.12.q", "mtpx_.w", "x.layers"]
     mtp = ["model.layers.2.q", "mtp_block.0.w", "a.layers.2"]
     order = ["x.layers", "model.sublayers.2.q", "model.layers.2.q", "model.xmtp_proj.w", "decoder.pre_mtp_norm.w",
              "model.layers.12.q", "mtp_block.0.w", "mtpx_.w", "a.layers.2"]
-    got = _route(loader, ct_trainer, main, mtp, order, lambda m: _attrs(m, 2, 1), "names sharing text with MTP tokens")
-    check.equal(got, ["model.layers.2.q", "mtp_block.0.w", "a.layers.2"], "items routed to MTP layer 2 (whole components only)")
+    got = _route(loader, ct_trainer, main, mtp, order, lambda m: _attrs(m, 2, 1), f"{strategy}: names sharing text with MTP "
+                 "tokens", strategy)
+    check.equal(got, ["model.layers.2.q", "mtp_block.0.w", "a.layers.2"],
+                f"{strategy}: items routed to MTP layer 2 (whole components only)")
 
 
 # -- GDR-NO-MTP-WEIGHTS ----------------------------------------------------------------------------
 @pytest.mark.rule("GDR-NO-MTP-WEIGHTS")
-@pytest.mark.requires("stream.gdr", "mtp", "status")
-def test_gdr_without_mtp_items_fails(loader, ct_trainer):
+@pytest.mark.parametrize("strategy", both_gdr(extra=("mtp", "status")))
+def test_gdr_without_mtp_items_fails(loader, ct_trainer, strategy):
     """First load and in place: a stream with no MTP item fails; one with exactly one (the MTP model's only
     parameter) loads."""
     spec = M.spec(*MAIN, mtp=[[("ernie.mtp_block.0.norm.weight", "bfloat16", (4,))]])
-    session, _ = _gdr(loader, ct_trainer, spec)
+    session, _ = _gdr(loader, ct_trainer, spec, strategy)
     for phase in ("first load", "in place"):
         state = M.state(spec, version=2 if phase == "in place" else 1)
         ct_trainer.serve(S.stream_of({n: a for n, a in state.items() if "mtp" not in n}), S.stream_of(state))
-        with check.raises(ValueError, match="No MTP weights", where=f"GDR {phase}, no MTP item"):
+        with check.raises(ValueError, match="No MTP weights", where=f"{strategy} {phase}, no MTP item"):
             session.update()
-        check.status_not(session, "NORMAL", f"GDR {phase}, no MTP item")
+        check.status_not(session, "NORMAL", f"{strategy} {phase}, no MTP item")
         session.update()
-        check.params_equal(session.observe(), state, f"GDR {phase}, exactly one MTP item")
+        check.params_equal(session.observe(), state, f"{strategy} {phase}, exactly one MTP item")
 
 
 # -- GDR-RECEIVER-ERROR ----------------------------------------------------------------------------
@@ -210,6 +226,7 @@ PHASES = {"before-first": 0, "mid": 2, "after-last": 5}
 
 @pytest.mark.rule("GDR-RECEIVER-ERROR")
 @pytest.mark.requires("stream.gdr", "mtp", "status")
+@pytest.mark.modes(path="gdr", start="loaded", phase=("before-first", "mid", "after-last"))
 def test_gdr_broken_or_cancelled_stream_fails(loader, ct_trainer):
     """One session: a broken stream, then a cancelled one, at each phase; each update fails with the
     library's error (a cancellation never counts as complete); then a healthy update loads everything."""
@@ -224,19 +241,38 @@ def test_gdr_broken_or_cancelled_stream_fails(loader, ct_trainer):
     _next_loads(session, ct_trainer, SPEC_MTP, "GDR, the update after six failed ones")
 
 
+@pytest.mark.rule("GDR-RECEIVER-ERROR")
+@pytest.mark.parametrize("combo", modes.params("GDR-RECEIVER-ERROR", requires=lambda combo: [
+    STRATEGY_CAPS[combo["path"]], "mtp", "status"]))
+def test_gdr_broken_stream_fails_in_every_mode(loader, ct_trainer, combo):
+    """A cancelled stream at the combination's phase, on gdr or gdr_ipc, the first load into cleared parameters or
+    an update in place: the update fails (a cancellation never counts as complete); the next one loads."""
+    strategy, k = combo["path"], PHASES[combo["phase"]]
+    if combo["start"] == "loaded":
+        session, _, _ = _loaded(loader, ct_trainer, strategy=strategy)
+    else:
+        session, _ = _gdr(loader, ct_trainer, strategy=strategy)
+    ct_trainer.serve(S.stream_of(M.state(SPEC_MTP, version=2), fault=("cancel", k)))
+    where = f"{strategy}, trainer cancels {combo['phase']} (after {k} of 5 items), {combo['start']} parameters"
+    with check.raises((asyncio.CancelledError, RuntimeError), match="(?i)cancel", where=where):
+        session.update()
+    check.status_not(session, "NORMAL", where)
+    _next_loads(session, ct_trainer, SPEC_MTP, f"{where}: the next update")
+
+
 # -- GDR-SHORT-STREAM ------------------------------------------------------------------------------
 @pytest.mark.rule("GDR-SHORT-STREAM")
-@pytest.mark.requires("stream.gdr", "status")
-def test_gdr_stream_ending_early_is_incomplete(loader, ct_trainer):
+@pytest.mark.parametrize("strategy", both_gdr(extra=("status",), modes={"start": ("loaded", "cleared")}))
+def test_gdr_stream_ending_early_is_incomplete(loader, ct_trainer, strategy):
     """A stream that ends without an error after 0, 1 or all but the last item: in place, and after clear()."""
-    session, _, _ = _loaded(loader, ct_trainer, SPEC, version="17")
+    session, _, _ = _loaded(loader, ct_trainer, SPEC, version="17", strategy=strategy)
     names = list(SPEC.all_params)
     for phase in ("in place", "after clear"):
         if phase == "after clear":
             session.clear()
         for k in (0, 1, len(names) - 1):
             ct_trainer.serve(S.stream_of(M.state(SPEC, version=2), fault=("end", k)))
-            where = f"GDR {phase}, the stream ends after {k} of {len(names)} items"
+            where = f"{strategy} {phase}, the stream ends after {k} of {len(names)} items"
             with check.raises(Exception, match=".", names=[names[-1].name, "17"], where=where):
                 session.update()
             check.status_not(session, "NORMAL", where)
@@ -245,12 +281,12 @@ def test_gdr_stream_ending_early_is_incomplete(loader, ct_trainer):
 
 # -- GDR-CONSUMER-ERROR ----------------------------------------------------------------------------
 @pytest.mark.rule("GDR-CONSUMER-ERROR")
-@pytest.mark.requires("stream.gdr", "mtp", "status")
-def test_gdr_loader_error_stops_the_receiver(loader, ct_trainer):
+@pytest.mark.parametrize("strategy", both_gdr(extra=("mtp", "status"), modes={"model": ("main", "draft")}))
+def test_gdr_loader_error_stops_the_receiver(loader, ct_trainer, strategy):
     """The main model's loader fails at its first, a middle and its last item, then an MTP model's (chunks of 1): the
     update raises the loader's error, the receiver stops asking (at most the window ahead: 2) and tells
     the trainer, and no thread is left; the next update loads."""
-    session, _, _ = _loaded(loader, ct_trainer, gdr_mtp_chunk_size=1)
+    session, _, _ = _loaded(loader, ct_trainer, gdr_mtp_chunk_size=1, strategy=strategy)
     threads = check.live_threads()  # the trainer's among them
     stream = [f"filler.{i}" for i in range(20)]  # items no model has: the stream goes on past the failure
     for model, k, delay in ((0, 0, 0.0), (0, 2, 0.0), (0, 4, 0.0), (1, 0, 0.0), (0, 2, 0.03)):
@@ -259,7 +295,7 @@ def test_gdr_loader_error_stops_the_receiver(loader, ct_trainer):
         ct_trainer.serve(S.stream_of(items))
         loader_fn = session.models[model].load_weights
         loader_fn.fail_at, loader_fn.fail_delay_s = k, delay  # delayed: the receiver waits with its window full
-        where = f"GDR, model {model}'s loader fails at its item {k}"
+        where = f"{strategy}, model {model}'s loader fails at its item {k}"
         with check.raises(RuntimeError, match=f"model {model} loader failed at item {k}", where=where):
             session.update()
         loader_fn.fail_at, loader_fn.fail_delay_s = None, 0.0
@@ -277,8 +313,8 @@ def test_gdr_loader_error_stops_the_receiver(loader, ct_trainer):
 
 # -- GDR-PREFETCH-BOUND ----------------------------------------------------------------------------
 @pytest.mark.rule("GDR-PREFETCH-BOUND")
-@pytest.mark.requires("stream.gdr", "stream.prefetch")
-def test_gdr_prefetch_window(loader, ct_trainer):
+@pytest.mark.parametrize("strategy", both_gdr(extra=("stream.prefetch",)))
+def test_gdr_prefetch_window(loader, ct_trainer, strategy):
     """While the main loader holds item k, the trainer has sent exactly k + gdr_prefetch_queue_size items
     (absent: 2; 0: 1): received ahead, and no more. Held at its first item; and with size 3 held at item 5,
     after a trainer slow for the first 4 items (the window filled up again after the receiver fell behind)."""
@@ -287,10 +323,10 @@ def test_gdr_prefetch_window(loader, ct_trainer):
     for size, window, hold in ((None, 2, 0), (3, 3, 5), (0, 1, 0)):
         ct_trainer.serve(S.Stream(list(state.items()), pauses={i: 0.01 for i in range(4)} if hold else {}))
         extra = {} if size is None else {"gdr_prefetch_queue_size": size}
-        session, record = _gdr(loader, ct_trainer, spec, loaders={"hold_at": {0: hold}}, **extra)
+        session, record = _gdr(loader, ct_trainer, spec, strategy, loaders={"hold_at": {0: hold}}, **extra)
         held = session.models[0].load_weights
         done = threading.Thread(target=lambda: session.update(), daemon=True)
-        where = f"gdr_prefetch_queue_size {size!r}"
+        where = f"{strategy} gdr_prefetch_queue_size {size!r}"
         done.start()
         try:
             check.that(held.holding.wait(5), f"{where}: the main loader never got item {hold}")
@@ -305,15 +341,15 @@ def test_gdr_prefetch_window(loader, ct_trainer):
 
 # -- GDR-REFRESH -----------------------------------------------------------------------------------
 @pytest.mark.rule("GDR-REFRESH")
-@pytest.mark.requires("stream.gdr", "mtp")
-def test_gdr_tracks_parameters_a_loader_replaced(loader, ct_trainer):
+@pytest.mark.parametrize("strategy", both_gdr(modes={"call": ("first", "second")}))
+def test_gdr_tracks_parameters_a_loader_replaced(loader, ct_trainer, strategy):
     """Loaders that put new parameter objects in place: each update, clear() and the next update act on them."""
-    session, _ = _gdr(loader, ct_trainer, loaders={"replace": {0: True, 1: True}})
+    session, _ = _gdr(loader, ct_trainer, strategy=strategy, loaders={"replace": {0: True, 1: True}})
     for version in (1, 2):
         state = M.state(SPEC_MTP, version=version)
         ct_trainer.serve(S.stream_of(state))
         session.update()
-        check.params_equal(session.observe(), state, f"GDR with replacing loaders, version {version}")
+        check.params_equal(session.observe(), state, f"{strategy} with replacing loaders, version {version}")
     session.clear()
     check.not_loaded(session.observe(), list(state), "clear() after updates by replacing loaders")
     state = M.state(SPEC_MTP, version=3)
@@ -396,7 +432,7 @@ def _handles_of(trainer, first_hello: int = 0) -> list:
 
 
 @pytest.mark.rule("GDR-HANDLE-REUSE")
-@pytest.mark.parametrize("strategy", [case("gdr", extra=("mtp",), id="gdr"), case("gdr_ipc", extra=("mtp",), id="gdr_ipc")])
+@pytest.mark.parametrize("strategy", both_gdr(modes={"call": ("second", "third")}))
 def test_gdr_handle_reused_across_updates(loader, ct_trainer, strategy):
     """Three successful updates stream from the handle the first one initialized, none cleaned up; after a
     broken stream (whose handle GDR-HANDLE-CLEANUP judges) the handle of the next update serves the one
@@ -449,19 +485,22 @@ def _handle_failures(session):
 FAILURE_NAMES = ("stream breaks", "stream cancelled", "loader fails", "no MTP item")
 
 
+FAILURE_MODE = {"stream breaks": "breaks", "stream cancelled": "cancelled", "loader fails": "loader", "no MTP item": "no-mtp"}
+
+
 @pytest.mark.rule("GDR-HANDLE-CLEANUP")
-@pytest.mark.requires("stream.gdr", "mtp")
-@pytest.mark.parametrize("failure", FAILURE_NAMES)
-def test_gdr_failed_update_cleans_its_handle_up(loader, ct_trainer, failure):
+@pytest.mark.parametrize("strategy", both_gdr())
+@pytest.mark.parametrize("failure", [pytest.param(f, marks=pytest.mark.modes(failure=FAILURE_MODE[f])) for f in FAILURE_NAMES])
+def test_gdr_failed_update_cleans_its_handle_up(loader, ct_trainer, failure, strategy):
     """After a successful update, an update failing this way cleans up the handle it streamed from (within
     2 s); the next update initializes a new handle and loads."""
-    session, _, _ = _loaded(loader, ct_trainer)
+    session, _, _ = _loaded(loader, ct_trainer, strategy=strategy)
     [(name, stream, prepare, error)] = [f for f in _handle_failures(session) if f[0] == failure]
     handle = ct_trainer.of("hello")[-1]["handle"]
     ct_trainer.serve(stream)
     if prepare:
         prepare()
-    where = f"GDR update failing: {name}"
+    where = f"{strategy} update failing: {name}"
     with check.raises(error, match=".", where=where):
         session.update()
     session.models[0].load_weights.fail_at = None

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from conformance import check, harness
+from conformance import mode_run as R
+from conformance import modes
 from conformance.harness import Worker
 from conformance.stream_support import ct_trainer, open_stream  # noqa: F401 - ct_trainer is a fixture
 from fixtures import models as M
@@ -52,6 +54,30 @@ LARGE = M.spec(("g.small", "float32", (3,)), ("g.big", "uint8", (8 * (1 << 20) +
 ROUNDTRIP = {"every-dtype-0d-empty": (EVERY_KIND, ()), "main+mtp": (SPEC_MTP, ("mtp",)), "8MiB": (LARGE, ())}
 
 
+def _params(rule, *more):
+    """The rule's cases over its declared modes (SPEC.md Modes:), each needing rsync, ``more`` and staged if staged."""
+    return modes.params(rule, requires=lambda combo: ["stream.rsync", *more,
+                                                      *(["staged"] if combo.get("staged") == "staged" else []),
+                                                      *(["mtp"] if combo.get("model") == "draft" else [])])
+
+
+def _in_modes(loader, trainer, combo, spec=SPEC_MTP, **kw):
+    """An rsync session opened in ``combo``'s modes, its earlier updates done (mode_run.earlier_stream: for
+    ``start=cleared`` after a later call, a clear before the update under test). Returns the session."""
+    session = open_stream(loader, trainer, spec, "rsync", **kw)[0] if not R.options(combo) else \
+        _staged_stream(loader, trainer, spec, **kw)
+    R.earlier_stream(combo, session, trainer, spec)
+    return session
+
+
+def _staged_stream(loader, trainer, spec, version="1", **kw):
+    options = {"rsync_config": S.rsync_config(trainer, kw.pop("timeout_s", 5.0)), "version": version, "staged": True}
+    session = loader.open(spec, strategy="rsync", options=options, **kw)
+    S.publish_version(loader.model_dir, version)
+    S.attach_loaders(session.models)
+    return session
+
+
 def _roundtrip_state(spec, version: int) -> dict:
     if spec is not LARGE:
         return M.state(spec, version=version)
@@ -59,6 +85,7 @@ def _roundtrip_state(spec, version: int) -> dict:
 
 
 @pytest.mark.rule("RSYNC-ROUNDTRIP")
+@pytest.mark.modes(call=("first", "second"), start=("cleared", "loaded"))
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.requires("stream.rsync", *extra), id=c)
                                   for c, (_, extra) in ROUNDTRIP.items()])
 def test_rsync_roundtrip_two_versions(loader, ct_trainer, case):
@@ -72,6 +99,17 @@ def test_rsync_roundtrip_two_versions(loader, ct_trainer, case):
         check.params_equal(session.observe(), want, f"{ct_trainer.endpoint}: rsync {case}, update of version {version}")
 
 
+@pytest.mark.rule("RSYNC-ROUNDTRIP")
+@pytest.mark.parametrize("combo", _params("RSYNC-ROUNDTRIP"))
+def test_rsync_roundtrip_in_every_mode(loader, ct_trainer, combo):
+    """Every dtype, 0-d and empty tensors, streamed in reverse order, in every pair of the rule's modes."""
+    session = _in_modes(loader, ct_trainer, combo, EVERY_KIND)
+    want = M.state(EVERY_KIND, version=2)
+    ct_trainer.serve(S.stream_of(dict(reversed(list(want.items())))))
+    session.update()
+    check.params_equal(session.observe(), want, f"{ct_trainer.endpoint}: rsync of every dtype ({R.label(combo)})")
+
+
 # -- RSYNC-VERSION ---------------------------------------------------------------------------------
 VERSIONS = [("argument-wins-over-yaml", "7", "step: 5\n", "7"), ("argument-no-yaml", "step-9", None, "step-9"),
             ("yaml-int", None, "step: 12345\n", "12345"), ("yaml-str", None, "step: s-9\nother: 1\n", "s-9"),
@@ -80,6 +118,7 @@ VERSIONS = [("argument-wins-over-yaml", "7", "step: 5\n", "7"), ("argument-no-ya
 
 @pytest.mark.rule("RSYNC-VERSION")
 @pytest.mark.requires("stream.rsync")
+@pytest.mark.modes(call=("first", "second"))
 def test_rsync_version_from_argument_or_yaml(loader, ct_trainer):
     """One session per case (version argument, version.yaml), each loading twice: the first (bootstrap)
     load and an update in place ask for the same step."""
@@ -103,8 +142,23 @@ VERSION_ERRORS = {"no-file": None, "not-a-mapping": "- 1\n- 2\n", "missing-step"
 
 
 @pytest.mark.rule("RSYNC-VERSION")
+@pytest.mark.parametrize("combo", _params("RSYNC-VERSION"))
+def test_rsync_version_from_argument_or_yaml_in_every_mode(loader, ct_trainer, combo):
+    """The argument (7) wins over version.yaml (step 5) at the update under test, staged or not, first or later."""
+    S.write_version_file(loader.model_dir, "step: 5\n")
+    session = _in_modes(loader, ct_trainer, combo, SPEC, version="7")
+    state = M.state(SPEC, version=3)
+    ct_trainer.serve(S.stream_of(state, step="7"))
+    session.update()
+    where = f"rsync, argument 7 beside version.yaml step 5 ({R.label(combo)})"
+    check.params_equal(session.observe(), state, where)
+    check.equal(ct_trainer.of("hello")[-1]["step_id"], "7", f"{where}: the step asked of the trainer")
+
+
+@pytest.mark.rule("RSYNC-VERSION")
 @pytest.mark.requires("stream.rsync")
-@pytest.mark.parametrize("phase", ["first-load", "in-place"])
+@pytest.mark.parametrize("phase", [pytest.param("first-load", marks=pytest.mark.modes(call="first")),
+                                   pytest.param("in-place", marks=pytest.mark.modes(call="second"))])
 def test_rsync_version_not_set_is_an_error(loader, phase):
     """No usable version: FastDeploy's "rsync model version not set", raised before anything is asked of
     the trainer; nothing changes. In place: a first load from a good version.yaml, then the file breaks
@@ -164,7 +218,8 @@ VALIDATION = {"in-place": ["unknown-first", "unknown-last", "shape-middle", "dty
 
 @pytest.mark.rule("RSYNC-VALIDATE-ALL")
 @pytest.mark.requires("stream.rsync", "mtp")
-@pytest.mark.parametrize("phase", list(VALIDATION))
+@pytest.mark.parametrize("phase", [pytest.param(p, marks=pytest.mark.modes(start="loaded" if p == "in-place" else "cleared"))
+                                   for p in VALIDATION])
 def test_rsync_validates_everything_before_applying(loader, ct_trainer, caplog, phase):
     caplog.set_level(logging.ERROR)  # root: whatever logger the implementation uses
     session = _loaded(loader, ct_trainer)[0] if phase == "in-place" else _rsync(loader, ct_trainer)
@@ -181,9 +236,33 @@ def test_rsync_validates_everything_before_applying(loader, ct_trainer, caplog, 
         check.that(all(k in logged for k in at_fault), f"{where}: every key at fault {at_fault} logged at ERROR; logged: {logged!r}")
 
 
+POSITION_CASE = {"first": "unknown-first", "middle": "shape-middle", "last": "dtype-last-mtp"}
+
+
+@pytest.mark.rule("RSYNC-VALIDATE-ALL")
+@pytest.mark.parametrize("combo", _params("RSYNC-VALIDATE-ALL", "mtp"))
+def test_rsync_validates_everything_before_applying_in_every_mode(loader, ct_trainer, caplog, combo):
+    """The bad key first, in the middle or last of the step, in place or into cleared parameters, staged or not."""
+    caplog.set_level(logging.ERROR)
+    combo = {**combo, "call": "second" if combo["start"] == "loaded" else "first"}
+    session = _in_modes(loader, ct_trainer, combo)
+    case = POSITION_CASE[combo["position"]]
+    stream, at_fault = _broken(case, M.state(SPEC_MTP, version=2))
+    ct_trainer.serve(S.stream_of(stream))
+    before = session.observe()
+    caplog.clear()
+    where = f"rsync, stream {case} ({R.label(combo)})"
+    with check.raises(ValueError, match="Invalid new_state_dict", where=where):
+        session.update()
+    check.unchanged(before, session.observe(), where)
+    logged = " ".join(r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+    check.that(all(k in logged for k in at_fault), f"{where}: every key at fault {at_fault} logged at ERROR; logged: {logged!r}")
+
+
 # -- RSYNC-SUBSET ----------------------------------------------------------------------------------
 @pytest.mark.rule("RSYNC-SUBSET")
 @pytest.mark.requires("stream.rsync", "mtp")
+@pytest.mark.modes(start="loaded", model=("main", "draft"))
 def test_rsync_subset_in_place_keeps_the_rest(loader, ct_trainer):
     session, have = _loaded(loader, ct_trainer)
     for version, missing in ((2, ["norm.bias"]), (3, ["embed.weight", "layers.2.eh_proj.weight"])):
@@ -196,13 +275,17 @@ def test_rsync_subset_in_place_keeps_the_rest(loader, ct_trainer):
 
 @pytest.mark.rule("RSYNC-SUBSET")
 @pytest.mark.requires("stream.rsync", "mtp", "status")
-def test_rsync_first_load_lacking_a_key_fails(loader, ct_trainer):
+@pytest.mark.parametrize("lacking", [pytest.param("layers.0.mlp.weight", marks=pytest.mark.modes(start="cleared", model="main")),
+                                     pytest.param("layers.2.eh_proj.weight", marks=pytest.mark.modes(start="cleared", model="draft"))])
+def test_rsync_first_load_lacking_a_key_fails(loader, ct_trainer, lacking):
     v1 = M.state(SPEC_MTP, version=1)
-    ct_trainer.serve(S.stream_of({n: a for n, a in v1.items() if n != "layers.0.mlp.weight"}))
+    ct_trainer.serve(S.stream_of({n: a for n, a in v1.items() if n != lacking}))
     session = _rsync(loader, ct_trainer)
-    with check.raises(Exception, match=".", where="rsync first load lacking layers.0.mlp.weight"):
+    where = f"rsync first load lacking {lacking}"
+    with check.raises(Exception, match=r"\S", names=[lacking], where=where):
         session.update()
-    check.status_not(session, "NORMAL", "rsync first load lacking layers.0.mlp.weight")
+    check.status_not(session, "NORMAL", where)
+    check.not_loaded(session.observe(), [lacking], where)
 
 
 # -- RSYNC-IN-PLACE --------------------------------------------------------------------------------
@@ -212,7 +295,9 @@ def _addresses(session) -> dict:
 
 @pytest.mark.rule("RSYNC-IN-PLACE")
 @pytest.mark.requires("stream.rsync", "mtp")
-@pytest.mark.parametrize("how", ["argument", "version.yaml"])
+@pytest.mark.modes(model=("main", "draft"))
+@pytest.mark.parametrize("how", [pytest.param("argument", marks=pytest.mark.modes(start="loaded")),
+                                 pytest.param("version.yaml", marks=pytest.mark.modes(start=("loaded", "cleared")))])
 def test_rsync_in_place_keeps_parameter_memory(loader, ct_trainer, how):
     """Two updates in place keep every parameter's address; with version.yaml, clear() then a bootstrap load."""
     if how == "version.yaml":
@@ -238,6 +323,7 @@ def test_rsync_in_place_keeps_parameter_memory(loader, ct_trainer, how):
 # -- RSYNC-RESULT ----------------------------------------------------------------------------------
 @pytest.mark.rule("RSYNC-RESULT")
 @pytest.mark.requires("stream.rsync")
+@pytest.mark.modes(start=("cleared", "loaded"))
 def test_rsync_returns_its_costs(loader, ct_trainer):
     state = M.state(SPEC, version=3)
     ct_trainer.serve(S.stream_of(state), S.stream_of(state))
@@ -261,6 +347,7 @@ RANK3_ORDINAL2 = Worker(rank=3, visible="0,1,2,3", selected="2")  # world size 4
 
 @pytest.mark.rule("RSYNC-HANDLE-ONCE")
 @pytest.mark.requires("stream.rsync")
+@pytest.mark.modes(call=("first", "second", "third"))
 def test_rsync_one_handle_for_every_update(loader, ct_trainer):
     """Three updates (the first load and two in place) stream from one handle, never cleaned up between them."""
     states = [M.state(SPEC, version=v) for v in (1, 2, 3)]
@@ -279,7 +366,8 @@ def test_rsync_one_handle_for_every_update(loader, ct_trainer):
 # -- RSYNC-HANDLE-CONFIG ---------------------------------------------------------------------------
 @pytest.mark.rule("RSYNC-HANDLE-CONFIG")
 @pytest.mark.requires("stream.rsync")
-@pytest.mark.parametrize("world", [4, 1])
+@pytest.mark.parametrize("world", [pytest.param(4, marks=pytest.mark.modes(rank="follower")),
+                                   pytest.param(1, marks=pytest.mark.modes(rank="rank0"))])
 def test_rsync_handle_created_with_rank_and_world_size(loader, ct_trainer, monkeypatch, world):
     """The handle is created with local_rank = the worker's ordinal (2 or 0; global rank 3 or 0) and
     group_size = the world size."""
@@ -294,6 +382,7 @@ def test_rsync_handle_created_with_rank_and_world_size(loader, ct_trainer, monke
 
 @pytest.mark.rule("RSYNC-HANDLE-CONFIG")
 @pytest.mark.requires("stream.rsync")
+@pytest.mark.modes(rank="rank0")
 def test_rsync_handle_local_rank_0_when_selection_unset(loader, ct_trainer, monkeypatch):
     """``FLAGS_selected_gpus`` left unset reads as "0" (SNAP-GPU-ID-INVALID): the handle is created with
     local_rank 0, and the update never fails on the missing variable."""
@@ -314,6 +403,7 @@ def test_rsync_handle_local_rank_0_when_selection_unset(loader, ct_trainer, monk
 # -- RSYNC-CHECKSUM --------------------------------------------------------------------------------
 @pytest.mark.rule("RSYNC-CHECKSUM")
 @pytest.mark.requires("stream.rsync")
+@pytest.mark.modes(start=("cleared", "loaded"))
 @pytest.mark.parametrize("verify", [None, True, False], ids=["absent", "true", "false"])
 def test_rsync_checksum_flag_reaches_every_stream(loader, ct_trainer, verify):
     """Three updates: each receive_stream gets verify_checksum (False when absent)."""
@@ -330,13 +420,19 @@ def test_rsync_checksum_flag_reaches_every_stream(loader, ct_trainer, verify):
 
 @pytest.mark.rule("RSYNC-CHECKSUM")
 @pytest.mark.requires("stream.rsync")
-def test_rsync_checksum_verified_when_asked(loader, ct_trainer):
-    session, _ = _loaded(loader, ct_trainer, SPEC, verify=True)
+@pytest.mark.parametrize("start", [pytest.param(s, marks=pytest.mark.modes(start=s)) for s in ("loaded", "cleared")])
+def test_rsync_checksum_verified_when_asked(loader, ct_trainer, start):
+    """In place, or the first load into cleared parameters: a corrupted item fails the update, nothing changes."""
+    if start == "loaded":
+        session, _ = _loaded(loader, ct_trainer, SPEC, verify=True)
+    else:
+        session = _rsync(loader, ct_trainer, SPEC, verify=True)
     ct_trainer.serve(S.stream_of(M.state(SPEC, version=2), fault=("corrupt", 1)))
     before = session.observe()
-    with check.raises(Exception, match="checksum", where="rsync with verify_checksum, item 1 corrupted"):
+    where = f"rsync with verify_checksum, item 1 corrupted ({'in place' if start == 'loaded' else 'first load'})"
+    with check.raises(Exception, match="checksum", where=where):
         session.update()
-    check.unchanged(before, session.observe(), "rsync with verify_checksum, item 1 corrupted")
+    check.unchanged(before, session.observe(), where)
 
 
 # -- RSYNC-FAULTS ----------------------------------------------------------------------------------
@@ -350,6 +446,7 @@ def _failed_cleanly(session, kept, where) -> None:
 
 @pytest.mark.rule("RSYNC-FAULTS")
 @pytest.mark.requires("stream.rsync", "status")
+@pytest.mark.modes(start="loaded", phase=("before-first", "mid", "after-last"))
 def test_rsync_broken_or_cancelled_stream_changes_nothing(loader, ct_trainer):
     """One session: a broken stream, then a cancelled one, at each phase in turn; then a healthy update."""
     session, v1 = _loaded(loader, ct_trainer, SPEC)
@@ -364,3 +461,24 @@ def test_rsync_broken_or_cancelled_stream_changes_nothing(loader, ct_trainer):
     ct_trainer.serve(S.stream_of(v3))
     session.update()
     check.params_equal(session.observe(), v3, "rsync, the update after six failed ones")
+
+
+@pytest.mark.rule("RSYNC-FAULTS")
+@pytest.mark.parametrize("combo", _params("RSYNC-FAULTS", "status"))
+def test_rsync_broken_stream_changes_nothing_in_every_mode(loader, ct_trainer, combo):
+    """A stream that breaks at the combination's phase, in place or into cleared parameters (the first load),
+    staged or not; then a healthy update loads whole."""
+    combo = {**combo, "call": "second" if combo["start"] == "loaded" else "first"}
+    session = _in_modes(loader, ct_trainer, combo, SPEC)
+    before = session.observe()
+    k = PHASES[combo["phase"]]
+    ct_trainer.serve(S.stream_of(M.state(SPEC, version=2), fault=("fail", k)))
+    where = f"rsync, trainer fails {combo['phase']} (after {k} of 3 items; {R.label(combo)})"
+    with check.raises(ConnectionError, match="broke", where=where):
+        session.update()
+    check.unchanged(before, session.observe(), where)
+    check.status_not(session, "NORMAL", where)
+    v3 = M.state(SPEC, version=3)
+    ct_trainer.serve(S.stream_of(v3))
+    session.update()
+    check.params_equal(session.observe(), v3, f"{where}: the next, healthy update")

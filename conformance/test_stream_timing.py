@@ -59,7 +59,7 @@ def stream_timing(request, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         loader = harness.Loader(adapter, tmp_path_factory.mktemp("stream-timing"), mp)
         try:
-            for strategy in ("rsync", "gdr"):
+            for strategy in ("rsync", "gdr", "gdr_ipc"):
                 if STRATEGY_CAPS[strategy] not in adapter.capabilities:
                     continue
                 for name, script in TIMING_SCRIPTS.items():
@@ -104,11 +104,13 @@ def judge_timing(case: TimingCase, atomic: bool) -> None:
         check.status_is(case.session, "NORMAL", where)
 
 
-PHASE_CASES = [f"{kind}-{p}" for kind in ("stall",) for p in TIMING_PHASES] + ["slow-but-healthy", "gone-after-end"]
+PHASE_CASES = [pytest.param(f"stall-{p}", marks=pytest.mark.modes(phase=p), id=f"stall-{p}") for p in TIMING_PHASES] + [
+    "slow-but-healthy", "gone-after-end"]
 
 
 @pytest.mark.rule("RSYNC-FAULTS")
 @pytest.mark.requires("stream.rsync", "status")
+@pytest.mark.modes(start="loaded")
 @pytest.mark.parametrize("name", PHASE_CASES)
 def test_rsync_silence_at_every_phase(stream_timing, name):
     """rsync: silent before the first item, mid-stream or after the last item; slow (each reply 0.05 s
@@ -118,6 +120,7 @@ def test_rsync_silence_at_every_phase(stream_timing, name):
 
 @pytest.mark.rule("GDR-RECEIVER-ERROR")
 @pytest.mark.requires("stream.gdr", "status")
+@pytest.mark.modes(path="gdr", start="cleared")
 @pytest.mark.parametrize("name", PHASE_CASES)
 def test_gdr_silence_at_every_phase(stream_timing, name):
     """GDR: the same five cases."""
@@ -125,8 +128,8 @@ def test_gdr_silence_at_every_phase(stream_timing, name):
 
 
 @pytest.mark.rule("STREAM-HANG-BOUNDED")
-@pytest.mark.parametrize("name", [f"hang-{p}" for p in TIMING_PHASES])
-@pytest.mark.parametrize("strategy", [case("rsync", extra=("status",)), case("gdr", extra=("status",))])
+@pytest.mark.parametrize("name", [pytest.param(f"hang-{p}", marks=pytest.mark.modes(phase=p)) for p in TIMING_PHASES])
+@pytest.mark.parametrize("strategy", [case(s, extra=("status",)) for s in ("rsync", "gdr", "gdr_ipc")])
 def test_hung_library_does_not_hang_the_update(stream_timing, strategy, name):
     """A library that hangs (its own 0.4 s wait never fires; it gives up after 3 s) before the first item,
     mid-stream or after the last item."""

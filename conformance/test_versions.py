@@ -72,6 +72,7 @@ def during(session, call) -> list[tuple[str, object]]:
 
 
 @pytest.mark.rule("VER-STAMP-AT-COMMIT")
+@pytest.mark.modes(call="second")
 @pytest.mark.parametrize("kind,staged", [pytest.param(k, s, marks=_needs(k, "status", *(("staged",) if s else ())),
                                                       id=f"{k}{':staged' if s else ''}")
                                          for k in KINDS for s in (False, True)])
@@ -89,6 +90,25 @@ def test_version_stamped_at_commit(loader, sources, kind, staged):
                f"{kind}: (status, version) at every step of the update of {src.where} to version 7: {seen}; "
                "the version may change only with NORMAL")
     check.equal((session.status(), session.version()), ("NORMAL", 7), f"{kind}: after the update to version 7")
+
+
+@pytest.mark.rule("VER-STAMP-AT-COMMIT")
+@pytest.mark.parametrize("kind,staged", [pytest.param(k, s, marks=[_needs(k, "status", *(("staged",) if s else ())),
+                                                                   pytest.mark.modes(call="first")],
+                                                      id=f"{k}:first-load{':staged' if s else ''}")
+                                         for k in KINDS for s in (False, True)])
+def test_version_stamped_at_commit_of_the_first_load(loader, sources, kind, staged):
+    """The first load of a session: version() is None until it commits, then the version it carried."""
+    src = sources(kind)
+    src.publish(SPEC, 7)
+    session = src.open(SPEC, **({"staged": True} if staged else {}))
+    check.equal(session.version(), None, f"{kind}: version() before the first load of {src.where}")
+    seen = during(session, session.update)
+    src.settle()
+    early = [pair for pair in seen if pair[0] != "NORMAL" and pair[1] is not None]
+    check.that(not early, f"{kind}: (status, version) at every step of the first load of {src.where}: {seen}; the "
+               "version may appear only with NORMAL")
+    check.equal((session.status(), session.version()), ("NORMAL", 7), f"{kind}: after the first load of version 7")
 
 
 @pytest.mark.rule("VER-STAMP-AT-COMMIT")
@@ -154,6 +174,7 @@ def test_refused_version_is_never_stamped_later(loader, sources, kind):
 
 
 @pytest.mark.rule("VER-MONOTONIC")
+@pytest.mark.modes(call=("second", "third"))
 @pytest.mark.parametrize("kind,staged", [pytest.param(k, s, marks=_needs(k, *(("staged",) if s else ())),
                                                       id=f"{k}{':staged' if s else ''}")
                                          for k in KINDS for s in (False, True)])

@@ -8,5 +8,5 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 python "$repo/mutation/scratch.py" "${1:-/tmp/mutgate}" \
     --source conformance/expectations.py conformance/report.py conformance/matrix.py \
     --tests tests/test_gate_units.py tests/test_matrix.py \
-    --also conformance/ reference/ fixtures/ sim/ wire/ tests/ conftest.py SPEC.md \
+    --also weightsync/ conformance/ reference/ fixtures/ sim/ wire/ tests/ conftest.py SPEC.md \
     --pytest-arg=-k --pytest-arg="not real_browser"

@@ -16,7 +16,9 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALSO = ["conformance/", "fixtures/", "sim/", "wire/", "tests/", "conftest.py", "SPEC.md"]
+# weightsync/: the suite imports reference, fixtures and wire as weightsync.*, resolved beside weightsync/__init__.py
+# (without it, the copy's imports would reach the tree an editable install points at).
+ALSO = ["weightsync/", "conformance/", "fixtures/", "sim/", "wire/", "tests/", "conftest.py", "SPEC.md"]
 
 
 def _toml_list(items) -> str:

@@ -65,7 +65,11 @@ def paddle_tensor_hashes(name: str, t, algorithms: Iterable[str]) -> dict[str, s
         return tensor_hashes(name, dtype, shape, b"", algorithms)
     if not t._is_initialized():
         raise RuntimeError(f"no digest of a model that is not loaded: parameter {name!r} ({dtype}{list(shape)}) holds no data")
-    t = t.cpu().contiguous()  # the same tensor when it is on the CPU and contiguous, as parameters are
+    t = t.cpu()  # the same tensor when it is on the CPU
+    if not t.is_contiguous():
+        # A strided parameter (a column-major FP8 scale) is read in C order from a copy: ``t.contiguous()`` would
+        # make the parameter itself row-major, in new memory (Paddle 3.3 changes the tensor it is called on).
+        t = t.clone()
     data = (ctypes.c_uint8 * (count * t.element_size())).from_address(t.data_ptr())
     return tensor_hashes(name, dtype, shape, data, algorithms)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import apply, commit, hooks, identity, restart, storage, transforms
+from . import apply, commit, hooks, identity, restart, storage, ties, transforms
 from .request_gate import RequestGate
 from . import digest as _digest
 from .agreement import Agreement
@@ -34,14 +34,15 @@ log = logging.getLogger("reference.manager")
 DEFAULT_SHARED_DIR = "/shared_ipc_meta"
 
 # Strategy name -> "module:function" taking the manager. Imported lazily so that a path's extra
-# dependencies (zmq for buckets) are only needed when that path is used.
+# dependencies (zmq for buckets) are only needed when that path is used. Named from this package's own name:
+# "reference" in the checkout, "weightsync.reference" installed (weightsync/__init__.py).
 STRATEGIES = {
-    "ipc_snapshot": "reference.snapshot:update_from_snapshot",
-    "ipc": "reference.ipc_meta:update_from_ipc_meta",
-    "ipc_bucket": "reference.buckets:update_from_buckets",
-    "rsync": "reference.rsync:update_from_rsync",
-    "gdr": "reference.gdr:update_from_gdr",
-    "gdr_ipc": "reference.gdr:update_from_gdr_ipc",
+    "ipc_snapshot": f"{__package__}.snapshot:update_from_snapshot",
+    "ipc": f"{__package__}.ipc_meta:update_from_ipc_meta",
+    "ipc_bucket": f"{__package__}.buckets:update_from_buckets",
+    "rsync": f"{__package__}.rsync:update_from_rsync",
+    "gdr": f"{__package__}.gdr:update_from_gdr",
+    "gdr_ipc": f"{__package__}.gdr:update_from_gdr_ipc",
 }
 # Streamed strategies write into loaded parameters (FastDeploy runs rsync and GDR without a clear), so
 # they may start from NORMAL, or again after a failure; never during a clear.
@@ -242,8 +243,10 @@ class WeightManager:
         if self._committed:
             return
         span = self.phases.span("finalize")
-        staged = self._stage.holds if self._stage is not None else (lambda name: False)
-        missing = [name for name in apply.unloaded(self.params) if not staged(name)]
+        missing = apply.unloaded(self.params)
+        if self._stage is not None:  # a staged tensor loads its parameter at the commit, under every tied name
+            uncarried = set(ties.missing(self.params, self._stage.tensors))
+            missing = [name for name in missing if name in uncarried]
         span.end()
         if missing:
             raise RuntimeError(

@@ -81,6 +81,24 @@ def reference_report(tmp_path_factory):
     return early.result("reference_report", tmp_path_factory)
 
 
+# The worked example of docs/adapters.md (tests/test_example_adapter.py), and the run an installed suite must
+# repeat verdict for verdict (tests/test_install.py).
+EXAMPLE_ADAPTER = "docs/example_adapter.py:MineAdapter"
+
+
+@early.job("example_report")
+def _example_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("example") / "report.json"
+    return run_conformance([f"--impl={EXAMPLE_ADAPTER}"], path, timeout=300, in_job=True)
+
+
+@pytest.fixture(scope="session")
+def example_report(tmp_path_factory):
+    """The full conformance run against docs/example_adapter.py, from the checkout's root, once per session:
+    (exit code, report, output)."""
+    return early.result("example_report", tmp_path_factory)
+
+
 def unstarted_jobs(report: dict) -> list[str]:
     """The tests of a conformance report that failed because their multi-rank job's ranks never joined
     (``sim.ranks``: the start-up, before any rank loads the implementation). Such a failure says nothing

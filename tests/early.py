@@ -124,11 +124,12 @@ def environment() -> dict[str, str]:
 NICE = 10
 
 
-def run(cmd: list[str], cwd: str, timeout: float, nice: int = NICE) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, capture_output=True, text=True)`` for a job: the jobs' environment and priority
-    (``nice``), its own process group (killed whole when it runs past ``timeout``, then TimeoutExpired, or when the
-    session ends)."""
-    proc = subprocess.Popen(["nice", "-n", str(nice), *cmd], cwd=cwd, env=environment(), stdout=subprocess.PIPE,
+def run(cmd: list[str], cwd: str, timeout: float, nice: int = NICE, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a job: the jobs' environment (or ``env``) and
+    priority (``nice``), its own process group (killed whole when it runs past ``timeout``, then TimeoutExpired, or
+    when the session ends)."""
+    proc = subprocess.Popen(["nice", "-n", str(nice), *cmd], cwd=cwd, env=environment() if env is None else env,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     with _lock:
         _running.add(proc)

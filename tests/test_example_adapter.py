@@ -14,9 +14,8 @@ import re
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, run_conformance
-
-EXAMPLE = "docs/example_adapter.py:MineAdapter"
+from tests.conftest import EXAMPLE_ADAPTER as EXAMPLE
+from tests.conftest import REPO
 CLAIMED = {"snapshot.parts", "snapshot.single", "snapshot.legacy", "trace", "status", "mtp"}
 # Rules (of 89) and tests the example passed when this was written; a broken example passes fewer.
 MIN_RULES_PASSED = 38
@@ -31,9 +30,8 @@ def _read(name):
 
 # -- the example adapter against the suite ---------------------------------------------------------
 @pytest.fixture(scope="module")
-def example_run(tmp_path_factory):
-    path = tmp_path_factory.mktemp("example") / "report.json"
-    return run_conformance([f"--impl={EXAMPLE}"], path, timeout=120)
+def example_run(example_report):
+    return example_report  # tests/conftest.py: one run per session, started in the background
 
 
 def test_example_passes_every_rule_it_claims(example_run):

@@ -309,7 +309,7 @@ def test_builtin_name_from_conformance_dir_and_file_from_repo_root(runs):
     run = runs["conformance_cwd"]
     assert run.code == 0 and run.report is not None, f"exit {run.code}:\n{run.output[-3000:]}"
     assert run.report["run_info"]["implementation"] == "reference"
-    assert run.report["run_info"]["adapter"] == "reference.adapter:ReferenceAdapter"
+    assert run.report["run_info"]["adapter"] == "weightsync.reference.adapter:ReferenceAdapter"
     assert _statuses(run.report) == {"SNAP-GPU-ID": "passed"}, _statuses(run.report)
     # From the repository root: see test_docs_example_adapter_passes_its_rules.
 
@@ -531,7 +531,7 @@ def test_report_fields(runs):
     assert {"paddlepaddle", "safetensors", "numpy"} <= set(info["versions"]), info["versions"]
     assert info["versions"]["numpy"] == np.__version__
     for rule in report["rules"]:
-        assert set(rule) == {"id", "title", "area", "level", "device", "status", "expectation", "tests"}, rule
+        assert set(rule) == {"id", "title", "area", "level", "device", "status", "expectation", "modes", "tests"}, rule
         assert rule["title"] == rules()[rule["id"]]
         for test in rule["tests"]:
             assert {"nodeid", "rule", "status", "message", "repro"} <= set(test), test
@@ -813,14 +813,17 @@ class _Reporter:
 @pytest.mark.parametrize("columns", ["80", "120", ""])
 def test_list_rules_and_area_table_fit_columns(monkeypatch, columns):
     """``--list-rules`` (230 columns before) and the area table (130 whatever COLUMNS said) fit COLUMNS, or 130
-    columns where output goes to no terminal; every rule id starts a line with its level and area."""
+    columns where output goes to no terminal; every rule id starts a line with its level and area, and a line of
+    the modes table with its mode coverage."""
     from conformance import plugin
 
     monkeypatch.setenv("COLUMNS", columns)
     width = int(columns or plugin.NATURAL_WIDTH)
     caps = ",".join(sorted(plugin.CAPABILITIES))[:148]  # as long as MODEL-HOOKS' capabilities
-    listing = [("MODEL-HOOKS", "contract", "MODEL", caps, rules()["MODEL-HOOKS"]),
-               ("SNAP-GPU-ID", "contract", "SNAP", "snapshot.single", rules()["SNAP-GPU-ID"])]
+    modes = ("path(parts, single, legacy, shared, ipc, bucket, rsync, gdr) × staged(plain, staged): 10/16 pairs; "
+             "uncovered: path=rsync & staged=staged, path=gdr & staged=plain")
+    listing = [("MODEL-HOOKS", "contract", "MODEL", caps, rules()["MODEL-HOOKS"], modes),
+               ("SNAP-GPU-ID", "contract", "SNAP", "snapshot.single", rules()["SNAP-GPU-ID"], "n/a (a naming rule)")]
     reporter = _Reporter()
     plugin._print_listing(reporter, listing)
     lines = reporter.buf.getvalue().splitlines()
@@ -829,6 +832,8 @@ def test_list_rules_and_area_table_fit_columns(monkeypatch, columns):
         assert any(re.match(rf"{rule_id}\s+{level}\s+{area_name}\s", line) for line in lines), "\n".join(lines)
     squeezed = re.sub(r"\s", "", reporter.buf.getvalue())
     assert "SNAP-GPU-IDcontractSNAPsnapshot.single" in squeezed, "a short row stays on one line"
+    assert re.sub(r"\s", "", "MODEL-HOOKS" + modes) in squeezed, "the modes table holds the whole coverage, uncovered pairs included"
+    assert "SNAP-GPU-IDn/a(anamingrule)" in squeezed
 
     class Adapter:
         name, version = "fake", "1"

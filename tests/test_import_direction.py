@@ -22,8 +22,16 @@ REPO = pathlib.Path(_REPO)
 
 # package -> top-level packages it must never import
 FORBIDDEN = {"reference": ("sim",), "wire": ("reference", "sim")}
-# "sim", "sim.trainer", "sim.cli:main": a module path a dynamic import could be given
-_MODULE_STRING = r"^{top}(\.[A-Za-z_][\w.]*)?(:[A-Za-z_]\w*)?$"
+# "sim", "sim.trainer", "sim.cli:main": a module path a dynamic import could be given (the internal packages
+# also under their installed names: "weightsync.reference.manager", weightsync/__init__.py)
+_MODULE_STRING = r"^(weightsync\.)?{top}(\.[A-Za-z_][\w.]*)?(:[A-Za-z_]\w*)?$"
+
+
+def top_level(name: str) -> str:
+    """The package a module name is of: ``reference`` for ``reference.manager`` and for its installed name
+    ``weightsync.reference.manager`` alike."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "weightsync" and len(parts) > 1 else parts[0]
 
 
 def forbidden_imports(source: str, filename: str, banned: tuple[str, ...]) -> list[str]:
@@ -35,6 +43,8 @@ def forbidden_imports(source: str, filename: str, banned: tuple[str, ...]) -> li
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "weightsync":
+            names = [f"weightsync.{alias.name}" for alias in node.names]  # from weightsync import reference
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -42,7 +52,7 @@ def forbidden_imports(source: str, filename: str, banned: tuple[str, ...]) -> li
                 found.append(f"{filename}:{node.lineno}: module path string {node.value!r}")
             continue
         for name in names:
-            if name.split(".")[0] in banned:
+            if top_level(name) in banned:
                 found.append(f"{filename}:{node.lineno}: imports {name}")
     return sorted(found, key=lambda f: int(f.split(":")[1]))
 
@@ -74,6 +84,11 @@ def test_the_static_check_finds_every_form():
         "    from sim import protocol\n"
         "    return importlib.import_module('sim.cli')\n"
         "STRATEGIES = {'x': 'sim.trainer:trainer_main', 'doc': 'sim is the simulator'}\n"
+        "from weightsync.sim import trainer\n"
+        "from weightsync import sim\n"
+        "import weightsync.sim.cli as c\n"
+        "X = 'weightsync.sim.cli:main'\n"
+        "from weightsync.simple import s\n"
     )
     found = forbidden_imports(source, "probe.py", ("sim",))
     assert found == [
@@ -81,6 +96,10 @@ def test_the_static_check_finds_every_form():
         "probe.py:7: imports sim",
         "probe.py:8: module path string 'sim.cli'",
         "probe.py:9: module path string 'sim.trainer:trainer_main'",
+        "probe.py:10: imports weightsync.sim",
+        "probe.py:11: imports weightsync.sim",
+        "probe.py:12: imports weightsync.sim.cli",
+        "probe.py:13: module path string 'weightsync.sim.cli:main'",
     ], found
 
 
@@ -90,7 +109,10 @@ package = sys.argv[1]
 root = importlib.import_module(package)
 for info in pkgutil.walk_packages(root.__path__, package + "."):
     importlib.import_module(info.name)
-loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("reference", "sim", "wire"))
+def top(name):
+    parts = name.split(".")
+    return parts[1] if parts[0] == "weightsync" and len(parts) > 1 else parts[0]
+loaded = sorted(m for m in sys.modules if top(m) in ("reference", "sim", "wire"))
 print(json.dumps(loaded))
 """
 
@@ -104,5 +126,5 @@ def test_importing_every_module_loads_nothing_of_the_other_side():
         loaded[package] = json.loads(proc.stdout.strip().splitlines()[-1])
     for package, modules in loaded.items():
         assert any(m.startswith(package + ".") for m in modules), f"{package}: no submodule was imported: {modules}"
-        wrong = [m for m in modules if m.split(".")[0] in FORBIDDEN[package]]
+        wrong = [m for m in modules if top_level(m) in FORBIDDEN[package]]
         assert not wrong, f"importing every module of {package} loaded {wrong}"

@@ -25,10 +25,13 @@ from importlib import metadata
 
 from .versions import HistoryError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the suite's repository
-# What the suite's verdicts depend on besides the version: its code and the rules' text.
+# The suite's checkout, or the folder the installed suite's packages are in (site-packages).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# What the suite's verdicts depend on besides the version: its code and the rules' text. Installed, fixtures and
+# wire are weightsync/fixtures and weightsync/wire, and SPEC.md is conformance/SPEC.md.
 SUITE_TREES = ("conformance", "fixtures", "sim", "wire")
 SUITE_FILES = ("SPEC.md", "conftest.py", "pyproject.toml")
+INSTALLED_UNDER = "weightsync"
 LIBRARIES = ("paddlepaddle", "paddlepaddle-gpu", "numpy", "safetensors", "pyzmq", "msgpack", "pytest")
 CACHE_FORMAT = 1
 USAGE_ERROR = 4  # pytest's exit status for a usage error (the adapter cannot drive the file)
@@ -36,6 +39,17 @@ REPORTED = (0, 1, 5)  # all passed, some failed, nothing tested: the suite wrote
 OUTCOMES = ("report", "usage_error", "crashed", "timed_out")
 CACHED_OUTCOMES = ("report", "usage_error")  # what the content decides; a crash or timeout may be the machine's
 KILL_GRACE_S = 5.0
+
+
+def checkout() -> bool:
+    """Whether the suite runs from its checkout (SPEC.md at ROOT) rather than from an install."""
+    return os.path.isfile(os.path.join(ROOT, "SPEC.md"))
+
+
+def run_dir() -> str:
+    """Where each suite run starts, and what the options' relative paths (``--expectations FILE``) are relative
+    to: the checkout's root, or, installed, the directory the tool was started in."""
+    return ROOT if checkout() else os.getcwd()
 
 
 @dataclass(frozen=True)
@@ -46,7 +60,10 @@ class Suite:
     timeout_s: float | None = None
 
     def command(self, source: str, report: str) -> list[str]:
-        return [sys.executable, "-m", "pytest", "conformance", f"--impl={self.impl}", "--impl-opt",
+        """The checkout's suite runs as ``pytest conformance`` in the checkout (its configuration), the installed
+        one as ``pytest --pyargs conformance`` in the directory the tool was started in (``run_dir``)."""
+        where = ["conformance"] if checkout() else ["--pyargs", "conformance"]
+        return [sys.executable, "-m", "pytest", *where, f"--impl={self.impl}", "--impl-opt",
                 f"source={source}", "--conformance-report", report, "-p", "no:cacheprovider", "-q", *self.extra]
 
     def fingerprint(self) -> str:
@@ -55,7 +72,10 @@ class Suite:
         h = hashlib.sha256()
         paths = [os.path.join(ROOT, f) for f in SUITE_FILES]
         for tree in SUITE_TREES:
-            for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, tree)):
+            top = os.path.join(ROOT, tree)
+            if not os.path.isdir(top):
+                top = os.path.join(ROOT, INSTALLED_UNDER, tree)
+            for dirpath, dirnames, filenames in os.walk(top):
                 dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith(".")
                                      and os.path.join(dirpath, d) != os.path.join(ROOT, "conformance", "history"))
                 paths += [os.path.join(dirpath, n) for n in sorted(filenames) if not n.endswith((".pyc", ".pyo"))]
@@ -67,8 +87,8 @@ class Suite:
         h.update(json.dumps([CACHE_FORMAT, self.impl, list(self.extra), sys.version]).encode())
         for arg in self.extra:
             candidate = arg.split("=", 1)[-1]
-            if os.path.isfile(os.path.join(ROOT, candidate)):
-                with open(os.path.join(ROOT, candidate), "rb") as f:
+            if os.path.isfile(os.path.join(run_dir(), candidate)):
+                with open(os.path.join(run_dir(), candidate), "rb") as f:
                     h.update(b"file:" + candidate.encode() + hashlib.sha256(f.read()).digest())
         for lib in LIBRARIES:
             try:
@@ -216,7 +236,7 @@ class Runner:
                     if self._stopping.is_set():
                         raise KeyboardInterrupt
                     # Its own session: Ctrl-C reaches the tool, which ends the child's whole group itself.
-                    child = subprocess.Popen(self.suite.command(source, report_path), cwd=ROOT, stdout=log,
+                    child = subprocess.Popen(self.suite.command(source, report_path), cwd=run_dir(), stdout=log,
                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              start_new_session=True)
                     self._children.add(child)

@@ -510,3 +510,18 @@ class UnknownNamesCounted(Mutant):
 
     def patches(self):
         return {"reference.manager.log": _IgnoredReport(lambda args: ("%d tensor(s) ignored from %s", args[0], args[1]))}
+
+
+class StagedIgnoresTies(Mutant):
+    id = "staged_ignores_ties"
+    bug = ("a staged update's completeness check counts the staged names only: a tied alias the source does not carry "
+           "(lm_head.weight, sharing embed.weight's storage) reads as missing, and every staged update of a model with "
+           "a tie fails (found by the MODEL rules' staged cases)")
+    kills = frozenset({"MODEL-TIED", "MODEL-FORWARD"})
+    zoo_args = ("-k", "staged")
+
+    def patches(self):
+        import types
+
+        return {"reference.manager.ties": types.SimpleNamespace(
+            missing=lambda params, present: [name for name in params if name not in set(present)])}

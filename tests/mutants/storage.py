@@ -211,7 +211,7 @@ class TransposeSwapsInPlace(Mutant):
            "is tied to the clear: an rsync or GDR update in place moves every transposed weight under the captured "
            "graphs and recaptures nothing")
     kills = frozenset({"MODEL-STORAGE-KEPT"})
-    zoo_args = ("-k", "transposed")
+    zoo_args = ("-k", "transform")
 
     def patches(self):
         def transpose(t):
