@@ -275,7 +275,7 @@ def _in_a_row(call: str, point: str) -> list[str]:
     return ["mid", "before-first", point]
 
 
-@pytest.mark.rule(TWICE)
+@pytest.mark.rule("LIFE-FAILED-TWICE")
 @pytest.mark.parametrize("combo", modes.params(TWICE, requires=_twice_requires))
 def test_failures_in_a_row_report_the_old_weights(route, loader, combo):
     path, call, point = combo["path"], combo["call"], combo["point"]

@@ -491,7 +491,7 @@ def _api_writes(control, cell, request: str, value: int) -> Api:
     return api
 
 
-@pytest.mark.rule(INPROCESS)
+@pytest.mark.rule("STATUS-RESTART-RECOVERS")
 @pytest.mark.parametrize("combo", modes.params(INPROCESS, requires=_inprocess_requires))
 def test_restart_in_one_process(loader, impl, combo):
     path_id, left, race = combo["path"], combo["left"], combo["race"]

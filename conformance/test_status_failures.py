@@ -184,7 +184,7 @@ def _loaded(worker: Worker, version: int, where: str) -> None:
     check.params_equal(worker.session.observe(), M.state(SPEC, version=version), where)
 
 
-@pytest.mark.rule(RULE)
+@pytest.mark.rule("STATUS-FAILED-NOT-NORMAL")
 @pytest.mark.parametrize("combo", modes.params(RULE, requires=_requires))
 def test_cell_after_a_failed_update(route, loader, combo):
     path, fault, follower = combo["path"], combo["fault"], combo["rank"] == "follower"
