@@ -70,6 +70,20 @@ def _set_device(selected) -> None:
         ipc_handles.set_current_device(None)
 
 
+def open_session(adapter, model_spec, config: LoaderConfig, worker: Worker) -> RecordedSession:
+    """A session of ``adapter`` on fresh models of ``model_spec``, opened as ``worker``: its identity put in this
+    process's environment (Paddle's cached parallel env dropped), its CUDA ordinal the current device. The
+    caller restores the environment (``Loader.open``) or owns the process (a forked rank, ``rank_group``)."""
+    set_worker_env(os.environ, worker.rank, worker.visible, worker.selected)
+    _set_device(worker.selected)
+    from fixtures.models import build_models
+
+    # A spec that builds its own layers (fixtures.tiny_transformer: declarations, buffers, ties) does so.
+    models = model_spec.build_models() if hasattr(model_spec, "build_models") else build_models(model_spec)
+    _calls["adapter"] += 1
+    return RecordedSession(adapter.open(models, config), models)
+
+
 class Loader:
     """Opens sessions of the implementation under test on models built from a spec."""
 
@@ -91,15 +105,8 @@ class Loader:
         worker = worker or Worker()
         for key in ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "CUDA_VISIBLE_DEVICES", "FLAGS_selected_gpus"):
             self._monkeypatch.setenv(key, os.environ.get(key, "0"))  # restored after the test
-        set_worker_env(os.environ, worker.rank, worker.visible, worker.selected)
-        _set_device(worker.selected)
-        from fixtures.models import build_models
-
-        # A spec that builds its own layers (fixtures.tiny_transformer: declarations, buffers, ties) does so.
-        models = model_spec.build_models() if hasattr(model_spec, "build_models") else build_models(model_spec)
         config = LoaderConfig(strategy, model_dir or self.model_dir, self.shared_dir, dict(options or {}))
-        _calls["adapter"] += 1
-        session = RecordedSession(self.adapter.open(models, config), models)
+        session = open_session(self.adapter, model_spec, config, worker)
         self._sessions.append(session)
         return session
 

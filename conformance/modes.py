@@ -74,8 +74,6 @@ GLOBAL_EXCLUDED: dict[frozenset, str] = {
        for p in AXES["path"] if p not in IN_PLACE_PATHS},
     **{frozenset({("path", p), ("staged", "staged")}): "GDR hands each item to the model's own load_weights as it "
        "arrives: there is nothing for the loader to stage (STAGE)" for p in ("gdr", "gdr_ipc")},
-    frozenset({("call", "first"), ("start", "loaded")}): "the first update of a session finds no loaded weights to "
-    "update in place",
 }
 
 MODES_LINE = re.compile(r"^Modes:\s*(.*)$")
@@ -95,8 +93,9 @@ class Declaration(NamedTuple):
     na: str = ""
 
     def required(self) -> list[Pair]:
-        """Every pair a rule's cases must cover (every value, for one axis), excluded pairs (the rule's own and
-        :data:`GLOBAL_EXCLUDED`) left out."""
+        """Every pair a rule's cases must cover (every value, for one axis): excluded pairs (the rule's own and
+        :data:`GLOBAL_EXCLUDED`) left out, and so is a pair that the exclusions leave in no whole combination (with
+        rsync and gdr unstaged and only the streamed paths in place, staged never meets loaded)."""
         names = list(self.axes)
         if len(names) == 1:
             return [((names[0], v),) for v in self.axes[names[0]]]
@@ -105,7 +104,7 @@ class Declaration(NamedTuple):
         for a, b in itertools.combinations(names, 2):
             for va, vb in itertools.product(self.axes[a], self.axes[b]):
                 pair = _pair({a: va, b: vb}, a, b)
-                if pair not in excluded:
+                if pair not in excluded and _completes(self.axes, excluded, {a: va, b: vb}):
                     out.append(pair)
         return out
 
@@ -122,6 +121,20 @@ class Declaration(NamedTuple):
         if not self.axes:
             return f"n/a ({self.na})"
         return " × ".join(f"{a}({', '.join(v)})" for a, v in self.axes.items())
+
+
+def _completes(axes: Mapping[str, tuple], excluded, partial: Mapping[str, str]) -> bool:
+    """Whether ``partial`` extends to a value on every axis with no excluded pair (a depth-first search)."""
+    def clash(combo):
+        return any(_pair(combo, a, b) in excluded for a, b in itertools.combinations(combo, 2))
+
+    if clash(partial):
+        return False
+    rest = [a for a in axes if a not in partial]
+    if not rest:
+        return True
+    axis = rest[0]
+    return any(_completes(axes, excluded, {**partial, axis: v}) for v in axes[axis])
 
 
 def _pair(combo: Mapping[str, str], a: str, b: str) -> Pair:
@@ -231,8 +244,8 @@ def pairwise(axes: Mapping[str, Iterable[str]], excluded: Iterable[Pair] = (),
     """A small list of combinations (axis -> value) that together cover every pair of values of every two
     axes, leaving out the ``excluded`` pairs and any combination ``valid`` refuses. Greedy and
     deterministic: each row starts from the first uncovered pair and takes, axis by axis, the value that
-    covers the most pairs still uncovered (ties to the earlier value). A pair no valid combination holds is
-    an error naming it."""
+    covers the most pairs still uncovered (ties to the earlier value), backtracking where an exclusion or
+    ``valid`` leaves it no way on. A pair no valid combination holds is an error naming it."""
     axes = {a: tuple(v) for a, v in axes.items()}
     names = list(axes)
     excluded = set(excluded)
@@ -242,7 +255,8 @@ def pairwise(axes: Mapping[str, Iterable[str]], excluded: Iterable[Pair] = (),
         combos = [{names[0]: v} for v in axes[names[0]]]
         return [c for c in combos if valid is None or valid(c)]
     todo = {_pair({a: va, b: vb}, a, b) for a, b in itertools.combinations(names, 2)
-            for va, vb in itertools.product(axes[a], axes[b])} - excluded
+            for va, vb in itertools.product(axes[a], axes[b])
+            if _completes(axes, excluded, {a: va, b: vb})} - excluded
 
     def ok(combo: Mapping[str, str]) -> bool:
         for a, b in itertools.combinations([n for n in names if n in combo], 2):
@@ -251,26 +265,31 @@ def pairwise(axes: Mapping[str, Iterable[str]], excluded: Iterable[Pair] = (),
         return valid is None or len(combo) < len(names) or valid(combo)
 
     order = {p: i for i, p in enumerate(sorted(todo, key=lambda p: [(names.index(a), axes[a].index(v)) for a, v in p]))}
+
+    def complete(row: dict) -> dict | None:
+        """The seed ``row`` completed axis by axis, each value the one covering the most pairs still to do (ties to
+        the earlier value), backtracking when an exclusion or ``valid`` leaves a row no way on."""
+        rest = [a for a in names if a not in row]
+        if not rest:
+            return row if ok(row) else None
+        axis = rest[0]
+        gains = []
+        for value in axes[axis]:
+            trial = {**row, axis: value}
+            if ok(trial):
+                gains.append((-sum(_pair(trial, axis, other) in todo for other in trial if other != axis),
+                              axes[axis].index(value), value))
+        for _, _, value in sorted(gains):
+            done = complete({**row, axis: value})
+            if done is not None:
+                return done
+        return None
+
     rows: list[dict[str, str]] = []
     while todo:
         seed = min(todo, key=order.__getitem__)
-        row = dict(seed)
-        for axis in names:
-            if axis in row:
-                continue
-            best, gain = None, -1
-            for value in axes[axis]:
-                trial = {**row, axis: value}
-                if not ok(trial):
-                    continue
-                g = sum(_pair(trial, axis, other) in todo for other in trial if other != axis)
-                if g > gain:
-                    best, gain = value, g
-            if best is None:
-                break
-            row[axis] = best
-        if len(row) < len(names) or not ok(row):
-            # The seed pair cannot be completed into a valid combination.
+        row = complete(dict(seed))
+        if row is None:  # the seed pair cannot be completed into a valid combination
             raise ValueError(f"no valid combination holds the pair {dict(seed)} (add an exclusion)")
         rows.append({a: row[a] for a in names})
         todo -= {_pair(row, a, b) for a, b in itertools.combinations(names, 2)}
@@ -318,7 +337,9 @@ def decode(text: str) -> dict[str, str]:
 
 def values_of(value) -> tuple[str, ...]:
     """A mark's value for an axis: one value, or a tuple/list of the values one case exercises in turn (a case that
-    judges the first, second and third update of its session: ``call=("first", "second", "third")``)."""
+    judges the first, second and third update of its session: ``call=("first", "second", "third")``). A case with
+    several values on two axes claims every pair of them (each model judged at each update): where its values go
+    together (a first update into cleared weights, then a second in place), mark less, never more."""
     return tuple(str(v) for v in value) if isinstance(value, (tuple, list)) else (str(value),)
 
 

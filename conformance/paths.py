@@ -38,7 +38,17 @@ def worker(rank: int) -> Worker:
 
 class Feed:
     """The trainer side of one path: ``options(rank)`` for opening a rank's session, ``opened(session)``
-    after it opened, ``publish`` a version, ``settle(rank)`` after each update, ``close()``."""
+    after it opened, ``publish`` a version, ``settle(rank)`` after each update, ``close()``. ``worker_of(rank)``
+    is the worker each rank's session is opened as (default :func:`worker`; a :class:`Route` hands its own):
+    the feed writes a rank's files under that worker's physical GPU id, for its CUDA ordinal."""
+
+    worker_of: Callable[[int], Worker] = staticmethod(worker)
+
+    def gpu(self, rank: int) -> int:
+        return self.worker_of(rank).gpu_id
+
+    def ordinal(self, rank: int) -> int:
+        return int(self.worker_of(rank).selected)
 
     def options(self, rank: int) -> dict:
         return {}
@@ -68,10 +78,10 @@ class SnapshotFeed(Feed):
             os.remove(path)
         st = dict(sorted(tensors.items()))
         if self.level == "parts" and layout is not None:
-            paths = S.write_parts(self.loader.model_dir, rank, rank, {i: {n: st[n] for n in names}
-                                                                      for i, names in enumerate(layout)})
+            paths = S.write_parts(self.loader.model_dir, rank, self.gpu(rank), {i: {n: st[n] for n in names}
+                                                                                for i, names in enumerate(layout)})
         else:
-            paths = S.write_level(self.level, self.loader.model_dir, self.loader.shared_dir, rank, rank, st)
+            paths = S.write_level(self.level, self.loader.model_dir, self.loader.shared_dir, rank, self.gpu(rank), st)
         self.written[rank] = paths
         return f"{self.level} snapshot of version {version} for rank {rank}: {[os.path.basename(p) for p in paths]}"
 
@@ -89,8 +99,8 @@ class IpcFeed(Feed):
         old = self.exports.pop(rank, None)
         if old is not None:  # the worker holds its own copy of the previous version (IPC-WORKER-OWNS-COPY)
             old.close()
-        export = self.exports[rank] = I.Export(dict(tensors), device_id=0)  # the worker's CUDA ordinal
-        path = I.write_metas(I.meta_path(self.loader.shared_dir, rank), export.metas)
+        export = self.exports[rank] = I.Export(dict(tensors), device_id=self.ordinal(rank))  # the worker's CUDA ordinal
+        path = I.write_metas(I.meta_path(self.loader.shared_dir, self.gpu(rank)), export.metas)
         return f"ipc metas of version {version} for rank {rank}: {os.path.basename(path)}"
 
     def close(self) -> None:
@@ -251,12 +261,15 @@ def staged_options(staged: bool) -> dict:
 
 
 class Route:
-    """Sessions of one path, one per rank, and the trainer side feeding them."""
+    """Sessions of one path, one per rank, and the trainer side feeding them. ``worker_of(rank)``: the worker
+    each rank is (default :func:`worker`: rank r on physical GPU r, its ordinal 0)."""
 
-    def __init__(self, loader, path_id: str):
+    def __init__(self, loader, path_id: str, worker_of: Callable[[int], Worker] = worker):
         self.loader = loader
         self.path = ALL_PATHS[path_id]
         self.feed = self.path.feed(loader)
+        self.feed.worker_of = worker_of
+        self.worker_of = worker_of
         self.sessions: dict[int, object] = {}
 
     @property
@@ -265,7 +278,7 @@ class Route:
 
     def open(self, model, rank: int = 0, options=None):
         """``options``: added to the path's own (e.g. ``recapture``, capability ``model.recapture``)."""
-        session = self.loader.open(model, strategy=self.path.strategy, worker=worker(rank),
+        session = self.loader.open(model, strategy=self.path.strategy, worker=self.worker_of(rank),
                                    options={**self.feed.options(rank), **(options or {})})
         self.sessions[rank] = session
         self.feed.opened(session)

@@ -4,7 +4,8 @@ Each path's trainer (``path_sources``) publishes a version healthy or with one f
 loader that adopts as it goes has adopted everything else first (the last parameter missing or of the
 wrong dtype, the source breaking before its end). With ``options["staged"] = True`` the failed update
 must leave every parameter exactly as it was; the next clear() and update() from a fixed source load it
-bit for bit. The multi-rank half of the rule (a failure on another rank) is in test_multirank.py.
+bit for bit. The multi-rank half of the rule (a failure on another rank) is in test_ranks_quick.py (forked ranks,
+the quick run) and test_multirank.py (the tier).
 """
 import pytest
 
@@ -34,7 +35,8 @@ def sources(loader, request):
 
 
 def _case(kind, fault):
-    return pytest.param(kind, fault, marks=pytest.mark.requires("staged", *CAPS[kind]), id=f"{kind}:{fault}")
+    return pytest.param(kind, fault, marks=[pytest.mark.requires("staged", *CAPS[kind]), pytest.mark.modes(fault=fault, ranks="one")],
+                        id=f"{kind}:{fault}")
 
 
 @pytest.mark.rule("STAGE-ATOMIC")

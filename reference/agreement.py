@@ -161,14 +161,15 @@ class Agreement:
         if failed:
             raise RankFailure(f"rank {self.rank()}: {what} failed on {len(failed)} other rank(s): {describe(failed)}")
 
-    def report_failure(self, what: str, error: BaseException) -> BaseException | None:
-        """This rank failed: tell the others. Returns the agreement's own error if telling failed
-        (the caller raises its original error either way)."""
+    def report_failure(self, what: str, error: BaseException) -> list[Vote]:
+        """This rank failed: tell the others. Returns the votes of the *other* ranks that failed this
+        operation too (empty when none did, or when telling failed: the group is broken, ``broken`` says
+        why); the caller raises its own error either way, naming those ranks."""
         try:
-            self.vote(what, False, f"{type(error).__name__}: {error}")
-        except AgreementError as e:
-            return e
-        return None
+            votes = self.vote(what, False, f"{type(error).__name__}: {error}")
+        except AgreementError:
+            return []
+        return [v for v in failures(votes) if v.rank != self.rank()]
 
     def broadcast(self, value: int, src: int = 0) -> int:
         """Rank ``src``'s int32 ``value`` on every rank (the worker loop's status signal)."""

@@ -24,7 +24,7 @@ import paddle
 from . import apply, commit, hooks, identity, restart, storage, ties, transforms
 from .request_gate import RequestGate
 from . import digest as _digest
-from .agreement import Agreement
+from .agreement import Agreement, RankFailure, describe
 from .phases import Phases, pulled
 from .status import Status
 from .status_cell import CellWriter, StatusCell
@@ -142,8 +142,10 @@ class WeightManager:
             if left:
                 raise RuntimeError(f"Model Parameter clearance verification failed: still initialized: {', '.join(left)}")
         except Exception as e:
-            self.agreement.report_failure("clear", e)
-            raise
+            raised = self.failed("clear", e)
+            if raised is e:
+                raise
+            raise raised from e
         span = self.phases.span("clear_agree")
         self.agreement.require_all("clear")
         span.end()
@@ -186,13 +188,25 @@ class WeightManager:
             self.finalize()
             span.end()
         except BaseException as e:
-            self.last_error = e
             self._stage = None  # a staged update's tensors are dropped, never adopted
-            if not self._voted:  # the other ranks learn of it now, not at their deadline
-                self.agreement.report_failure("update", e)
+            raised = self.failed("update", e) if not self._voted else e  # the others learn of it now
+            self.last_error = raised
             log.error("update via %s failed: %s", self.load_strategy, e)
-            raise
+            if raised is e:
+                raise
+            raise raised from e
         return result
+
+    def failed(self, what: str, error: BaseException) -> BaseException:
+        """This rank failed ``what`` ("clear" or "update", or what the worker loop does before one): its vote,
+        so that every other rank learns of it now, not at its deadline. Returns what to raise: ``error``
+        itself, or, when other ranks failed ``what`` too, a ``RankFailure`` naming each of them beside this
+        rank's own error (its cause): every rank names every failing rank (MR-FAILURE-EVERY-RANK)."""
+        others = self.agreement.report_failure(what, error) or []
+        if not others:
+            return error
+        return RankFailure(f"rank {self.rank}: {what} failed on this rank ({type(error).__name__}: {error}) and on "
+                           f"{len(others)} other rank(s): {describe(others)}")
 
     def close(self) -> None:
         """Release what outlives an update: the streamed paths' cached transfer handle."""

@@ -14,7 +14,8 @@ CLEARED (#5249); ``block=True`` stays until the update that follows has committe
 
 Before it clears or updates, the loop tells the KV cache's status cell (``options["kv_cache_cell"]``, if
 any) CLEARING or UPDATING (#5930), then has the runner stop its in-flight requests (``runner.clear_requests()``,
-#4286/#4402), and only then changes the weights. The reference shuts no communication group down (its
+#4286/#4402), and only then changes the weights. A failure there is the operation's failure on this rank: it is
+voted as one (``manager.failed``), so that its peers, already at the agreement, fail at once (MR-FAILED-CLEAR). The reference shuts no communication group down (its
 agreement needs the default group between iterations: #5433), so it never calls the runner's
 ``shutdown_process_group`` / ``restart_process_group``. After its own clear or update a rank waits for rank
 0's write, so it acts once per request (#5710).
@@ -67,9 +68,12 @@ def _stop_requests(manager, runner, kv_value: Status) -> None:
         runner.clear_requests()
 
 
-def update(manager, cell: StatusCell, poll_s: float) -> None:
-    """``manager.update()``; after a failure, release what it left and raise its error (see the module)."""
+def update(manager, cell: StatusCell, poll_s: float, before=None) -> None:
+    """``before()`` (what precedes the update: ``_before``) then ``manager.update()``; after a failure of either,
+    release what it left and raise its error (see the module)."""
     try:
+        if before is not None:
+            before()
         manager.update()
     except Exception:
         release_failed(manager, cell, poll_s)
@@ -90,6 +94,19 @@ def release_failed(manager, cell: StatusCell, poll_s: float) -> None:
                    f"rank {manager.rank} released the weights of its failed update")
 
 
+def _before(manager, runner, kv_value: Status, what: str) -> None:
+    """``_stop_requests`` as the first step of the clear or update ``what``: a failure there is that
+    operation's failure on this rank, voted like any other (``manager.failed``), so that the ranks already in
+    the operation learn of it at once instead of waiting for this rank at the agreement's deadline."""
+    try:
+        _stop_requests(manager, runner, kv_value)
+    except Exception as e:
+        raised = manager.failed(what, e)
+        if raised is e:
+            raise
+        raise raised from e
+
+
 def check_status(manager, cell: StatusCell, value: int, *, block: bool, poll_s: float = POLL_S, runner=None) -> str:
     """FastDeploy's ``check_model_weights_status`` from the synced ``value``; returns what was done:
     "updated", "cleared" or "idle". After its own clear or update, a rank waits for rank 0's write
@@ -98,12 +115,11 @@ def check_status(manager, cell: StatusCell, value: int, *, block: bool, poll_s: 
     timeout = manager.agreement.timeout_s
     while value != Status.NORMAL and (block or value != Status.CLEARED):
         if value == Status.UPDATING:
-            _stop_requests(manager, runner, Status.UPDATING)
-            update(manager, cell, poll_s)
+            update(manager, cell, poll_s, before=lambda: _before(manager, runner, Status.UPDATING, "update"))
             value = wait_while(cell, Status.UPDATING, timeout, poll_s, f"rank {manager.rank} committed its update")
             done = "updated"
         elif value == Status.CLEARING:
-            _stop_requests(manager, runner, Status.CLEARING)
+            _before(manager, runner, Status.CLEARING, "clear")
             manager.clear()
             value = wait_while(cell, Status.CLEARING, timeout, poll_s, f"rank {manager.rank} cleared")
             done = "cleared"

@@ -136,9 +136,18 @@ class CellWatch:
         before = [v for ts, v in self.history if ts <= t]
         return ([(t, before[-1])] if before else []) + [(ts, v) for ts, v in self.history if ts > t]
 
+    def note(self) -> int:
+        """The cell's value now, put in ``history`` if it is not its last entry: the watching thread, starved on a
+        loaded machine, may not have read the cell since it changed."""
+        value = self.read()
+        if not self.history or self.history[-1][1] != value:
+            self.history.append((time.time(), value))
+        return value
+
     def wait_for(self, value: int, deadline: float) -> bool:
+        """Whether the cell reads ``value`` before ``deadline`` (a value seen here is in ``history`` at once)."""
         while time.monotonic() < deadline:
-            if self.read() == value:
+            if self.note() == value:
                 return True
             time.sleep(0.001)
         return False

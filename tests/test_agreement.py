@@ -158,7 +158,7 @@ def test_one_rank_is_local(monkeypatch):
     assert agreement.world_size() == 1 and agreement.declared_world_size() == 4
     assert agreement.vote("update", False, "e") == [A.Vote(agreement.rank(), 1, "update", False, "e")]
     agreement.require_all("update")
-    assert agreement.report_failure("update", ValueError("x")) is None
+    assert agreement.report_failure("update", ValueError("x")) == []
     assert agreement.broadcast(-2) == -2 and agreement.epoch == 3
 
 

@@ -41,5 +41,5 @@ def test_generated_rows_cover_every_pair_of_their_axes():
         decl = modes.declaration(rule)
         if not decl.axes:
             continue
-        rows = modes.pairwise(decl.axes, decl.excluded)
+        rows = modes.pairwise(decl.axes, decl.all_excluded())
         assert not modes.coverage(rule, rows, decl).uncovered, rule

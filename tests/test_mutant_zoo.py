@@ -81,6 +81,39 @@ def _zoo_run(tmp_path_factory):
     return runs
 
 
+# Nothing proven only in a tier: the multi-rank rules run in the quick run too (conformance/test_ranks_quick.py,
+# forked ranks); the tiers' own modules, whose jobs the zoo starts only for a rule the quick run left alive.
+QUICK_AREAS = ("MR-",)
+TIER_MODULES = ("conformance/test_multirank.py", "conformance/test_cycles.py")
+
+
+def _quick_kills(name: str) -> set[str]:
+    mutant = MUTANTS[name]
+    return {r for r in mutant.kills if r.startswith(QUICK_AREAS) and r not in mutant.tier_only}
+
+
+def test_tier_only_kills_are_kills_with_reasons():
+    stray = {n: sorted(set(m.tier_only) - set(m.kills)) for n, m in MUTANTS.items() if set(m.tier_only) - set(m.kills)}
+    assert not stray, f"tier_only names rules the mutant does not kill: {stray}"
+    bare = [n for n, m in MUTANTS.items() if any(not str(why).strip() for why in m.tier_only.values())]
+    assert not bare, f"tier_only entries without a reason: {bare}"
+
+
+@pytest.mark.timeout(ZOO_TIMEOUT_S)
+@pytest.mark.parametrize("name", sorted(n for n in MUTANTS if _quick_kills(n)))
+def test_multirank_mutant_dies_in_the_quick_run(name, mutant_runs):
+    """Every multi-rank rule the mutant must fail (but its ``tier_only`` ones) fails in a test outside the tiers'
+    modules: the quick run that a CI gate runs first catches it, not only the multi-rank job."""
+    if _needs_two_hosts(name) and _two_hosts_unavailable():
+        pytest.skip(f"mutant {name} runs on two hosts only (--hosts 2), which cannot be made here: {_two_hosts_unavailable()}")
+    report, output = mutant_runs[name]
+    assert report is not None, f"mutant {name}: no report; output:\n{output[-3000:]}"
+    quick = {t["rule"] for t in report["tests"] if t["actual"] == "failed" and not t["nodeid"].startswith(TIER_MODULES)}
+    alive = sorted(_quick_kills(name) - quick)
+    assert not alive, (f"mutant {name} ({MUTANTS[name].bug}) fails {alive} only in a tier's job (or not at all): no "
+                       f"test of the quick run caught it; output:\n{output[-2000:]}")
+
+
 @pytest.mark.timeout(ZOO_TIMEOUT_S)
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_is_killed(name, mutant_runs):

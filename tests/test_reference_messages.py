@@ -520,6 +520,24 @@ def test_after_commit_names_every_failed_hook():
     assert len(ran) == 3
 
 
+# -- reference.manager.WeightManager.failed (several ranks failing one operation) ----------------------
+
+def test_a_failing_rank_names_every_other_failing_rank(monkeypatch):
+    from reference import agreement as A
+    from reference.agreement import RankFailure
+    manager = _manager(["w1"])
+    votes = [A.Vote(0, 1, "update", False, "TypeError: mine"), A.Vote(1, 1, "update", True),
+             A.Vote(2, 1, "update", False, "RuntimeError: no norm.bias"), A.Vote(3, 1, "update", False, "")]
+    monkeypatch.setattr(manager.agreement, "vote", lambda what, ok, error="": votes)
+    raised = manager.failed("update", TypeError("mine"))
+    assert type(raised) is RankFailure
+    assert str(raised) == ("rank 0: update failed on this rank (TypeError: mine) and on 2 other rank(s): "
+                           "rank 2: RuntimeError: no norm.bias; rank 3: failed")
+    monkeypatch.setattr(manager.agreement, "vote", lambda what, ok, error="": votes[:2])
+    alone = TypeError("mine")
+    assert manager.failed("update", alone) is alone  # no other rank failed: its own error, as it was
+
+
 # -- reference.__getattr__ (the package's lazy exports) -----------------------------------------------
 
 def test_package_exports_and_unknown_names():

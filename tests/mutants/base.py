@@ -18,6 +18,9 @@ class Mutant(ReferenceAdapter):
     bug: str = ""
     #: SPEC.md rule ids this mutant must fail (the kill matrix)
     kills: frozenset[str] = frozenset()
+    #: rules of ``kills`` this mutant fails only in a tier's job, each with why the quick run cannot show it
+    #: (tests/test_mutant_zoo.py: it must fail every other multi-rank rule of ``kills`` in the quick run too)
+    tier_only: dict[str, str] = {}
 
     def patches(self) -> dict[str, Callable]:
         """'package.module.attr' -> replacement."""

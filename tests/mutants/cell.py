@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from reference import hooks as _hooks
 from reference import storage as _storage
-from reference import worker_loop as _loop
 from reference.status import Status
 
 from .base import Mutant
 
 _real_after_commit = _hooks.after_commit
 _real_recapture = _storage.recapture
-_real_update = _loop.update
 
 
 class LoopFailureWritesNormal(Mutant):
@@ -26,8 +24,10 @@ class LoopFailureWritesNormal(Mutant):
     kills = frozenset({"STATUS-FAILED-NOT-NORMAL"})
 
     def patches(self):
-        def update(manager, cell, poll_s):
+        def update(manager, cell, poll_s, before=None):
             try:
+                if before is not None:
+                    before()
                 manager.update()
             except Exception:
                 manager.cell.publish(Status.NORMAL, first_load=False)
@@ -44,7 +44,9 @@ class LoopFailureLeavesUpdating(Mutant):
     kills = frozenset({"STATUS-FAILED-NOT-NORMAL"})
 
     def patches(self):
-        def update(manager, cell, poll_s):
+        def update(manager, cell, poll_s, before=None):
+            if before is not None:
+                before()
             manager.update()
 
         return {"reference.worker_loop.update": update}
@@ -58,8 +60,10 @@ class LoopFailureClaimsCleared(Mutant):
     kills = frozenset({"STATUS-FAILED-NOT-NORMAL"})
 
     def patches(self):
-        def update(manager, cell, poll_s):
+        def update(manager, cell, poll_s, before=None):
             try:
+                if before is not None:
+                    before()
                 manager.update()
             except Exception:
                 manager.cell.publish(Status.CLEARED, first_load=False)

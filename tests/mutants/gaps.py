@@ -178,7 +178,7 @@ class AgreesBeforeReleasing(Mutant):
            "rank 0 writes CLEARED once every rank has said so: the cell reads CLEARED while a rank still holds its "
            "weights (a rank held at the start of its clear, before the barrier, shows nothing)")
     kills = frozenset({"MR-AGREE-BEFORE-NORMAL"})
-    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+    zoo_args = ("-k", "quick or snapshot")  # the quick run's forked ranks; else one path of the job
 
     def patches(self):
         return _manager_patch(_AgreesBeforeReleasingManager)
@@ -201,7 +201,7 @@ class FollowerKeepsWeightsAtClear(Mutant):
            "them) and reports the clear done: every rank agrees, the cell reads CLEARED, and that rank still holds the "
            "whole old shard, the memory the clear is there to free")
     kills = frozenset({"MR-AGREE-BEFORE-NORMAL"})
-    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+    zoo_args = ("-k", "quick or snapshot")  # the quick run's forked ranks; else one path of the job
 
     def patches(self):
         return _manager_patch(_FollowerKeepsWeightsManager)
@@ -228,7 +228,7 @@ class WriterChecksAtPublish(Mutant):
            "which checks right before it writes NORMAL, after the agreement: when its own well-formed shard lacks a "
            "tensor, the other ranks commit (NORMAL, the new version) and only the writer fails")
     kills = frozenset({"MR-FAILURE-EVERY-RANK"})
-    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+    zoo_args = ("-k", "quick or snapshot")  # the quick run's forked ranks; else one path of the job
 
     def patches(self):
         return _manager_patch(_WriterChecksAtPublishManager)

@@ -25,7 +25,11 @@ class LocalRankForGlobal(Mutant):
     # never reach it, and the cell reads NORMAL after them.
     kills = frozenset({"MR-OWN-SHARD", "SNAP-RANK-OWN-SHARD", "MR-FAILURE-EVERY-RANK", "MR-AGREE-BEFORE-NORMAL",
                        "STAGE-ATOMIC"})
-    zoo_args = (*TWO_HOSTS, "-k", "snapshot or every_host")  # the snapshot path and the levels are enough
+    zoo_args = (*TWO_HOSTS, "-k", "quick or snapshot or every_host")  # the quick run, the snapshot path, the levels
+    # The quick run has one rank per host for MR-OWN-SHARD only (each the local rank 0 of its host); the failures
+    # that reach rank 3 through rank 1's files need the second host's two ranks.
+    tier_only = {r: "rank 3 finding rank 1's files needs two ranks on the second host (--hosts 2)"
+                 for r in ("MR-AGREE-BEFORE-NORMAL", "MR-FAILURE-EVERY-RANK")}
 
     def patches(self):
         from reference import identity

@@ -459,7 +459,7 @@ class NormalBeforeAgreement(Mutant):
     bug = ("tensor-parallel rank 0 writes NORMAL as soon as its own shard is loaded, before the ranks agree: the API "
            "serves while another rank is still loading, or has failed")
     kills = frozenset({"MR-AGREE-BEFORE-NORMAL", "MR-FAILURE-EVERY-RANK"})
-    zoo_args = ("-k", "bucket")  # one path of the multi-rank job is enough
+    zoo_args = ("-k", "quick or bucket")  # the quick run's forked ranks; else one path of the job
 
     def patches(self):
         return {"reference.adapter.WeightManager": _EarlyNormalManager}
@@ -487,7 +487,7 @@ class ClearedBeforeAgreement(Mutant):
     bug = ("tensor-parallel rank 0 writes CLEARED as soon as its own parameters are cleared, before the ranks agree "
            "that every rank cleared: the API reports the weights cleared while another rank still holds them")
     kills = frozenset({"MR-AGREE-BEFORE-NORMAL"})
-    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+    zoo_args = ("-k", "quick or snapshot")  # the quick run's forked ranks; else one path of the job
 
     def patches(self):
         return {"reference.adapter.WeightManager": _EarlyClearedManager}
@@ -512,7 +512,7 @@ class VoteBeforeCompletenessCheck(Mutant):
            "well-formed shard lacks a tensor agrees, the other ranks commit (NORMAL, the new version), and only then "
            "does it fail its own check")
     kills = frozenset({"MR-FAILURE-EVERY-RANK", "MR-AGREE-BEFORE-NORMAL", "STAGE-ATOMIC"})
-    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+    zoo_args = ("-k", "quick or snapshot")  # the quick run's forked ranks; else one path of the job
 
     def patches(self):
         return {"reference.adapter.WeightManager": _VoteBeforeCheckManager}
@@ -528,7 +528,7 @@ class FailureReportedAsSuccess(Mutant):
     bug = ("a rank commits when its own update succeeded, whatever the other ranks voted: another rank's failure is "
            "reported as success here (NORMAL, the new version) and the ranks serve different weights")
     kills = frozenset({"MR-FAILURE-EVERY-RANK", "MR-AGREE-BEFORE-NORMAL"})
-    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+    zoo_args = ("-k", "quick or snapshot")  # the quick run's forked ranks; else one path of the job
 
     def patches(self):
         return {"reference.manager.Agreement": _OwnVoteOnly}
@@ -544,7 +544,7 @@ class FailedRankStaysSilent(Mutant):
     bug = ("a rank whose update fails raises at once without telling the others: they wait at the agreement for a "
            "vote that never comes (until its deadline), and then the ranks are out of step")
     kills = frozenset({"MR-FAILURE-EVERY-RANK"})
-    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+    zoo_args = ("-k", "quick or snapshot")  # the quick run's forked ranks; else one path of the job
 
     def patches(self):
         return {"reference.manager.Agreement": _SilentFailure}
@@ -578,7 +578,7 @@ class StagedCommitBeforeAgreement(Mutant):
     bug = ("a staged update is adopted as soon as this rank has it all, before the ranks agree: a failure on another "
            "rank leaves this rank's parameters replaced")
     kills = frozenset({"STAGE-ATOMIC"})
-    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+    zoo_args = ("-k", "quick or snapshot")  # the quick run's forked ranks; else one path of the job
 
     def patches(self):
         return {"reference.adapter.WeightManager": _EarlyCommitManager}
@@ -595,7 +595,7 @@ class VersionStampedBeforeAgreement(Mutant):
     id = "version_stamped_before_agreement"
     bug = "the version is stamped once this rank has loaded, before the ranks agree: a failed update reports it"
     kills = frozenset({"MR-FAILURE-EVERY-RANK"})
-    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+    zoo_args = ("-k", "quick or snapshot")  # the quick run's forked ranks; else one path of the job
 
     def patches(self):
         return {"reference.adapter.WeightManager": _EarlyVersionManager}
@@ -606,7 +606,7 @@ class EveryRankLoadsRankZeroShard(Mutant):
     bug = ("every rank reads rank 0's identity (rank 0, its physical GPU), as FastDeploy did before #6852: all ranks "
            "load the first shard")
     kills = frozenset({"MR-OWN-SHARD"})
-    zoo_args = ("-k", "snapshot")  # one path of the multi-rank job is enough
+    zoo_args = ("-k", "quick or snapshot")  # the quick run's forked ranks; else one path of the job
 
     def patches(self):
         def physical_gpu_id(env=None):
@@ -616,6 +616,143 @@ class EveryRankLoadsRankZeroShard(Mutant):
             return int(env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
 
         return {"reference.identity.global_rank": lambda: 0, "reference.identity.physical_gpu_id": physical_gpu_id}
+
+
+# -- failures on every rank, in every operation (MR-FAILURE-EVERY-RANK, MR-FAILED-CLEAR, MR-BROKEN-GROUP) ----------
+class LoopFailureBeforeChangeNotVoted(Mutant):
+    id = "loop_failure_before_change_not_voted"
+    bug = ("what the worker loop does before it clears or updates (the KV cache's cell, the runner's clear_requests()) "
+           "may fail without a vote, as in the reference before issue 30: the failing rank raises at once and never "
+           "reaches manager.clear() or update(), so its peers, already at the agreement, wait out its deadline")
+    kills = frozenset({"MR-FAILED-CLEAR", "MR-FAILURE-EVERY-RANK"})
+
+    def patches(self):
+        def before(manager, runner, kv_value, what):
+            _loop._stop_requests(manager, runner, kv_value)
+
+        return {"reference.worker_loop._before": before}
+
+
+class _FirstFailureNamed(_agreement.Agreement):
+    def require_all(self, what):
+        failed = _agreement.failures(self.vote(what, True))
+        if failed:  # the message is built from the first failed vote only
+            raise _agreement.RankFailure(f"rank {self.rank()}: {what} failed on {len(failed)} other rank(s): "
+                                         f"{_agreement.describe(failed[:1])}")
+
+
+class OnlyFirstFailingRankNamed(Mutant):
+    id = "only_first_failing_rank_named"
+    bug = ("a healthy rank's error names the first failing rank only (its vote's error, 'and N others'): when two "
+           "ranks fail at once, the second is named nowhere on the healthy ranks")
+    kills = frozenset({"MR-FAILURE-EVERY-RANK", "MR-FAILED-CLEAR"})
+
+    def patches(self):
+        return {"reference.manager.Agreement": _FirstFailureNamed}
+
+
+class _OwnErrorOnly(_manager.WeightManager):
+    def failed(self, what, error):
+        self.agreement.report_failure(what, error)  # votes, but raises its own error whatever the others said
+        return error
+
+
+class FailingRankNamesOnlyItself(Mutant):
+    id = "failing_rank_names_only_itself"
+    bug = ("a failing rank votes its failure and raises its own error, never saying that other ranks failed the same "
+           "operation (the reference before issue 30): with two failing ranks, each names only itself")
+    kills = frozenset({"MR-FAILURE-EVERY-RANK", "MR-FAILED-CLEAR"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _OwnErrorOnly}
+
+
+class _RetriesBrokenGroup(_agreement.Agreement):
+    def _bounded(self, what, fn):
+        self.broken = None  # "try again": a group that missed a deadline is waited on once more
+        return super()._bounded(what, fn)
+
+
+class BrokenGroupWaitsAgain(Mutant):
+    id = "broken_group_waits_again"
+    bug = ("a collective that missed its deadline leaves nothing behind: the next operation runs its collectives on the "
+           "group in an unknown state and waits out the whole deadline again (and again), as FastDeploy's barriers do")
+    kills = frozenset({"MR-BROKEN-GROUP"})
+
+    def patches(self):
+        return {"reference.manager.Agreement": _RetriesBrokenGroup}
+
+
+class _ShortDeadline(_agreement.Agreement):
+    def _bounded(self, what, fn):
+        timeout, self.timeout_s = self.timeout_s, min(self.timeout_s, 0.5)  # a fixed half-second bound on a collective
+        try:
+            return super()._bounded(what, fn)
+        finally:
+            self.timeout_s = timeout
+
+
+class AgreementDeadlineFixedShort(Mutant):
+    id = "agreement_deadline_fixed_short"
+    bug = ("every collective is bounded by a fixed half second whatever options['agree_timeout_s'] says: a peer slow "
+           "but healthy (a second late) breaks the group, and an update every rank could finish fails on all of them")
+    kills = frozenset({"MR-DEADLINE"})
+
+    def patches(self):
+        return {"reference.manager.Agreement": _ShortDeadline}
+
+
+class _FollowerVotesFirstManager(_manager.WeightManager):
+    def clear(self, publish=True):
+        if self.commit_options.tp_rank(self.rank, self.agreement.declared_world_size()) == 0:
+            return super().clear(publish)
+        self.agreement.require_all("clear")  # the follower says "cleared" first, then releases its parameters
+        agree = self.agreement.require_all
+        self.agreement.require_all = lambda what: None if what == "clear" else agree(what)
+        try:
+            return super().clear(publish)
+        finally:
+            del self.agreement.require_all
+
+
+class FollowerVotesBeforeReleasing(Mutant):
+    id = "follower_votes_before_releasing"
+    bug = ("a follower (a rank that does not write the cell) votes that its clear is done before it releases its "
+           "parameters: rank 0 writes CLEARED while the follower still holds its weights")
+    kills = frozenset({"MR-AGREE-BEFORE-NORMAL"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _FollowerVotesFirstManager}
+
+
+class _VotedFlagKeptManager(_manager.WeightManager):
+    @property
+    def _voted(self):
+        return self.__dict__.get("_voted_flag", False)
+
+    @_voted.setter
+    def _voted(self, value):
+        if value or self.__dict__.get("_committed_flag"):  # reset only after a commit, not when an update starts
+            self.__dict__["_voted_flag"] = value
+
+    @property
+    def _committed(self):
+        return self.__dict__.get("_committed_flag", False)
+
+    @_committed.setter
+    def _committed(self, value):
+        self.__dict__["_committed_flag"] = value
+
+
+class VotedFlagKeptAfterFailure(Mutant):
+    id = "voted_flag_kept_after_failure"
+    bug = ("'this rank has voted on the update' is cleared by a commit only, not when the next update starts: a rank "
+           "that voted in an update another rank failed does not vote when its own next update fails (it believes it "
+           "did), and its peers wait out their deadline: the second failure in a row is the one that hangs")
+    kills = frozenset({"MR-FAILURE-EVERY-RANK"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _VotedFlagKeptManager}
 
 
 # -- cycles (CYCLE) -----------------------------------------------------------------------------------
