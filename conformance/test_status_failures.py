@@ -229,7 +229,6 @@ def _failed_then_recovered(worker: Worker, rt, cell: C.Cell, who: str, follower:
         worker.until(lambda: _acts(worker.results[first:]))
         results = worker.results[first:]
     rt.feed.settle(rank)
-    worker.broken = False
     check.that(_acts(results) and "updated" not in results,
                f"{at}: the loop's passes did {_acts(results)}; a failed update is never 'updated'")
     check.status_not(session, "NORMAL", at)
@@ -251,6 +250,7 @@ def _failed_then_recovered(worker: Worker, rt, cell: C.Cell, who: str, follower:
                     "could neither clear nor update again")
     check.not_loaded(session.observe(), [p.name for p in SPEC.all_params],
                      f"{at}: what the failed update left, released (the cell says CLEARED)")
+    worker.broken = False  # (only now: a loop that retries the request must not be judged on a retry that succeeded)
 
     # Recovery: a fixed version, and the API asks again.
     where = _publish(rt, rank, FIXED)
