@@ -203,3 +203,84 @@ class LoopChild:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class LoopThread:
+    """A worker's event loop in a thread of the test process (the session stays usable from the test, as the engine's
+    other threads use it): ``session.worker_iteration`` over and over until :meth:`finish`, each pass's result (or
+    the exception it raised: the engine's loop goes on) appended to ``results``. ``sync`` is the loop's broadcast:
+    ``on_sync(value)`` when set (the suite playing rank 0) returns the value rank 0 broadcast, or None for the value
+    read; ``first_sync`` replaces it for the first
+    pass only (a race placed at that pass's read, ``sys.setprofile`` installed there for one inside it). A loop that
+    does not return (a blocking one) is never waited for past the test's own deadlines."""
+
+    def __init__(self, session, *, block: bool = False, run_model=lambda: None, first_sync=None, pause_s: float = 0.001):
+        import threading
+
+        self.session, self.block, self.run_model, self.pause_s = session, block, run_model, pause_s
+        self.first_sync = first_sync
+        self.results: list = []
+        self.on_sync = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="conformance-worker-loop", daemon=True)
+
+    def _sync(self, value):
+        hook = self.on_sync
+        broadcast = hook(value) if hook is not None else None
+        return value if broadcast is None else broadcast
+
+    def _run(self) -> None:
+        import sys
+
+        first = True
+        while not self.stop.is_set():
+            sync = self.first_sync if first and self.first_sync is not None else self._sync
+            first = False
+            try:
+                result = self.session.worker_iteration(self.run_model, block=self.block, sync=sync)
+            except BaseException as e:  # noqa: BLE001 (judged by the test)
+                result = e
+            finally:
+                sys.setprofile(None)
+            self.results.append(result)
+            time.sleep(self.pause_s)
+
+    def start(self) -> "LoopThread":
+        self.thread.start()
+        return self
+
+    def finish(self, timeout_s: float = 10.0) -> None:
+        self.stop.set()
+        self.thread.join(timeout_s)
+
+    def until(self, predicate, timeout_s: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def ask(self, request, timeout_s: float, *, fail_fast: bool = True):
+        """The API's ``request(timeout_s)`` (a bound ``control`` method) in a thread while the loop runs: (its answer,
+        what the loop's passes returned or raised meanwhile). ``fail_fast``: a pass that raises ends the wait at once
+        (the answer is then ``"no answer: the loop raised ..."``), so an implementation whose loop cannot serve the
+        request costs no API timeout."""
+        import threading
+
+        box: dict = {}
+        first = len(self.results)
+        thread = threading.Thread(target=lambda: box.update(answer=request(timeout_s)), name="conformance-api", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s + 2.0
+        while thread.is_alive() and time.monotonic() < deadline:
+            raised = [r for r in self.results[first:] if isinstance(r, BaseException)]
+            if fail_fast and raised:
+                return f"no answer: the loop raised {type(raised[0]).__name__}: {raised[0]}", self.results[first:]
+            thread.join(0.005)
+        return box.get("answer", f"no answer within {timeout_s + 2:g}s"), self.results[first:]
+
+    @staticmethod
+    def acts(results) -> list:
+        """What passes did, idle passes and model runs left out (an exception as ``raised Type: message``)."""
+        return [r if isinstance(r, str) else f"raised {type(r).__name__}: {r}" for r in results if r not in ("ran", "idle")]

@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 from safetensors import SafetensorError
 
-from conformance import check
-from conformance.paths import cases, route  # noqa: F401 (the fixture)
+from conformance import check, modes
+from conformance.paths import ALL_PATHS, cases, route  # noqa: F401 (the fixture)
 from fixtures import digests as D
 from fixtures import ipc as I
 from fixtures import models as M
@@ -248,3 +248,90 @@ def test_failed_update_reports_the_old_weights(route, loader, path, phase, spec)
         check.equal(session.version(), FIXED if path == "bucket" else committed, f"{at}: version()")
     if "digest.model" in caps:
         _digest_is(session, fixed, at)
+
+
+# -- failures in a row (LIFE-FAILED-TWICE) -------------------------------------------------------------------------
+TWICE = "LIFE-FAILED-TWICE"
+POINTS = ("before-first", "mid", "after-last")
+CALLS = ("first", "second", "third")
+IN_ROW = (6, 7, 8)  # the versions of the failed updates, in order
+TWICE_FIXED = 9  # the fix's version on buckets (their manifests always carry one)
+VERSIONED = SNAPSHOTS + ("ipc",)  # the paths whose updates may carry no version (version.yaml beside the source)
+
+
+def _twice_requires(combo) -> list[str]:
+    return list(ALL_PATHS[combo["path"]].capabilities)
+
+
+def _in_a_row(call: str, point: str) -> list[str]:
+    """The failures of the row, the judged one (at ``point``) last. Second: after a failure at another point (in the
+    middle, or before the first item when the judged one is in the middle: the reverse). Third: after one in the
+    middle and one before the first item, so that every row of three holds a failure that changed parameters (in
+    place on GDR) followed by one that moved nothing."""
+    if call == "first":
+        return [point]
+    if call == "second":
+        return ["before-first" if point == "mid" else "mid", point]
+    return ["mid", "before-first", point]
+
+
+@pytest.mark.rule("LIFE-FAILED-TWICE")
+@pytest.mark.parametrize("combo", modes.params(TWICE, requires=_twice_requires))
+def test_failures_in_a_row_report_the_old_weights(route, loader, combo):
+    path, call, point = combo["path"], combo["call"], combo["point"]
+    caps = loader.adapter.capabilities
+    rt = route(path)
+    with C.Cell(C.NORMAL) as cell:
+        # The cell is the channel of the paths the API clears and updates through it; the streamed paths update in
+        # place at the engine's call (FastDeploy's /v1/update_weights), the cell untouched.
+        watched = "status.cell" in caps and not ALL_PATHS[path].in_place
+        session = rt.open(SPEC, options={"status_cell": cell.name} if watched else None)
+        old = _state(SPEC, OLD)
+        where, _ = _publish(loader, rt, path, old, OLD)
+        rt.update(0)
+        check.params_equal(session.observe(), old, f"{path}: the first load ({where})")
+        committed = session.version() if "version" in caps else None
+        row = _in_a_row(call, point)
+        for i, (at_point, version) in enumerate(zip(row, IN_ROW)):
+            rt.clear(0)
+            if watched:
+                cell.write(C.UPDATING)  # the API's request
+            new = _state(SPEC, version)
+            phase = {"before-first": "plan", "mid": "middle", "after-last": "end"}[at_point]
+            # After an earlier failure, the one before the first item carries no version (no version.yaml): what the
+            # worker reports must not come from the earlier failed update's announcement.
+            carried = None if at_point == "before-first" and i > 0 and path in VERSIONED else version
+            bad, refusal = _publish(loader, rt, path, new, carried, phase)
+            if carried is None:
+                bad += " (no version.yaml)"
+            at = (f"{path}: failure {i + 1} of {len(row)} in a row after version {OLD} committed "
+                  f"({', '.join(row[:i + 1])}): {bad}")
+            error = _outcome(rt)
+            with refusal:
+                if error is not None:
+                    raise error
+            if "status" in caps:
+                check.status_not(session, "NORMAL", at)
+            if watched:
+                check.that(cell.read() != C.NORMAL, f"{at}: the cell reads NORMAL after the failed update")
+            if "version" in caps:
+                check.equal(session.version(), committed, f"{at}: version()")
+            if "digest.model" in caps:
+                _judge_digest(session, old, new, at)
+
+        fixed = _state(SPEC, FIXED)
+        fix, _ = _publish(loader, rt, path, fixed, TWICE_FIXED if path == "bucket" else None)
+        rt.clear(0)
+        if watched:
+            cell.write(C.UPDATING)
+        rt.update(0)
+        at = f"{path}: the fixed update ({fix}) after {len(row)} failure(s) in a row ({', '.join(row)})"
+        check.params_equal(session.observe(), fixed, at)
+        if "status" in caps:
+            check.status_is(session, "NORMAL", at)
+        if watched:
+            check.equal(C.name_of(cell.read()), "NORMAL", f"{at}: the cell (rank 0's NORMAL after the commit)")
+        if "version" in caps:
+            check.equal(session.version(), TWICE_FIXED if path == "bucket" else committed, f"{at}: version()")
+        if "digest.model" in caps:
+            _digest_is(session, fixed, at)

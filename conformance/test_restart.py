@@ -21,7 +21,8 @@ import time
 import numpy as np
 import pytest
 
-from conformance import check, harness
+from conformance import check, harness, modes
+from conformance.loop_driver import LoopThread
 from conformance.paths import PATHS, Route, worker
 from fixtures import models as M
 from fixtures import status_cell as C
@@ -373,7 +374,9 @@ def _cases():
                 continue  # the only path whose trainer can hold mid-transfer (see SPEC's Proven by)
             extra = ("model.hooks",) if phase == "after-commit" else ()
             quick = (path_id, left, phase) in QUICK
-            marks = [pytest.mark.requires("status.cell", "control", *path.capabilities, *extra)]
+            race = {"update-during-restart": "before-read", "update-while-recovering": "at-read"}.get(phase, "none")
+            marks = [pytest.mark.requires("status.cell", "control", *path.capabilities, *extra),
+                     pytest.mark.modes(left=left, race=race)]
             if not quick:
                 marks.append(pytest.mark.restart)
             out.append(pytest.param(path_id, left, phase, marks=marks, id=f"{path_id}:{left}:{phase}"))
@@ -389,3 +392,226 @@ QUICK = {("single", "UPDATING", "before-first-byte"), ("bucket", "UPDATING", "mi
 @pytest.mark.parametrize("path_id,left,phase", _cases())
 def test_restarted_worker_recovers_the_cell(loader, impl, path_id, left, phase):
     _restart_case(loader, impl, path_id, left, phase)
+
+
+# -- the same recovery in one process, raced by the API ---------------------------------------------------------
+# The dead worker's leftover is written as the engine finds it (a value in the cell, or the API's request still
+# waiting in a thread of this process), the new worker is a fresh session whose loop passes this test calls (each
+# bounded), and the API's next request lands at a moment chosen deterministically: at a Python call event of the
+# startup load (in-load) or of the first pass after its read (in-pass: the k-th call, calls of builtins counted),
+# at the first pass's read (at-read: its ``sync``), or between the startup load and the first pass (before-read).
+INPROCESS = "STATUS-RESTART-RECOVERS"
+PASS_S = 10.0  # the startup load, on a loaded machine
+K_POINTS = (1, 4, 16, 64, 256)  # the call event at which the API writes (in-load, in-pass), by path
+
+
+def _inprocess_requires(combo) -> list[str]:
+    return ["status.cell", "control", *PATHS[combo["path"]].capabilities]
+
+
+class _At:
+    """``action()`` once, at the ``k``-th call event (of a Python function or a builtin) of the thread that
+    installs :meth:`probe` with ``sys.setprofile``; ``fire()`` runs it if it has not run (the work ended first)."""
+
+    def __init__(self, k: int, action):
+        self.k, self.action, self.count, self.fired, self.late = k, action, 0, False, False
+        self.lock = threading.Lock()
+
+    def probe(self, frame, event, arg):
+        if self.fired or event not in ("call", "c_call"):
+            return
+        self.count += 1
+        if self.count >= self.k:
+            self._once(late=False)
+
+    def fire(self) -> None:
+        self._once(late=True)
+
+    def _once(self, late: bool) -> None:
+        with self.lock:
+            if self.fired:
+                return
+            self.fired, self.late = True, late
+        self.action()
+
+
+def _bounded(fn, what: str, profile=None, timeout_s: float = PASS_S):
+    """``fn()`` in a thread with a deadline (``profile`` installed there first): what it returned or raised."""
+    import sys
+
+    box: dict = {}
+
+    def run():
+        if profile is not None:
+            sys.setprofile(profile)
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 (judged by the caller)
+            box["result"] = e
+        finally:
+            sys.setprofile(None)
+
+    thread = threading.Thread(target=run, name="conformance-worker", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        pytest.fail(f"{what} did not return within {timeout_s:g}s", pytrace=False)
+    return box["result"]
+
+
+class _Watch(threading.Thread):
+    """The cell's values, in the order seen, every half millisecond until stopped."""
+
+    def __init__(self, cell):
+        super().__init__(name="conformance-cell-watch", daemon=True)
+        self.cell, self.seen, self.done = cell, [C.name_of(cell.read())], threading.Event()
+        self.start()
+
+    def run(self):
+        while not self.done.wait(0.0005):
+            now = C.name_of(self.cell.read())
+            if now != self.seen[-1]:
+                self.seen.append(now)
+
+    def stop(self) -> list[str]:
+        self.done.set()
+        self.join(2.0)
+        now = C.name_of(self.cell.read())
+        if now != self.seen[-1]:
+            self.seen.append(now)
+        return self.seen
+
+
+def _api_writes(control, cell, request: str, value: int) -> Api:
+    """The API's ``request`` in a thread; returns once it has written ``value`` (or answered without writing)."""
+    api = Api(control, request)
+    deadline = time.monotonic() + EVENT_S
+    while api.thread.is_alive() and cell.read() != value and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    return api
+
+
+@pytest.mark.rule("STATUS-RESTART-RECOVERS")
+@pytest.mark.parametrize("combo", modes.params(INPROCESS, requires=_inprocess_requires))
+def test_restart_in_one_process(loader, impl, combo):
+    path_id, left, race = combo["path"], combo["left"], combo["race"]
+    k = K_POINTS[list(PATHS).index(path_id) % len(K_POINTS)]
+    route = Route(loader, path_id)
+    where = f"{path_id}: a new worker against a cell left {left}, the API's request {race}" + (
+        f" (call event {k})" if race in ("in-load", "in-pass") else "")
+    try:
+        with C.Cell(C.NORMAL) as cell:
+            control = impl.control(cell.name)
+            # What the dead worker left: a value in the cell, or the API's request still waiting for it.
+            # (in-load: the trainer published version 2 before the new worker started; the API asks while it loads)
+            version = 2 if left == "UPDATING" or (left == "CLEARED" and race == "in-load") else 1
+            route.publish(0, M.state(SPEC, version=version), version)
+            pending = None
+            if left == "CLEARING":
+                pending = _api_writes(control, cell, "clear_load_weight", C.CLEARING)
+            elif left == "UPDATING":
+                cell.write(C.CLEARED)
+                pending = _api_writes(control, cell, "update_model_weight", C.UPDATING)
+            elif left == "CLEARED":
+                cell.write(C.CLEARED)
+            check.equal(C.name_of(cell.read()), left, f"{where}: the cell as the dead worker left it")
+
+            # The API's next request, which races the new worker: from CLEARED an update of version 2 (published
+            # first), from NORMAL a clear.
+            asked: dict = {}
+            request, value = ("update_model_weight", C.UPDATING) if left == "CLEARED" else ("clear_load_weight", C.CLEARING)
+
+            def ask():
+                if left == "CLEARED" and race != "in-load":  # in-load: published before the worker started
+                    route.publish(0, M.state(SPEC, version=2), 2)
+                asked["watch"] = _Watch(cell)  # from just before the request on
+                asked["api"] = _api_writes(control, cell, request, value)
+
+            at = _At(k, ask) if race in ("in-load", "in-pass") else None
+            options = {**route.feed.options(0), "status_cell": cell.name}
+            if path_id == "rsync":  # every load a bootstrap load (version.yaml): one fills cleared weights
+                options.pop("version", None)
+                with open(os.path.join(loader.model_dir, "version.yaml"), "w", encoding="utf-8") as f:
+                    f.write("step: 1\n")
+            session = loader.open(SPEC, strategy=route.path.strategy, worker=worker(0), options=options)
+            route.feed.opened(session)
+            loaded = _bounded(session.update, f"{where}: the startup load", at.probe if race == "in-load" else None)
+            check.that(not isinstance(loaded, BaseException), f"{where}: the startup load raised {loaded!r}")
+            route.feed.settle(0)
+            if at is not None and race == "in-load":
+                at.fire()
+            if race == "before-read":
+                ask()
+
+            # The new worker's loop (a thread): its first pass raced at its read or inside it, then the passes
+            # until the cell reads what it must.
+            def first_sync(value_read):
+                if race == "at-read":
+                    ask()
+                elif race == "in-pass":
+                    import sys
+
+                    sys.setprofile(at.probe)  # from here on, in the loop's thread, until the pass returns
+                return value_read
+
+            runs = []
+            loop = LoopThread(session, run_model=lambda: runs.append(1), first_sync=first_sync).start()
+            try:
+                loop.until(lambda: loop.results)  # the first pass returned (a loop that blocks: the deadline)
+                if race == "in-pass":
+                    at.fire()
+                if race == "at-read" and "api" not in asked:
+                    ask()  # (a loop that never called sync: the request lands after its first pass)
+                api = asked.get("api") or pending
+                if left == "CLEARED" and race != "none" or left == "UPDATING":
+                    want, version = "NORMAL", 2
+                elif left == "CLEARING" or (left == "NORMAL" and race != "none"):
+                    want = "CLEARED"
+                else:
+                    want = left
+                loop.until(lambda: any(isinstance(r, BaseException) for r in loop.results) or (
+                    C.name_of(cell.read()) == want and (api is None or not api.thread.is_alive())
+                    and (want != "NORMAL" or left != "NORMAL" or runs)))
+                route.feed.settle(0)
+                results = list(loop.results)
+                seen = asked["watch"].stop() if "watch" in asked else None
+                raised = [r for r in results if isinstance(r, BaseException)]
+                check.that(not raised, f"{where}: the loop raised {raised[:1]} (passes {LoopThread.acts(results)})")
+                odd = [r for r in results if r not in RESULTS]
+                check.equal(odd, [], f"{where}: worker_iteration results outside {RESULTS}")
+                late = " (the pass ended before that event: the request came after it)" if at is not None and at.late else ""
+                check.equal(C.name_of(cell.read()), want,
+                            f"{where}{late}: the cell after {len(results)} pass(es) that did {LoopThread.acts(results)}")
+                if seen is not None:  # the request reads in the cell until the worker's own answer to it
+                    answer, asked_for = {C.UPDATING: "NORMAL", C.CLEARING: "CLEARED"}[value], C.name_of(value)
+                    tail = seen[seen.index(asked_for):] if asked_for in seen else seen[1:]  # (a request served at once)
+                    check.that(tail in ([asked_for, answer], [answer]),
+                               f"{where}{late}: the cell's values from the API's request on: {seen} (read every half "
+                               f"millisecond): {asked_for} until the worker's {answer}, nothing in between")
+                if api is not None:
+                    verb = "update" if api is not pending and request == "update_model_weight" or left == "UPDATING" else "clear"
+                    check.equal(api.result(EVENT_S), (200, f"{verb} model weight successfully"),
+                                f"{where}{late}: the API's {verb}, waiting for the new worker")
+                if want == "CLEARED":
+                    check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{where}: the weights, released")
+                else:
+                    check.params_equal(session.observe(), M.state(SPEC, version=version), f"{where}: the weights")
+                    if left == "NORMAL":
+                        check.that(runs, f"{where}: the model never ran at NORMAL (passes {LoopThread.acts(results)})")
+
+                # The API's next clear and update, the loop running.
+                cleared, _ = loop.ask(control.clear_load_weight, EVENT_S)
+                check.that(cleared in ((200, "clear model weight successfully"), (200, "model weight is cleared")),
+                           f"{where}: the API's next clear answered {cleared}")
+                route.publish(0, M.state(SPEC, version=3), 3)
+                updated, passes = loop.ask(control.update_model_weight, EVENT_S)
+                check.equal(updated, (200, "update model weight successfully"),
+                            f"{where}: the API's next update (version 3; the loop's passes meanwhile: "
+                            f"{LoopThread.acts(passes)})")
+                route.feed.settle(0)
+            finally:
+                loop.finish()
+            check.params_equal(session.observe(), M.state(SPEC, version=3), f"{where}: after the next update (version 3)")
+            check.equal((session.status(), C.name_of(cell.read())), ("NORMAL", "NORMAL"), f"{where}: the status and the cell")
+    finally:
+        route.close()

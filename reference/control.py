@@ -4,6 +4,10 @@
 An update requested while the weights are NORMAL writes nothing and reloads nothing: it answers 200
 "model weight is updated". A clear requested while CLEARED answers 200 "model weight is cleared". Only
 from NORMAL (clear) or CLEARED (update) does the API write the request and wait for the worker.
+
+An update the worker fails leaves the cell CLEARED (the weights released, ``reference.worker_loop``): the API
+waiting for NORMAL then answers ``500 update model weight failed`` at once instead of waiting out its timeout,
+and may ask again (SPEC STATUS-FAILED-NOT-NORMAL). Nothing but a failure takes the cell from UPDATING to CLEARED.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ GUARDS = {
     Status.CLEARING: (Status.CLEARED, Status.NORMAL, "clear", "model weight is cleared"),
     Status.UPDATING: (Status.NORMAL, Status.CLEARED, "update", "model weight is updated"),
 }
+# request -> the status that says the worker failed it (the weights released again)
+FAILED = {Status.UPDATING: Status.CLEARED}
 # request -> {status found: the refusal}
 REFUSED = {
     Status.CLEARING: {Status.CLEARING: (400, "worker is clearing model weight already"),
@@ -28,14 +34,19 @@ REFUSED = {
 }
 
 
-def _wait_for(name: str, want: Status, timeout_s: float, poll_s: float) -> bool:
+def _wait_for(name: str, want: Status, failed: Status | None, timeout_s: float, poll_s: float) -> str:
+    """"done" once the cell reads ``want``, "failed" once it reads ``failed``, else "timeout"."""
     deadline = time.monotonic() + timeout_s
     with StatusCell(name) as cell:
-        while cell.read() != want:
+        while True:
+            now = cell.read()
+            if now == want:
+                return "done"
+            if now == failed:
+                return "failed"
             if time.monotonic() >= deadline:
-                return False
+                return "timeout"
             time.sleep(poll_s)
-    return True
 
 
 class WeightControl:
@@ -64,8 +75,11 @@ class WeightControl:
             if status != where_from:
                 return 500, f"model weight status is {status}, not a ModelWeightsStatus value"
             self._request(request)
-            if _wait_for(self.cell_name, done, timeout_s, self.poll_s):
+            outcome = _wait_for(self.cell_name, done, FAILED.get(request), timeout_s, self.poll_s)
+            if outcome == "done":
                 return 200, f"{verb} model weight successfully"
+            if outcome == "failed":
+                return 500, f"{verb} model weight failed: the worker released the weights (status {Status(FAILED[request]).name})"
             return 404, f"{verb} model weight timeout"
 
     def clear_load_weight(self, timeout_s: float) -> tuple[int, str]:

@@ -50,9 +50,11 @@ def recover(manager, cell: StatusCell, value: int, poll_s: float) -> str | None:
     if manager.cell_at_startup == Status.UPDATING:  # asked before the startup load: answered by it
         manager.cell.publish(Status.NORMAL, first_load=False)
     else:  # asked while it loaded: perhaps for a newer version
+        from .worker_loop import update
+
         if manager.load_strategy not in manager.IN_PLACE:
             manager.clear(publish=False)
-        manager.update()
+        update(manager, cell, poll_s)  # a failure releases what it left (CLEARED), as in the loop
     if not manager.cell.writes:  # rank 0 says NORMAL; do not read the request again
         from .worker_loop import wait_while
 

@@ -19,6 +19,12 @@ voted as one (``manager.failed``), so that its peers, already at the agreement, 
 agreement needs the default group between iterations: #5433), so it never calls the runner's
 ``shutdown_process_group`` / ``restart_process_group``. After its own clear or update a rank waits for rank
 0's write, so it acts once per request (#5710).
+
+An update that fails inside the loop (its source, a stale-state hook, the engine's recapture) never leaves the
+cell NORMAL, and never leaves it UPDATING, where the API could neither clear (403) nor update (400) again
+(issue 19's stuck cell): the worker releases what the failed update left (``clear()``: rank 0 writes CLEARED,
+the KV cache's cell is told CLEARING) and raises the update's error. The API's waiting update sees CLEARED and
+answers a failure; its next update loads afresh (SPEC STATUS-FAILED-NOT-NORMAL).
 """
 from __future__ import annotations
 
@@ -62,6 +68,32 @@ def _stop_requests(manager, runner, kv_value: Status) -> None:
         runner.clear_requests()
 
 
+def update(manager, cell: StatusCell, poll_s: float, before=None) -> None:
+    """``before()`` (what precedes the update: ``_before``) then ``manager.update()``; after a failure of either,
+    release what it left and raise its error (see the module)."""
+    try:
+        if before is not None:
+            before()
+        manager.update()
+    except Exception:
+        release_failed(manager, cell, poll_s)
+        raise
+
+
+def release_failed(manager, cell: StatusCell, poll_s: float) -> None:
+    """After a failed update: the weights it left released (CLEARED in the cell, from rank 0); a rank that does
+    not write the cell waits for rank 0's CLEARED, so that it never reads the request again. No runner call:
+    the requests were stopped before the update and nothing has run since."""
+    name = manager.commit_options.kv_cache_cell
+    if name is not None:
+        with StatusCell(name) as kv:
+            kv.write(Status.CLEARING)
+    manager.clear()
+    if not manager.cell.writes:
+        wait_while(cell, Status.UPDATING, manager.agreement.timeout_s, poll_s,
+                   f"rank {manager.rank} released the weights of its failed update")
+
+
 def _before(manager, runner, kv_value: Status, what: str) -> None:
     """``_stop_requests`` as the first step of the clear or update ``what``: a failure there is that
     operation's failure on this rank, voted like any other (``manager.failed``), so that the ranks already in
@@ -83,8 +115,7 @@ def check_status(manager, cell: StatusCell, value: int, *, block: bool, poll_s: 
     timeout = manager.agreement.timeout_s
     while value != Status.NORMAL and (block or value != Status.CLEARED):
         if value == Status.UPDATING:
-            _before(manager, runner, Status.UPDATING, "update")
-            manager.update()
+            update(manager, cell, poll_s, before=lambda: _before(manager, runner, Status.UPDATING, "update"))
             value = wait_while(cell, Status.UPDATING, timeout, poll_s, f"rank {manager.rank} committed its update")
             done = "updated"
         elif value == Status.CLEARING:

@@ -1104,3 +1104,41 @@ def test_routed_failure_names_it():
 
     control.wakeup = wakeup
     assert V.RoutedControl(control).update_model_weight(1.0) == (500, "update model weight failed: RuntimeError: no snapshot")
+
+
+def test_control_answers_an_update_the_worker_failed():
+    """The API's answer when the worker's failed update leaves the cell CLEARED (STATUS-FAILED-NOT-NORMAL)."""
+    import threading
+    import time
+
+    from fixtures import status_cell as SC
+    from reference.control import WeightControl
+
+    with SC.Cell(SC.CLEARED) as cell:
+        def worker():  # the worker fails the update and releases the weights
+            deadline = time.monotonic() + 5.0
+            while cell.read() != SC.UPDATING and time.monotonic() < deadline:
+                time.sleep(0.001)
+            cell.write(SC.CLEARED)
+
+        thread = threading.Thread(target=worker, daemon=True)
+        thread.start()
+        answer = WeightControl(cell.name, poll_s=0.001).update_model_weight(5.0)
+        thread.join(5.0)
+    assert answer == (500, "update model weight failed: the worker released the weights (status CLEARED)")
+
+
+def test_release_after_a_failed_update_names_the_cell_and_the_rank():
+    from fixtures import status_cell as SC
+    from reference import worker_loop
+    from reference.status_cell import StatusCell
+
+    cleared = []
+    manager = SimpleNamespace(commit_options=SimpleNamespace(kv_cache_cell=None), clear=lambda: cleared.append(1),
+                              cell=SimpleNamespace(writes=False), agreement=SimpleNamespace(timeout_s=0.01), rank=1)
+    with SC.Cell(SC.UPDATING) as cell, StatusCell(cell.name) as mapped:
+        with pytest.raises(worker_loop.LoopTimeout) as info:
+            worker_loop.release_failed(manager, mapped, 0.001)
+    assert cleared == [1]
+    assert str(info.value) == (f"status cell {cell.name!r} still reads UPDATING 0.01s after rank 1 released the weights "
+                               "of its failed update")

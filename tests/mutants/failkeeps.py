@@ -126,3 +126,54 @@ class VersionFileRemembered(Mutant):
 
     def patches(self):
         return _manager_patch(_RememberedVersionManager)
+
+
+# -- failures in a row (LIFE-FAILED-TWICE) ----------------------------------------------------------------------
+class _ThisUpdateOnlyManager(_manager.WeightManager):
+    """Whether parameters changed is tracked per update: reset when an update starts."""
+
+    def update(self):
+        self.changed_since_commit = False
+        return super().update()
+
+
+class DigestAfterSecondFailure(Mutant):
+    id = "failkeeps_digest_after_second_failure"
+    bug = ("digest() refuses only while the *last* update changed parameters and failed: after a GDR stream broke "
+           "mid-update (a mix in place) a second update that fails before its first item resets the flag, and the "
+           "digest of the mix is served as the model's")
+    kills = frozenset({"LIFE-FAILED-TWICE"})
+
+    def patches(self):
+        return _manager_patch(_ThisUpdateOnlyManager)
+
+
+class _LastAnnouncedManager(_manager.WeightManager):
+    """A failure before the update announced a version is taken to have changed nothing: the worker then reports the
+    version the last announced update loaded."""
+
+    last_announced = None
+
+    def announce(self, version):
+        super().announce(version)
+        if version is not None:
+            self.last_announced = version
+
+    def update(self):
+        try:
+            return super().update()
+        except BaseException:
+            if self._pending_version is None and self.last_announced is not None:
+                self.version = self.last_announced
+            raise
+
+
+class VersionOfLastAnnounced(Mutant):
+    id = "failkeeps_version_of_last_announced"
+    bug = ("an update that fails before it announced a version (refused as older, broken before its first item) 'changed "
+           "nothing', so the worker reports the version of the last update that announced one: after a failed update, "
+           "that is the failed update's version, stamped by the second failure")
+    kills = frozenset({"LIFE-FAILED-TWICE"})
+
+    def patches(self):
+        return _manager_patch(_LastAnnouncedManager)

@@ -323,7 +323,7 @@ class _UnguardedControl(WeightControl):
         if self._read() == done:
             return 200, ok
         self._request(request)
-        if control._wait_for(self.cell_name, done, timeout_s, self.poll_s):
+        if control._wait_for(self.cell_name, done, None, timeout_s, self.poll_s) == "done":
             return 200, f"{verb} model weight successfully"
         return 404, f"{verb} model weight timeout"
 
@@ -811,6 +811,52 @@ class TrainerLeaksSegments(Mutant):
 
     def patches(self):
         return {"sim.rank_trainer.MetaTrainer": _LeakyMetaTrainer}
+
+
+class _DescriptorPerUpdateManager(_manager.WeightManager):
+    """Each update opens the model directory to watch it and never closes it."""
+
+    def update(self):
+        import os
+
+        if self.model_dir and os.path.isdir(self.model_dir):
+            _kept.append(os.open(self.model_dir, os.O_RDONLY))
+        else:
+            _kept.append(os.open(os.devnull, os.O_RDONLY))
+        return super().update()
+
+
+class KeepsDescriptorPerUpdate(Mutant):
+    id = "cycle_worker_keeps_a_descriptor"
+    bug = ("every update opens a descriptor (the model directory, watched for the trainer's next version) and never "
+           "closes it: one descriptor per cycle, until the worker runs out after enough RL steps")
+    kills = frozenset({"CYCLE-NO-LEAK"})
+    zoo_args = ("-k", "few_cycles")  # the quick run's cycles are enough
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _DescriptorPerUpdateManager}
+
+
+class _ThreadPerUpdateManager(_manager.WeightManager):
+    """Each update starts a thread that waits for the next one, and nothing ever stops it."""
+
+    def update(self):
+        import threading
+
+        stop = threading.Event()
+        _kept.append(stop)
+        threading.Thread(target=stop.wait, name="next-version-watch", daemon=True).start()
+        return super().update()
+
+
+class KeepsThreadPerUpdate(Mutant):
+    id = "cycle_worker_keeps_a_thread"
+    bug = "every update starts a watcher thread that nothing stops: one thread per cycle"
+    kills = frozenset({"CYCLE-NO-LEAK"})
+    zoo_args = ("-k", "few_cycles")  # the quick run's cycles are enough
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _ThreadPerUpdateManager}
 
 
 class _UncheckedOptions(CommitOptions):

@@ -79,3 +79,38 @@ class RestartAnswersAnyUpdating(Mutant):
             return _real_recover(manager, cell, value, poll_s)
 
         return {"reference.restart.recover": recover}
+
+
+class RestartRecoveryOverwritesRequest(Mutant):
+    id = "restart_recovery_overwrites_request"
+    bug = ("a cell left CLEARED is answered with an ordinary clear(), which writes CLEARED when it is done: an update the "
+           "API asked for while the new worker released its startup load (after the loop read CLEARED) is overwritten, "
+           "and the API waits for a NORMAL that never comes (or is told its update failed)")
+    kills = frozenset({"STATUS-RESTART-RECOVERS"})
+
+    def patches(self):
+        def recover(manager, cell, value, poll_s):
+            if not manager.loop_started and value == Status.CLEARED and manager.status == Status.NORMAL:
+                manager.loop_started = True
+                manager.clear()  # publishes CLEARED: the bug
+                return "cleared"
+            return _real_recover(manager, cell, value, poll_s)
+
+        return {"reference.restart.recover": recover}
+
+
+class RestartWritesBackWhatItRead(Mutant):
+    id = "restart_writes_back_what_it_read"
+    bug = ("the first pass 'confirms' the value it acted on by writing it back once its recovery is done (FastDeploy "
+           "#5493's pattern, in the recovery): a request the API wrote during the pass is overwritten by the stale value")
+    kills = frozenset({"STATUS-RESTART-RECOVERS"})
+
+    def patches(self):
+        def recover(manager, cell, value, poll_s):
+            first = not manager.loop_started
+            done = _real_recover(manager, cell, value, poll_s)
+            if first and manager.cell.writes and value in (Status.CLEARED, Status.NORMAL):
+                cell.write(value)
+            return done
+
+        return {"reference.restart.recover": recover}

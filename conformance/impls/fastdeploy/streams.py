@@ -189,7 +189,9 @@ class StreamSession(FastDeploySession):
         if self.strategy != "rsync":
             # GDR era #7951 (update_weights_by_rdma routes by rsync_config's transfer_mode): the engine's GDR setting.
             options["rsync_config"] = {"transfer_mode": "gdr", **dict(options.get("rsync_config") or {})}
-        config = fd_config(STRATEGIES[self.strategy], self.config.model_dir, options, self.pid)
+        # (the tensor-parallel rank and size as for the other paths: a follower on the suite's cell writes nothing)
+        config = fd_config(STRATEGIES[self.strategy], self.config.model_dir, options, self.pid,
+                           tp_rank=self.tp_rank, tp_size=self.tp_size)
         with engine_config(sys.modules.get(self._cls.__module__), self.strategy != "rsync"):
             return self._cls(**constructor_kwargs(self.generation.init_params, config, self.models, local_rank))
 

@@ -1,0 +1,104 @@
+"""Mutants: the status cell after an update that fails inside the worker's loop (SPEC.md STATUS-FAILED-NOT-NORMAL;
+issue 30: "the manager's own status is right in each case; the cell is not always").
+
+Each keeps the manager's own ``status()`` right and gets the cell wrong, the way a loader that tells the cell
+separately from its status does.
+"""
+from __future__ import annotations
+
+from reference import hooks as _hooks
+from reference import storage as _storage
+from reference.status import Status
+
+from .base import Mutant
+
+_real_after_commit = _hooks.after_commit
+_real_recapture = _storage.recapture
+
+
+class LoopFailureWritesNormal(Mutant):
+    id = "cell_loop_failure_writes_normal"
+    bug = ("the loop answers the API whatever happened, so that its request never hangs: after a failed update rank 0 "
+           "writes NORMAL (and raises): the API's waiting update answers success and the cache manager rebuilds for "
+           "weights that never loaded, while status() says UPDATING")
+    kills = frozenset({"STATUS-FAILED-NOT-NORMAL"})
+
+    def patches(self):
+        def update(manager, cell, poll_s, before=None):
+            try:
+                if before is not None:
+                    before()
+                manager.update()
+            except Exception:
+                manager.cell.publish(Status.NORMAL, first_load=False)
+                raise
+
+        return {"reference.worker_loop.update": update}
+
+
+class LoopFailureLeavesUpdating(Mutant):
+    id = "cell_loop_failure_leaves_updating"
+    bug = ("the reference before issue 30: an update that fails inside the loop raises and leaves the API's UPDATING in "
+           "the cell: never NORMAL, but the API's waiting update times out and every later clear (403) and update (400) "
+           "is refused until the cell is rewritten by hand (issue 19's stuck cell)")
+    kills = frozenset({"STATUS-FAILED-NOT-NORMAL"})
+
+    def patches(self):
+        def update(manager, cell, poll_s, before=None):
+            if before is not None:
+                before()
+            manager.update()
+
+        return {"reference.worker_loop.update": update}
+
+
+class LoopFailureClaimsCleared(Mutant):
+    id = "cell_loop_failure_claims_cleared"
+    bug = ("after a failed update the loop writes CLEARED so that the API may ask again, but keeps what the failed update "
+           "left loaded: the cell says the weights are released while they hold the memory a colocated trainer was told "
+           "is free")
+    kills = frozenset({"STATUS-FAILED-NOT-NORMAL"})
+
+    def patches(self):
+        def update(manager, cell, poll_s, before=None):
+            try:
+                if before is not None:
+                    before()
+                manager.update()
+            except Exception:
+                manager.cell.publish(Status.CLEARED, first_load=False)
+                raise
+
+        return {"reference.worker_loop.update": update}
+
+
+class HookFailurePublishesNormal(Mutant):
+    id = "cell_hook_failure_publishes_normal"
+    bug = ("the commit tells the cell NORMAL together with the status, before the stale-state hooks run: a hook that "
+           "raises takes the status back to UPDATING, but the API already read NORMAL (and the loop's release writes "
+           "CLEARED only afterwards): the failed update was answered success with the old cache served")
+    kills = frozenset({"STATUS-FAILED-NOT-NORMAL"})
+
+    def patches(self):
+        def after_commit(manager):
+            manager.cell.publish(Status.NORMAL, manager.first_load)
+            _real_after_commit(manager)
+
+        return {"reference.hooks.after_commit": after_commit}
+
+
+class RecaptureAfterNormal(Mutant):
+    id = "cell_recapture_after_normal"
+    bug = ("the cell is told NORMAL as soon as the weights are in place, and the engine's graphs are recaptured after it: "
+           "a recapture that fails leaves the update failed (status UPDATING) after the API read NORMAL and sent requests "
+           "to graphs that read freed memory")
+    kills = frozenset({"STATUS-FAILED-NOT-NORMAL"})
+
+    def patches(self):
+        def recapture(manager):
+            if manager.commit_options.recapture is not None and manager._storage_before is not None \
+                    and _storage.moved(manager._storage_before, manager.params):
+                manager.cell.publish(Status.NORMAL, manager.first_load)
+            _real_recapture(manager)
+
+        return {"reference.storage.recapture": recapture}
