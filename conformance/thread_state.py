@@ -20,11 +20,17 @@ write the API side waits until the worker has *looked again* (``looked_again``):
 A thread that never waits (a busy loop) counts as having looked once it has run ``busy_s`` of CPU time
 since that moment; a thread that has ended has looked. Every wait is bounded (``timeout_s``): past it
 ``looked_again`` returns False and the caller goes on (the cycle is then judged as before).
+
+``others_asleep`` is the same view before a fork (loop_driver.LoopChild): a thread that has ended in
+Python may still be leaving the kernel, freeing Paddle's per-thread state under Paddle's locks, and a
+child forked then inherits a lock nobody will release (it hung at its first allocation, 1 run in 4 of
+STATUS-BLOCK-WAITS on a loaded machine, the reference's and FastDeploy's alike).
 """
 from __future__ import annotations
 
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass
 
@@ -125,6 +131,28 @@ def looked_again(pid: int, tid: int | None = None, *, times: int = 1, timeout_s:
                     return True
             last_wait = now.switches
         if now.cpu_ns - first_cpu >= busy_s * 1e9:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+
+
+def others_asleep(timeout_s: float = 5.0) -> bool:
+    """Wait until every other thread of this process is asleep or gone (True), at most ``timeout_s`` (False).
+    Before a fork: a thread that has ended in Python may still be running its exit in the kernel's view
+    (thread-local destructors: Paddle frees its per-thread state there, under its allocator's lock), and
+    a fork copies the locks held at that moment into a child that will never see them released."""
+    me = threading.get_native_id()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = []
+        for name in os.listdir(f"/proc/{os.getpid()}/task"):
+            if int(name) == me:
+                continue
+            stat = _read(f"/proc/{os.getpid()}/task/{name}/stat")
+            if stat is not None and stat.rpartition(")")[2].split()[0] not in ("S", "I", "Z", "X", "T", "t"):
+                busy.append(name)
+        if not busy:
             return True
         if time.monotonic() >= deadline:
             return False
