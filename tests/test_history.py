@@ -769,6 +769,20 @@ def test_what_counts_as_worse():
     # The base is never judged itself.
     results = {0: _result("s0", {}, outcome="usage_error"), 1: _result("s1", {"A": "failed"})}
     assert gate.judge(fake_versions(2), results, start=1) == ([], [])
+    # --fail-on contract: a hardening rule's regression is listed, and does not fail the gate.
+    results = {i: _result(f"s{i}", {"H": v, "K": k}) for i, (v, k) in enumerate((("passed", "passed"),
+                                                                                  ("failed", "passed")))}
+    for i, level in ((1, "hardening"),):
+        results[i].report["summary"] = {"fail_on": "contract"}
+        for rule in results[i].report["rules"]:
+            rule["level"] = level
+    found, unjudged = gate.judge(fake_versions(2), results, start=1)
+    assert [(r.rule, r.level, r.fails) for r in found] == [("H", "hardening", False)]
+    assert gate.exit_status(found, unjudged) == 0
+    assert "[hardening: not failing the gate]" in "\n".join(gate.report_lines(fake_versions(2), results, found, [], 1))
+    results[1].report["summary"] = {"fail_on": "all"}
+    found, _ = gate.judge(fake_versions(2), results, start=1)
+    assert [r.fails for r in found] == [True] and gate.exit_status(found, []) == 1
 
 
 def test_the_key_follows_the_adapters_files_and_the_folders_options_name(tmp_path, monkeypatch):

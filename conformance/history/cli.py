@@ -304,7 +304,8 @@ def full_run(args, versions, source, suite, runner, start: int = 0) -> int:
         "changes": [c.to_json(versions) for c in changes],
     }
     if gating:
-        history["gate"] = {"status": "failed" if regressions or unjudged else "passed", "judged_from": start,
+        history["gate"] = {"status": "failed" if gate.exit_status(regressions, unjudged) else "passed",
+                           "judged_from": start,
                            "regressions": [r.to_json(versions) for r in regressions],
                            "unjudged": [versions[i].describe() | {"outcome": results[versions[i].index].outcome,
                                                                   "message": results[versions[i].index].message}

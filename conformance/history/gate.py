@@ -6,9 +6,10 @@ verdict before it was ``passed``, ``expected_failure`` or ``unexpected_pass`` (i
 the ``--expectations`` file pins it: a pinned failure is ``expected_failure``, never a regression).
 Versions without a report, and verdicts that judge nothing (``not_applicable``, ``skipped``, ``absent``),
 are stepped over: a rule that passed, stopped being claimed and came back failing has regressed. Only the
-versions from ``start`` on are judged (the range's commits; the first version is the base). A version of
-the range the suite could not judge (a usage error, a crash, a timeout) fails the gate too, apart
-(``unjudged``): a commit the adapter cannot drive proves nothing.
+versions from ``start`` on are judged (the range's commits; the first version is the base). Like the
+suite's own run, the gate honours ``--fail-on contract``: a hardening rule's regression is listed but does
+not fail it. A version of the range the suite could not judge (a usage error, a crash, a timeout) fails
+the gate too, apart (``unjudged``): a commit the adapter cannot drive proves nothing.
 """
 from __future__ import annotations
 
@@ -31,12 +32,15 @@ class Regression:
     new: str
     title: str  # the rule's title
     failures: list  # [(nodeid, message)] of the rule's failing tests at ``index``
+    level: str | None = None  # contract | hardening
+    fails: bool = True  # False: a hardening rule under --fail-on contract (listed, not failing the gate)
 
     def to_json(self, versions) -> dict:
         v, b = versions[self.index], versions[self.before]
         return {"rule": self.rule, "title": self.title, "version": v.index, "id": v.id, "commit": v.commit,
                 "date": v.date, "commit_title": v.title, "from": self.old, "to": self.new, "previous": b.id,
-                "previous_commit": b.commit, "failures": [{"test": t, "message": m} for t, m in self.failures]}
+                "previous_commit": b.commit, "level": self.level, "fails_the_gate": self.fails,
+                "failures": [{"test": t, "message": m} for t, m in self.failures]}
 
 
 def _rules(result) -> dict[str, dict]:
@@ -69,7 +73,10 @@ def judge(versions, results: dict, start: int = 1) -> tuple[list[Regression], li
             if verdict in NEUTRAL:
                 continue
             if i >= start and verdict in BAD and last is not None and last[1] in GOOD:
-                found.append(Regression(rule_id, i, last[0], last[1], verdict, rule.get("title", ""), _failures(rule)))
+                fail_on = ((results[versions[i].index].report or {}).get("summary") or {}).get("fail_on", "all")
+                level = rule.get("level")
+                found.append(Regression(rule_id, i, last[0], last[1], verdict, rule.get("title", ""), _failures(rule),
+                                        level, fail_on != "contract" or level != "hardening"))
             last = (i, verdict)
     found.sort(key=lambda r: (r.index, order.index(r.rule)))
     unjudged = [i for i, v in enumerate(versions) if i >= start and results[v.index].outcome != "report"]
@@ -85,12 +92,17 @@ def report_lines(versions, results, regressions, unjudged, start: int) -> list[s
     judged = len(versions) - start
     base = f"base {describe(versions[0])}" if start else "no base (the first version is judged against nothing)"
     lines = []
+    failing = [r for r in regressions if r.fails]
     if regressions:
-        lines.append(f"gate: FAILED: {len(regressions)} rule verdict(s) got worse in {judged} version(s) ({base}):")
+        lines.append(f"gate: {'FAILED' if failing else 'passed'}: {len(regressions)} rule verdict(s) got worse in "
+                     f"{judged} version(s) ({base})" + ("" if len(failing) == len(regressions) else
+                                                        f"; {len(regressions) - len(failing)} of them hardening "
+                                                        "rules, which --fail-on contract lets pass") + ":")
         for r in regressions:
             v, b = versions[r.index], versions[r.before]
             lines.append(f"  {v.id}{f' {v.commit}' if v.commit else ''}  {v.title}")
-            lines.append(f"    {r.rule}: {r.old} -> {r.new} (was {r.old} at {b.id}){f': {r.title}' if r.title else ''}")
+            lines.append(f"    {r.rule}: {r.old} -> {r.new} (was {r.old} at {b.id}){f': {r.title}' if r.title else ''}"
+                         + ("" if r.fails else " [hardening: not failing the gate]"))
             for test, message in r.failures[:3]:
                 lines.append(f"      {test}")
                 lines += [f"        {m}" for m in message.splitlines()]
@@ -99,7 +111,7 @@ def report_lines(versions, results, regressions, unjudged, start: int) -> list[s
     for i in unjudged:
         v, r = versions[i], results[versions[i].index]
         first = (r.message or "").strip().splitlines()
-        lines.append(f"gate: {'FAILED' if not regressions else 'also'}: no verdict for {v.id} {v.title!r}: "
+        lines.append(f"gate: {'FAILED' if not failing else 'also'}: no verdict for {v.id} {v.title!r}: "
                      f"{r.outcome.replace('_', ' ')}{f': {first[0]}' if first else ''}")
     if not regressions and not unjudged:
         lines.append(f"gate: passed: no rule's verdict got worse in {judged} version(s) ({base})")
@@ -107,4 +119,4 @@ def report_lines(versions, results, regressions, unjudged, start: int) -> list[s
 
 
 def exit_status(regressions, unjudged) -> int:
-    return EXIT_REGRESSION if regressions else EXIT_UNJUDGED if unjudged else 0
+    return EXIT_REGRESSION if any(r.fails for r in regressions) else EXIT_UNJUDGED if unjudged else 0
