@@ -145,3 +145,25 @@ def test_a_forked_child_waiting_in_a_pipe_read_is_seen_waiting():
         os.write(w, b"x")
         os.close(w)
         os.waitpid(pid, 0)
+
+
+def test_before_a_fork_it_waits_for_a_busy_thread_and_not_for_a_sleeping_one():
+    sleeper = Poller(0.05)
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    try:
+        assert T.others_asleep(timeout_s=10.0), "only threads asleep: no wait"
+        busy = threading.Thread(target=spin, daemon=True)
+        busy.start()
+        started = time.monotonic()
+        assert not T.others_asleep(timeout_s=0.3) and time.monotonic() - started >= 0.3
+        threading.Timer(0.2, stop.set).start()
+        assert T.others_asleep(timeout_s=10.0), "the busy thread ended: gone"
+        busy.join(5)
+    finally:
+        stop.set()
+        _stop(sleeper)
