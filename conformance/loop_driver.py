@@ -27,7 +27,7 @@ import struct
 import time
 import traceback
 
-from . import harness
+from . import harness, thread_state
 
 EVENT = struct.Struct("=ci?")  # kind, value, flag
 KINDS = {b"s": "sync", b"r": "run", b"e": "end", b"x": "error"}
@@ -119,6 +119,10 @@ class LoopChild:
 
     # -- parent --------------------------------------------------------------------------------------
     def __enter__(self) -> "LoopChild":
+        # A thread that has just ended (the prologue's iterations) may still be leaving the kernel, freeing
+        # Paddle's thread-local state under Paddle's locks: a fork then copies a lock held, and the child
+        # hangs at its first allocation (1 run in 4 of STATUS-BLOCK-WAITS on a loaded machine).
+        thread_state.others_asleep()
         ev_r, ev_w = os.pipe()
         ctl_r, ctl_w = os.pipe()
         rep_r, rep_w = os.pipe()
@@ -140,13 +144,11 @@ class LoopChild:
         return self
 
     def next_event(self, timeout_s: float) -> tuple[str, int, bool] | None:
-        """The child's next event, or None if none came within ``timeout_s``."""
+        """The child's next event, or None if none came within ``timeout_s`` (0: one that has come already)."""
         deadline = time.monotonic() + timeout_s
         while len(self._buffer) < EVENT.size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            ready, _, _ = select.select([self._ev], [], [], left)
+            # At least one look, so that timeout_s=0 polls (an event already sent is taken, none waited for).
+            ready, _, _ = select.select([self._ev], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
                 return None
             chunk = os.read(self._ev, 4096)

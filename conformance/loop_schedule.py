@@ -4,7 +4,12 @@ Each seed is one clear/update cycle. The seed picks where the API's writes fall 
 steps: the CLEARING after ``a`` of the worker's hooks at NORMAL, the UPDATING ``b`` hooks after the
 worker's CLEARED is seen (``hooks`` mode, the worker waits at each hook while the parent writes), or
 ``delay_us`` microseconds after it, the worker running free (``timed`` mode, for the moments between
-hooks). The trainer (this process) publishes the next version before the UPDATING. While the schedule
+hooks), counted from the moment the worker has looked at the cell again after its CLEARED
+(``thread_state.looked_again``: an API writes UPDATING only after it saw CLEARED, long after the worker
+did; written sooner, a loop that spins until it reads CLEARED never sees it, and whether it did depended
+on the scheduler). Whether a non-blocking loop returned at CLEARED is judged the same way: no hook after
+the worker has gone back to waiting ``STAYS`` times, never a wall-clock limit alone. The trainer (this
+process) publishes the next version before the UPDATING. While the schedule
 runs, the parent reads the cell at every event and records each violation of the loop's rules by
 invariant, with the seed and the events leading to it, so a failure names its rerun:
 ``CONFORMANCE_LOOP_SEED=N`` runs that seed alone.
@@ -22,10 +27,12 @@ from fixtures import snapshot as S
 from fixtures import status_cell as C
 
 from .loop_driver import END_RESULTS, DriverError, LoopChild
+from .thread_state import looked_again
 
 EVENT_TIMEOUT_S = 5.0  # a healthy worker answers in milliseconds (an update: a second on a loaded machine); this bounds a stuck one
 NONBLOCK_RETURN_S = 1.0  # how long a non-blocking worker may stay in an iteration once the cell reads CLEARED
 BLOCK_RELEASE_S = 0.1  # a long wait at CLEARED for a blocking loop: ten of FastDeploy's 10 ms polls (STATUS-BLOCK-WAITS)
+STAYS = 3  # a loop that has gone back to waiting this many times at CLEARED without returning stays there (NONBLOCK)
 
 # Invariants, one per rule.
 KEPT = "request-kept"  # STATUS-REQUEST-KEPT
@@ -50,9 +57,9 @@ class Schedule:
         return cls(seed, mode, rng.randrange(4), later)
 
     def describe(self) -> str:
-        unit = "hook(s)" if self.mode == "hooks" else "us"
+        after = "hook(s) after CLEARED" if self.mode == "hooks" else "us after the worker read CLEARED"
         return (f"seed {self.seed} ({self.mode}: CLEARING after {self.clear_after} hook(s) at NORMAL, UPDATING "
-                f"{self.update_after} {unit} after CLEARED)")
+                f"{self.update_after} {after})")
 
 
 @dataclass
@@ -160,33 +167,56 @@ class Runner:
         loop, cell, out = self.loop, self.cell, self.outcome
         if s.mode == "hooks":
             # The worker goes back to its loop at CLEARED (non-blocking) and must keep coming back.
-            for k in range(s.update_after):
-                event = self.event(s, "CLEARED", timeout_s=NONBLOCK_RETURN_S)
+            for k in range(s.update_after + 1):
+                event = self.hook_at_cleared(s)
                 if event is None:
-                    out.add(NONBLOCK, s, f"hook {k} after CLEARED never came within {NONBLOCK_RETURN_S:g}s: the "
-                            "non-blocking loop did not return at CLEARED (it waits for the next update)", loop.events)
+                    last = "no hook after CLEARED" if k == s.update_after else f"hook {k} after CLEARED never came"
+                    out.add(NONBLOCK, s, f"{last}: the worker went back to waiting {STAYS} times at CLEARED without "
+                            "returning (it waits for the next update): the non-blocking loop did not return at CLEARED",
+                            loop.events)
                     cell.write(C.UPDATING)  # release a worker that waits: the cycle goes on, judged on the rest
                     return self.until_normal(s)
+                if k == s.update_after:
+                    break
                 if cell.read() != C.CLEARED:
                     out.add(KEPT, s, f"the cell read {C.name_of(cell.read())} while CLEARED and no request", loop.events)
                     return False
                 loop.answer()
-            event = self.event(s, "CLEARED", timeout_s=NONBLOCK_RETURN_S)
-            if event is None:
-                out.add(NONBLOCK, s, "no hook after CLEARED within the deadline: the non-blocking loop did not "
-                        "return at CLEARED", loop.events)
-                cell.write(C.UPDATING)
-                return self.until_normal(s)
-            cell.write(C.UPDATING)
+            cell.write(C.UPDATING)  # the worker waits at a hook: it returned, so it has read CLEARED
             loop.answer()
         else:
-            # Free-running: the worker is inside its iteration (blocking) or between iterations.
+            # Free-running: the worker is inside its iteration (blocking) or between iterations. The delay
+            # runs from the moment it has looked at the cell again (module docstring).
+            looked_again(loop.pid, timeout_s=EVENT_TIMEOUT_S, between=lambda: self.answer_any(s, "CLEARED"))
             start = time.perf_counter()
             while (time.perf_counter() - start) * 1e6 < s.update_after:
-                if self.event(s, "CLEARED", timeout_s=0) is not None:
-                    loop.answer()
+                self.answer_any(s, "CLEARED")
             cell.write(C.UPDATING)
         return self.until_normal(s)
+
+    def answer_any(self, s: Schedule, phase: str) -> None:
+        """Answer the worker's next hook, if it has reached one (it waits there otherwise)."""
+        if self.event(s, phase, timeout_s=0) is not None:
+            self.loop.answer()
+
+    def hook_at_cleared(self, s: Schedule):
+        """The worker's next hook while the cell reads CLEARED, or None when it stays in its iteration: no
+        hook within ``NONBLOCK_RETURN_S`` and, by then or later, none before it has gone back to waiting
+        ``STAYS`` times (a loaded machine can keep a returning worker off a CPU for longer than any delay)."""
+        event = self.event(s, "CLEARED", timeout_s=NONBLOCK_RETURN_S)
+        if event is not None:
+            return event
+        got = []
+
+        def arrived() -> bool:
+            if not got:
+                event = self.event(s, "CLEARED", timeout_s=0)
+                if event is not None:
+                    got.append(event)
+            return bool(got)
+
+        looked_again(self.loop.pid, times=STAYS, timeout_s=EVENT_TIMEOUT_S, between=arrived)
+        return got[0] if got or arrived() else None
 
     def until_normal(self, s: Schedule) -> bool:
         loop, cell, out = self.loop, self.cell, self.outcome
@@ -221,12 +251,12 @@ def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome, leve
     """One cycle of the loop in this process, in the test's mode, before the child takes over: the loop runs
     the model at NORMAL, then, non-blocking, clears at CLEARING, idles at CLEARED, updates at UPDATING, each
     in its own iteration; blocking, the iteration at CLEARING stays until the update (UPDATING written as
-    soon as the cell reads CLEARED; one that returns at CLEARED is a BLOCK violation, and the cycle goes on
+    soon as the worker has looked at the cell's CLEARED again; one that returns at CLEARED is a BLOCK violation, and the cycle goes on
     with an UPDATING iteration). (A tool that traces calls, coverage or mutation testing, sees the loop's
     functions called by the test this way; the child's calls die with it.) Each iteration runs in a thread
     with a deadline, so a loop that never returns fails the test instead of hanging it. A non-blocking loop
-    that stays at CLEARED is released after ``NONBLOCK_RETURN_S`` (a NONBLOCK violation only; the cycle is
-    complete once it has updated). Returns the version loaded (0: failed)."""
+    that stays at CLEARED (``NONBLOCK_RETURN_S``, and ``STAYS`` waits of its thread there) is released with an
+    UPDATING (a NONBLOCK violation only; the cycle is complete once it has updated). Returns the version loaded (0: failed)."""
     steps = [(C.NORMAL, "ran", C.NORMAL, 1), (C.CLEARING, "cleared", C.CLEARED, 0), (C.CLEARED, "idle", C.CLEARED, 0),
              (C.UPDATING, "updated", C.NORMAL, 0)]
     if block:
@@ -249,10 +279,10 @@ def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome, leve
                 box["result"] = f"raised {type(e).__name__}: {e}"
 
         # A loop that does not return at CLEARED would wait for ever: release it after a while (at once
-        # when blocking: the API's UPDATING as soon as the worker's CLEARED).
-        release = _Release(cell, 0.0 if block else NONBLOCK_RETURN_S)
+        # when blocking: the API's UPDATING as soon as the worker has looked at its CLEARED).
         thread = threading.Thread(target=iterate, name="conformance-prologue", daemon=True)
         thread.start()
+        release = _Release(cell, thread, 0.0 if block else NONBLOCK_RETURN_S, 1 if block else STAYS)
         thread.join(NONBLOCK_RETURN_S + 2 * EVENT_TIMEOUT_S)  # a clear and an update, on a loaded machine
         release.cancel()
         result = box.get("result", f"did not return within {NONBLOCK_RETURN_S + 2 * EVENT_TIMEOUT_S:g}s")
@@ -265,8 +295,8 @@ def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome, leve
         if not block and request == C.CLEARING and result == "updated" and len(ran) == runs \
                 and C.name_of(cell.read()) == "NORMAL":
             outcome.violations.setdefault(NONBLOCK, []).append(
-                f"in-process iteration at CLEARING: it stayed through CLEARED until released by an UPDATING "
-                f"{NONBLOCK_RETURN_S:g}s later, and returned 'updated'")
+                f"in-process iteration at CLEARING: it stayed through CLEARED (at least {NONBLOCK_RETURN_S:g}s, "
+                f"going back to waiting {STAYS} times) until released by an UPDATING, and returned 'updated'")
             return 2
         if result != want or C.name_of(cell.read()) != C.name_of(after) or len(ran) != runs:
             invariant = NONBLOCK if request == C.CLEARING and result == "updated" else NO_RUN if len(ran) != runs else PROGRESS
@@ -279,11 +309,13 @@ def prologue(session, cell: C.Cell, model_dir: str, spec, outcome: Outcome, leve
 
 
 class _Release(threading.Thread):
-    """Writes UPDATING once the cell has read CLEARED for ``after_s`` seconds (the API's next request), until cancelled."""
+    """Writes UPDATING (the API's next request) into the cell once it has read CLEARED for ``after_s`` seconds
+    and the iteration's thread ``worker``, still inside, has gone back to waiting ``times`` times since
+    (thread_state.looked_again: it has read the CLEARED), until cancelled."""
 
-    def __init__(self, cell: C.Cell, after_s: float):
+    def __init__(self, cell: C.Cell, worker: threading.Thread, after_s: float, times: int):
         super().__init__(name="conformance-release", daemon=True)
-        self.cell, self.after_s, self.done = cell, after_s, threading.Event()
+        self.cell, self.worker, self.after_s, self.times, self.done = cell, worker, after_s, times, threading.Event()
         self.start()
 
     def run(self):
@@ -294,7 +326,10 @@ class _Release(threading.Thread):
                 continue
             since = since or time.monotonic()
             if time.monotonic() - since >= self.after_s:
-                self.cell.write(C.UPDATING)
+                looked_again(os.getpid(), self.worker.native_id, times=self.times, timeout_s=EVENT_TIMEOUT_S,
+                             between=self.done.is_set)
+                if not self.done.is_set() and self.worker.is_alive() and self.cell.read() == C.CLEARED:
+                    self.cell.write(C.UPDATING)
                 return
 
     def cancel(self):

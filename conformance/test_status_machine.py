@@ -8,6 +8,7 @@ seeded number of microseconds after its CLEARED. Every failure names its seed an
 ``CONFORMANCE_LOOP_SEED=N`` reruns that seed alone.
 """
 import hashlib
+import os
 import threading
 import time
 
@@ -19,6 +20,7 @@ from conformance import loop_schedule as L
 from conformance.harness import Worker
 from conformance.loop_driver import END_RESULTS, LoopChild
 from conformance.path_sources import CAPS, Sources
+from conformance.thread_state import looked_again
 from fixtures import models as M
 from fixtures import status_cell as C
 
@@ -108,18 +110,24 @@ def test_blocking_loop_stays_until_updated(loader, cell):
     L.publish(loader.model_dir, SPEC, version, L.level_of(loader.adapter))
     cell.write(C.CLEARING)
 
+    box = {}
+
     def later():
+        # BLOCK_RELEASE_S after the worker has looked at its CLEARED again (thread_state): sooner, a loop that
+        # spins until it reads CLEARED could miss it, as the scheduler decides.
         deadline = time.monotonic() + L.EVENT_TIMEOUT_S
-        while cell.read() != C.CLEARED and time.monotonic() < deadline:
+        while (cell.read() != C.CLEARED or "tid" not in box) and time.monotonic() < deadline:
             time.sleep(0.002)
+        if "tid" in box:
+            looked_again(os.getpid(), box["tid"], timeout_s=L.EVENT_TIMEOUT_S)
         time.sleep(L.BLOCK_RELEASE_S)
         cell.write(C.UPDATING)
 
     release = threading.Thread(target=later, daemon=True)
     release.start()
-    box, _, runs = _bounded_iteration(session, cell=cell, block=True)
-    release.join(L.EVENT_TIMEOUT_S + 1)
-    where = f"blocking worker loop, UPDATING {L.BLOCK_RELEASE_S:g}s after CLEARED"
+    box, _, runs = _bounded_iteration(session, cell=cell, block=True, box=box)
+    release.join(2 * L.EVENT_TIMEOUT_S + 1)
+    where = f"blocking worker loop, UPDATING {L.BLOCK_RELEASE_S:g}s after it read CLEARED"
     check.equal(box.get("result", box.get("error", box.get("stuck"))), "updated", f"{where}: what the iteration that synced CLEARING returned")
     check.that(runs == 0, f"{where}: {runs} model run(s) in the iteration")
     check.params_equal(session.observe(), M.state(SPEC, version=version), f"{where}: after the update")
@@ -320,14 +328,15 @@ def test_short_cell_and_boundary_options(loader):
 RANK0_DELAY_S = 0.08
 
 
-def _bounded_iteration(session, timeout_s=10.0, cell=None, sync=lambda value: value, block=False):
+def _bounded_iteration(session, timeout_s=10.0, cell=None, sync=lambda value: value, block=False, box=None):
     """One iteration (non-blocking unless ``block``) in a thread: (what it returned or raised (with ``"end"``, the monotonic
     time it did), seconds, model runs). An iteration still inside after ``timeout_s`` (a loop that does not
     return at CLEARED) is released with NORMAL in ``cell``, so that it stops polling; the test judges what
-    it had returned by then (nothing)."""
-    box, ran = {}, []
+    it had returned by then (nothing). ``box`` (given: filled in place) has the thread's ``"tid"`` from its start."""
+    box, ran = ({} if box is None else box), []
 
     def iterate():
+        box["tid"] = threading.get_native_id()
         try:
             box["result"] = session.worker_iteration(lambda: ran.append(1), block=block, sync=sync)
         except BaseException as e:  # noqa: BLE001 (judged by the test)

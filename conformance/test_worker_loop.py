@@ -9,6 +9,7 @@ A worker thread runs iteration after iteration as the worker's event loop does, 
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter
@@ -18,13 +19,16 @@ import pytest
 from conformance import check
 from conformance import loop_schedule as L
 from conformance.harness import Worker
+from conformance.thread_state import looked_again
 from fixtures import models as M
 from fixtures import status_cell as C
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
 NEEDS = ("status.cell", "loop.runner", L.ANY_LEVEL)
 CYCLE_TIMEOUT_S = 10.0  # a healthy cycle takes milliseconds; this bounds a stuck loop on a loaded machine
-IDLE_S = 0.03  # how long the API waits at CLEARED before it writes UPDATING (idle iterations in between)
+IDLE_S = 0.03  # how long the API waits at CLEARED before it writes UPDATING (idle iterations in between), from
+# the moment the worker has looked at the CLEARED (thread_state.looked_again: an UPDATING written before then is
+# lost on a loop that spins until it reads CLEARED, as the scheduler decides, not the rule)
 MODES = pytest.mark.parametrize("block", [pytest.param(False, id="non-blocking"), pytest.param(True, id="blocking")])
 
 
@@ -138,6 +142,7 @@ def _cycle(session, cell: C.Cell, probe: Probe, block: bool, version: int = 2) -
     worker = WorkerThread(session, probe, block)
     cell.write(C.CLEARING)
     cleared = _wait_for(lambda: cell.read() == C.CLEARED or not worker.is_alive(), CYCLE_TIMEOUT_S)
+    looked_again(os.getpid(), worker.native_id, timeout_s=CYCLE_TIMEOUT_S)
     time.sleep(IDLE_S)
     cell.write(C.UPDATING)
     _finish(worker, cell)
@@ -250,6 +255,7 @@ def test_follower_acts_once_per_request(loader, monkeypatch, block):
         rank0_after(lambda: probe.of("clear_requests") or probe.of("shutdown:"), C.CLEARED, RANK0_AFTER_S)
         if not block:
             _wait_for(lambda: probe.of("end:"), L.NONBLOCK_RETURN_S)
+        looked_again(os.getpid(), worker.native_id, times=2, timeout_s=CYCLE_TIMEOUT_S)  # it polls for rank 0's CLEARED
         time.sleep(IDLE_S)
         cell.write(C.UPDATING)
         rank0_after(lambda: [c for c in probe.of("") if c[2] == "UPDATING"], C.NORMAL, max(RANK0_AFTER_S, 3 * load_s))

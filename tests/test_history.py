@@ -106,8 +106,10 @@ def tool(work, *args, out=None, timeout=300) -> subprocess.CompletedProcess:
 
 
 def cache_entries(work) -> dict[str, dict]:
+    """The cache's result entries (not their .meta.json sidecars)."""
     folder = work["out"] / ".history-cache" / "results"
-    return {p.name: json.loads(p.read_text()) for p in folder.iterdir()} if folder.exists() else {}
+    return {p.name: json.loads(p.read_text()) for p in folder.iterdir()
+            if not p.name.endswith(".meta.json")} if folder.exists() else {}
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +142,8 @@ def interrupted(work, bisected):
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     return {"rc": proc.returncode, "stdout": stdout, "stderr": stderr, "tree": tree, "before": before,
-            "after": cache_entries(work), "files": os.listdir(work["out"] / ".history-cache" / "results"),
+            "after": cache_entries(work), "files": [n for n in os.listdir(work["out"] / ".history-cache" / "results")
+                                                    if not n.endswith(".meta.json")],
             "scratch": os.listdir(work["out"] / ".history-cache" / "work")}
 
 
@@ -512,3 +515,315 @@ def test_cache_entries_are_whole_or_absent(tmp_path):
     runs.Cache(str(tmp_path), "suite")
     assert ".tmp-x.part" not in os.listdir(tmp_path / "results")
     assert runs.Cache(str(tmp_path), "other suite").get("abc") is None, "another suite's results are not reused"
+
+
+# --- the adapter is in the cache key; an adapter that cannot load stops everything --------------------
+
+ADAPTER = """import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its own folder: the helper beside it
+import helper  # noqa: E402
+from conformance.impls.fastdeploy import FastDeployAdapter  # noqa: E402
+
+DROP = frozenset()
+
+
+def make(source=None):
+    adapter = FastDeployAdapter(source)
+    adapter.capabilities = frozenset(adapter.capabilities) - DROP - helper.DROP
+    return adapter
+"""
+HELPER = "DROP = frozenset()\n"
+NO_PARTS = 'frozenset({"snapshot.parts"})'
+
+
+def _two_versions(root):
+    """A repository whose FILE has two versions: chunked parts sorted by number (passes the rule), by name (fails)."""
+    repo = root / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    commit(repo, "Support chunked part files", 1, {FILE: PARTS})
+    commit(repo, "Sort part files by name", 2, {FILE: replaced(PARTS, NUMERIC_SORT, LEXICAL_SORT)})
+    return repo
+
+
+@pytest.mark.timeout(900)
+def test_editing_the_adapter_or_a_module_it_imports_reruns_every_version(tmp_path):
+    repo = _two_versions(tmp_path)
+    wrapper = tmp_path / "adapter"
+    wrapper.mkdir()
+    (wrapper / "adapter.py").write_text(ADAPTER)
+    (wrapper / "helper.py").write_text(HELPER)
+    out = tmp_path / "out"
+
+    def run(*extra):
+        proc = subprocess.run([sys.executable, "-m", "conformance.history", "--repo", str(repo), "--path", FILE,
+                               "-o", str(out), "--impl", str(wrapper / "adapter.py") + ":make", "--jobs", "2",
+                               *NARROW, *extra], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        data = json.loads((out / "history.json").read_text())
+        return proc.stdout, data["rules"][0]["verdicts"], data
+
+    stdout, verdicts_, data = run()
+    assert verdicts_ == ["passed", "failed"] and "2 suite run(s), 0 from the cache" in stdout, stdout
+    files = data["suite"]["adapter"]["files"]
+    assert {str(wrapper / "adapter.py"), str(wrapper / "helper.py")} <= set(files), files
+    trees = tuple(os.path.join(REPO, t) + os.sep for t in runs.SUITE_TREES)
+    assert not [f for f in files if f.startswith(trees) or "site-packages" in f], "hashed whole, or a library's"
+    # The adapter stops claiming snapshot.parts: every version runs again, with the new verdicts.
+    (wrapper / "adapter.py").write_text(ADAPTER.replace("DROP = frozenset()", f"DROP = {NO_PARTS}"))
+    stdout, verdicts_, _ = run()
+    assert "2 suite run(s), 0 from the cache" in stdout, stdout
+    assert verdicts_ == ["not_applicable", "not_applicable"], verdicts_
+    # Back as it was: the first run's results are read (the key is the content, not a time stamp).
+    (wrapper / "adapter.py").write_text(ADAPTER)
+    stdout, verdicts_, _ = run()
+    assert "0 suite run(s), 2 from the cache" in stdout and verdicts_ == ["passed", "failed"], stdout
+    # --no-cache runs every version though nothing changed.
+    stdout, verdicts_, data = run("--no-cache")
+    assert "2 suite run(s), 0 from the cache" in stdout and verdicts_ == ["passed", "failed"], stdout
+    assert data["suite"]["cache_read"] is False
+    # A module the adapter imports changes: every version runs again.
+    (wrapper / "helper.py").write_text(f"DROP = {NO_PARTS}\n")
+    stdout, verdicts_, _ = run()
+    assert "2 suite run(s), 0 from the cache" in stdout, stdout
+    assert verdicts_ == ["not_applicable", "not_applicable"], verdicts_
+
+
+BROKEN = {
+    "a missing file": ("{tmp}/nowhere/adapter.py:make", "adapter file {tmp}/nowhere/adapter.py does not exist"),
+    "an import error": ("{tmp}/broken.py:make", "ModuleNotFoundError: No module named 'no_such_module'"),
+    "no such attribute": ("conformance.impls.fastdeploy:NoSuchAdapter", "has no attribute 'NoSuchAdapter'"),
+    "a factory that takes no source": ("reference", "cannot be called with source='FILE'"),
+    "an unknown name": ("no-such-impl", "unknown implementation 'no-such-impl'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_an_adapter_that_cannot_load_exits_4_before_any_run(work, tmp_path, capsys, case):
+    (tmp_path / "broken.py").write_text("import no_such_module\n\ndef make(source=None):\n    pass\n")
+    impl, message = (x.format(tmp=tmp_path) for x in BROKEN[case])
+    rc, err = run_main(["--repo", str(work["repo"]), "--path", FILE, "-o", str(tmp_path / "out"), "--impl", impl,
+                        *NARROW], capsys)
+    assert rc == 4 and "the adapter cannot be loaded (exit 4, nothing was run)" in err and message in err, (rc, err)
+    assert not (tmp_path / "out" / ".history-cache").exists(), "no suite run, no cache"
+
+
+def test_a_relative_adapter_path_is_the_callers_not_the_suites(tmp_path, monkeypatch):
+    from conformance.history.adapter_probe import absolute_impl
+
+    monkeypatch.chdir(tmp_path)
+    assert absolute_impl("adapters/mine.py:make") == f"{tmp_path}/adapters/mine.py:make"
+    assert absolute_impl("package.module:make") == "package.module:make"
+    assert absolute_impl("fastdeploy") == "fastdeploy"
+    (tmp_path / "exp.toml").write_text("")
+    assert cli.absolute_options(["--expectations", "exp.toml", "--impl-opt", "cfg=exp.toml", "--impl-opt=k=v",
+                                 "-k", "exp.toml"]) == [
+        "--expectations", f"{tmp_path}/exp.toml", "--impl-opt", f"cfg={tmp_path}/exp.toml", "--impl-opt=k=v",
+        "-k", "exp.toml"]
+
+
+# --- empty ranges ---------------------------------------------------------------------------------
+
+def test_an_empty_range_says_it_is_empty(tmp_path, capsys):
+    repo = _two_versions(tmp_path)
+    last = git(repo, "rev-parse", "--short", "HEAD")
+    docs = commit(repo, "Document the levels", 3, {"README.md": "levels\n"})
+    out = str(tmp_path / "out")
+    rc, err = run_main(["--repo", str(repo), "--path", FILE, "-o", out, "--rev-range", f"{last}..{docs}"], capsys)
+    assert rc == 2 and f"{last}..{docs}: none of its 1 commit(s) (first-parent line) changed {FILE}" in err, err
+    rc, err = run_main(["--repo", str(repo), "--path", FILE, "-o", out, "--rev-range", f"{docs}..{docs}"], capsys)
+    assert rc == 2 and f"{docs}..{docs}: the range is empty (no commits)" in err, err
+    rc, err = run_main(["--repo", str(repo), "--path", "other.py", "-o", out, "--rev-range", f"{last}..{docs}"], capsys)
+    assert rc == 2 and "other.py: never in the history of" in err, err
+
+
+# --- the pull-request gate ------------------------------------------------------------------------
+
+GATE = ["--rule", "PART", "-k", "2-before-10 and trace"]  # an area: the bisection below reads these results
+COMMENTED = replaced(replaced(PARTS, NUMERIC_SORT, LEXICAL_SORT), LEXICAL_SORT,
+                     "# parts in the order of their names\n        " + LEXICAL_SORT)
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory):
+    """A repository: a clean commit, one that breaks PART-ORDER-NUMERIC, one that changes only a comment, one
+    that fixes it, one that changes another file; the gate on the whole range (the first run, cold)."""
+    root = tmp_path_factory.mktemp("gate")
+    repo = root / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    sha = {"clean": commit(repo, "Support chunked part files", 1, {FILE: PARTS}),
+           "break": commit(repo, "Sort part files by name", 2, {FILE: replaced(PARTS, NUMERIC_SORT, LEXICAL_SORT)}),
+           "comment": commit(repo, "Explain the sort", 3, {FILE: COMMENTED}),
+           "fix": commit(repo, "Sort part files by number", 4, {FILE: PARTS}),
+           "docs": commit(repo, "Document the levels", 5, {"README.md": "levels\n"})}
+    work = {"root": root, "repo": repo, "out": root / "out", "sha": sha}
+    proc = gate_tool(work, f"{sha['clean']}..{sha['docs']}")
+    return {**work, "proc": proc}
+
+
+def gate_tool(work, rev_range, *extra, out=None, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "conformance.history", "--repo", str(work["repo"]), "--path", FILE,
+                           "--rev-range", rev_range, "--fail-on-regression", "-o", str(out or work["out"]),
+                           "--jobs", "2", *GATE, *extra], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.timeout(900)
+def test_the_gate_fails_naming_exactly_the_breaking_commit_and_rule(gated):
+    proc, s = gated["proc"], gated["sha"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((gated["out"] / "gate.json").read_text())
+    assert report["gate"] == "failed" and report["unjudged"] == [], report
+    got = [(r["id"], r["rule"], r["from"], r["to"], r["previous"]) for r in report["regressions"]]
+    assert got == [(s["break"], RULE, "passed", "failed", s["clean"])], got
+    failure = report["regressions"][0]["failures"][0]
+    assert "2-before-10" in failure["test"] and failure["message"], failure
+    out = proc.stdout
+    assert "gate: FAILED: 1 rule verdict(s) got worse in 3 version(s)" in out, out
+    assert re.search(rf"^  {s['break']} [0-9a-f]{{40}}  Sort part files by name$", out, re.M), out
+    assert f"    {RULE}: passed -> failed (was passed at {s['clean']})" in out, out
+    assert failure["test"] in out and failure["message"].splitlines()[0] in out, out
+    assert s["comment"] not in out.split("gate:", 1)[1] and s["fix"] not in out.split("gate:", 1)[1], out
+    # The base (the merge base) and every commit that changed the file, in order; the docs commit is none.
+    data = json.loads((gated["out"] / "history.json").read_text())
+    assert [v["id"] for v in data["versions"]] == [s[k] for k in ("clean", "break", "comment", "fix")]
+    assert data["source"]["base"]["id"] == s["clean"]
+    assert data["rules"][0]["verdicts"] == ["passed", "failed", "failed", "passed"]
+    assert data["runs"] == {"versions": 4, "distinct": 3, "executed": 3, "cached": 0}, data["runs"]
+    page = Cells((gated["out"] / "history.html").read_text(encoding="utf-8"))
+    assert [j for j in range(4) if "regression" in page.cells[(RULE, j)]["class"].split()] == [1]
+
+
+@pytest.mark.timeout(600)
+def test_the_gate_passes_a_range_without_a_regression(gated):
+    s = gated["sha"]
+    proc = gate_tool(gated, f"{s['break']}..{s['docs']}")  # failed, still failed (a comment), passed
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gate: passed: no rule's verdict got worse in 2 version(s) (base " + s["break"] in proc.stdout, proc.stdout
+    assert "0 suite run(s), 3 from the cache" in proc.stdout, proc.stdout
+    proc = gate_tool(gated, f"{s['fix']}..{s['docs']}", out=gated["root"] / "empty")  # changes another file only
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"gate: passed: {s['fix']}..{s['docs']}: none of its 1 commit(s)" in proc.stdout, proc.stdout
+    assert json.loads((gated["root"] / "empty" / "gate.json").read_text())["gate"] == "passed"
+
+
+@pytest.mark.timeout(600)
+def test_a_failure_the_expectations_pin_is_no_regression(gated, tmp_path):
+    (tmp_path / "expect.toml").write_text(f'[[expect]]\nrule = "{RULE}"\nkind = "bug"\nreason = "parts by name"\n')
+    s = gated["sha"]
+    # From another folder, the expectations named relative to it (the suite itself runs from its own root).
+    proc = gate_tool(gated, f"{s['clean']}..{s['docs']}", "--expectations", "expect.toml", out=tmp_path / "out",
+                     cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    verdicts_ = json.loads((tmp_path / "out" / "history.json").read_text())["rules"][0]["verdicts"]
+    assert verdicts_ == ["unexpected_pass", "expected_failure", "expected_failure", "unexpected_pass"], verdicts_
+
+
+@pytest.mark.timeout(300)
+def test_bisect_reads_what_a_wider_run_cached(gated):
+    s = gated["sha"]
+    proc = tool(gated, "--bisect", RULE, "--from", "failed", "--to", "passed", "--rev-range",
+                f"{s['clean']}..{s['docs']}", "-k", "2-before-10 and trace")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(rf"at +{s['fix']}.*Sort part files by number", proc.stdout), proc.stdout
+    assert "0 suite run(s)" in proc.stdout, "the gate's run of the area PART has the rule's verdicts: " + proc.stdout
+
+
+def test_the_gate_refuses_what_it_cannot_compare(work, tmp_path, capsys):
+    for extra, message in ((["--all"], "not with --bisect or --all"), (["--bisect", RULE], "not with --bisect"),
+                           (["--impl-opt", "source=x.py"], "--impl-opt source=... is the tool's own"),
+                           (["--conformance-report", "r.json"], "--conformance-report is the tool's own")):
+        rc, err = run_main(["--repo", str(work["repo"]), "--path", FILE, "-o", str(tmp_path), "--fail-on-regression",
+                            *extra], capsys)
+        assert rc == 2 and message in err, (extra, rc, err)
+
+
+def _result(sha, rules, outcome="report"):
+    report = {"rules": [{"id": r, "status": st, "title": r.lower(), "tests": [
+        {"nodeid": f"t::{r}", "status": st, "message": f"{r} {st}\nsecond line"}]} for r, st in rules.items()]}
+    return runs.Result("k", sha, outcome, 0, "why" if outcome != "report" else "", 1.0,
+                       report if outcome == "report" else None)
+
+
+def test_what_counts_as_worse():
+    from conformance.history import gate
+
+    vs = fake_versions(6)
+    line = {"A": ["passed", "failed", "passed", "error", "error", "failed"],  # two regressions: at 1 and 3
+            "B": ["passed", "not_applicable", "skipped", "failed", "passed", "passed"],  # across neutral verdicts: 3
+            "C": ["failed", "failed", "passed", "expected_failure", "unexpected_pass", "failed"],  # pinned: none; 5
+            "D": ["not_applicable", "failed", "failed", "failed", "failed", "failed"]}  # never passed: none
+    results = {i: _result(f"s{i}", {r: v[i] for r, v in line.items()}) for i in range(6)}
+    found, unjudged = gate.judge(vs, results, start=1)
+    assert [(r.rule, r.index, r.before, r.old, r.new) for r in found] == [
+        ("A", 1, 0, "passed", "failed"), ("A", 3, 2, "passed", "error"), ("B", 3, 0, "passed", "failed"),
+        ("C", 5, 4, "unexpected_pass", "failed")]
+    assert found[0].failures == [("t::A", "A failed\nsecond line")] and unjudged == []
+    # A version without a report is stepped over for the comparison, and is itself unjudged (exit 3).
+    results[2] = _result("s2", {}, outcome="usage_error")
+    found, unjudged = gate.judge(vs, results, start=1)
+    assert ("A", 3, 1, "failed", "error") not in [(r.rule, r.index, r.before, r.old, r.new) for r in found]
+    assert unjudged == [2] and gate.exit_status(found, unjudged) == 1 and gate.exit_status([], unjudged) == 3
+    # The base is never judged itself.
+    results = {0: _result("s0", {}, outcome="usage_error"), 1: _result("s1", {"A": "failed"})}
+    assert gate.judge(fake_versions(2), results, start=1) == ([], [])
+    # --fail-on contract: a hardening rule's regression is listed, and does not fail the gate.
+    results = {i: _result(f"s{i}", {"H": v, "K": k}) for i, (v, k) in enumerate((("passed", "passed"),
+                                                                                  ("failed", "passed")))}
+    for i, level in ((1, "hardening"),):
+        results[i].report["summary"] = {"fail_on": "contract"}
+        for rule in results[i].report["rules"]:
+            rule["level"] = level
+    found, unjudged = gate.judge(fake_versions(2), results, start=1)
+    assert [(r.rule, r.level, r.fails) for r in found] == [("H", "hardening", False)]
+    assert gate.exit_status(found, unjudged) == 0
+    assert "[hardening: not failing the gate]" in "\n".join(gate.report_lines(fake_versions(2), results, found, [], 1))
+    results[1].report["summary"] = {"fail_on": "all"}
+    found, _ = gate.judge(fake_versions(2), results, start=1)
+    assert [r.fails for r in found] == [True] and gate.exit_status(found, []) == 1
+
+
+def test_the_key_follows_the_adapters_files_and_the_folders_options_name(tmp_path, monkeypatch):
+    from conformance.history.adapter_probe import AdapterInfo
+
+    (tmp_path / "suite").mkdir()
+    (tmp_path / "suite" / "SPEC.md").write_text("v1\n")
+    monkeypatch.setattr(runs, "ROOT", str(tmp_path / "suite"))
+    adapter, helper, config = tmp_path / "mine" / "adapter.py", tmp_path / "mine" / "helper.py", tmp_path / "cfg"
+    adapter.parent.mkdir()
+    config.mkdir()
+    for path in (adapter, helper, config / "a.json"):
+        path.write_text("v1\n")
+    info = AdapterInfo("mine", "mine.py:make", (str(adapter), str(helper)), {"somelib": "1.0"})
+    base = runs.Suite(adapter=info).fingerprint()
+    assert base != runs.Suite().fingerprint() and runs.Suite(adapter=info).fingerprint() == base
+    helper.write_text("v2\n")
+    after_helper = runs.Suite(adapter=info).fingerprint()
+    assert after_helper != base, "a module the adapter imports"
+    newer = AdapterInfo("mine", "mine.py:make", info.files, {"somelib": "1.1"})
+    assert runs.Suite(adapter=newer).fingerprint() != after_helper, "a distribution the adapter imports"
+    with_dir = runs.Suite(extra=("--impl-opt", f"cfg={config}")).fingerprint()
+    (config / "a.json").write_text("v2\n")
+    assert runs.Suite(extra=("--impl-opt", f"cfg={config}")).fingerprint() != with_dir, "a file in a folder named"
+    narrow, wide = runs.Suite(extra=("--rule", "PART", "-k", "x")), runs.Suite(extra=("-k", "x"))
+    assert narrow.fingerprint() != wide.fingerprint()
+    assert narrow.fingerprint(rules=False) == wide.fingerprint(rules=False) != runs.Suite().fingerprint(rules=False)
+
+
+def test_a_bisection_reads_an_entry_whose_selection_has_its_rule(tmp_path):
+    report = {"rules": [{"id": RULE, "status": "passed"}]}
+    wide = runs.Cache(str(tmp_path), "suite+PART", base_hash="base", rules=["PART"])
+    wide.put(runs.Result(wide.key("abc"), "abc", "report", 0, "", 1.0, report))
+    for rule, base, hit in ((RULE, "base", True), ("LEVEL-X", "base", False), (RULE, "other base", False),
+                            ("PART-OTHER", "base", False)):  # PART-OTHER: selected, but the report lacks it
+        narrow = runs.Cache(str(tmp_path), f"suite+{rule}", base_hash=base, rules=[rule])
+        assert narrow.get("abc") is None
+        found = narrow.find("abc", rule)
+        assert (found is not None) == hit, (rule, base)
+        assert found is None or (found.report == report and found.cached)
+    assert runs.Cache(str(tmp_path), "x", base_hash="base", rules=[RULE], read=False).find("abc", RULE) is None
+    everything = runs.Cache(str(tmp_path / "all"), "suite", base_hash="base", rules=[])
+    everything.put(runs.Result(everything.key("abc"), "abc", "report", 0, "", 1.0, report))
+    assert runs.Cache(str(tmp_path / "all"), "s2", base_hash="base", rules=[RULE]).find("abc", RULE) is not None

@@ -10,10 +10,11 @@ import sys
 import time
 
 from .. import spec
-from . import page, verdicts
+from . import gate, page, verdicts
+from .adapter_probe import AdapterError, absolute_impl, probe
 from .progress import progress_for
-from .runs import Cache, Runner, Suite, atomic_write, default_jobs
-from .versions import HistoryError, from_folder, from_git
+from .runs import ROOT, SUITE_TREES, TOOL, Cache, Runner, Suite, atomic_write, checkout, default_jobs, run_dir
+from .versions import EmptyRange, HistoryError, Version, baseline, from_folder, from_git, range_ends
 
 VERDICTS = ("passed", "failed", "error", "not_applicable", "skipped", "expected_failure", "unexpected_pass",
             verdicts.ABSENT, "usage_error", "crashed", "timed_out")
@@ -23,9 +24,16 @@ EXAMPLES = """examples:
   python -m conformance.history --versions copies/ -o fd-history --rule LEVEL
   python -m conformance.history --repo ~/FastDeploy --path fastdeploy/rl/dynamic_weight_manager.py \\
       -o fd-history --bisect PART-INDEX-BASENAME
+  python -m conformance.history --repo . --path fastdeploy/rl/dynamic_weight_manager.py \\
+      --rev-range BASE..HEAD --fail-on-regression -o conformance-gate [--expectations expectations.toml]
 
 Arguments the tool does not know (--rule ID, -m EXPR, -k EXPR, --expectations FILE, ...) are passed to
 each suite run: pytest conformance --impl=NAME --impl-opt source=FILE --conformance-report R.json ARGS.
+
+exit status: 0 done (with --fail-on-regression: no verdict got worse); 1 a version crashed or timed out
+(with --fail-on-regression: a rule's verdict got worse); 2 bad input (arguments, repository, path,
+range); 3 with --fail-on-regression: a version of the range has no verdict (usage error, crash,
+timeout) and none got worse; 4 the adapter (--impl) cannot be loaded; 130 interrupted.
 """
 
 
@@ -49,6 +57,8 @@ def parse(argv):
     parser.add_argument("-o", "--output", default="conformance-history", metavar="DIR",
                         help="where reports/, history.json and history.html go (default: %(default)s)")
     parser.add_argument("--cache", metavar="DIR", help="the results cache (default: OUTPUT/.history-cache)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="read no result from the cache: run every version again (the new results are cached)")
     parser.add_argument("--impl", default="fastdeploy", metavar="NAME",
                         help="the adapter; it is given --impl-opt source=FILE (default: %(default)s)")
     parser.add_argument("-j", "--jobs", type=int, default=default_jobs(), metavar="N",
@@ -62,6 +72,12 @@ def parse(argv):
                         help="with --bisect: the verdict before the change (the first version must have it)")
     parser.add_argument("--to", dest="want_to", choices=VERDICTS, metavar="VERDICT",
                         help="with --bisect: the verdict after the change")
+    parser.add_argument("--fail-on-regression", action="store_true",
+                        help="the pull-request gate: also run the file as the range starts from (with --rev-range "
+                             "A..B, at the merge base of A and B), compare every version with the one before it, "
+                             "and exit 1 when a rule's verdict got worse (passed -> failed or error; a failure the "
+                             "--expectations file pins is no regression), naming commit, rule, both verdicts and "
+                             "the tests' messages")
     args, extra = parser.parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
@@ -80,7 +96,59 @@ def parse(argv):
         parser.error(f"--timeout must be positive, got {args.timeout:g}")
     if (args.want_from or args.want_to) and not args.bisect:
         parser.error("--from and --to go with --bisect RULE")
+    if args.fail_on_regression and (args.bisect or args.all):
+        parser.error("--fail-on-regression compares each version with its parent: not with --bisect or --all")
+    if any(a == "--conformance-report" or a.startswith("--conformance-report=") for a in args.extra):
+        parser.error("--conformance-report is the tool's own: each version's report is OUTPUT/reports/NNN-ID.json")
+    if any(opt.split("=", 1)[0] == "source" for opt in impl_opts(args.extra)):
+        parser.error("--impl-opt source=... is the tool's own (each version's file): give the versions instead")
     return parser, args
+
+
+def impl_opts(extra: list[str]) -> list[str]:
+    """The ``KEY=VALUE`` values of --impl-opt in the pytest arguments."""
+    values = []
+    for i, arg in enumerate(extra):
+        if arg == "--impl-opt" and i + 1 < len(extra):
+            values.append(extra[i + 1])
+        elif arg.startswith("--impl-opt="):
+            values.append(arg.split("=", 1)[1])
+    return values
+
+
+PATH_OPTIONS = ("--expectations",)
+
+
+def absolute_options(extra: list[str], cwd: str | None = None) -> list[str]:
+    """The pytest arguments with the paths they name made absolute (relative to ``cwd``, default the current
+    directory): the suite runs from its own root. A path option's value (--expectations FILE, ...), and an
+    --impl-opt KEY=VALUE whose value is an existing file or folder."""
+    cwd = cwd or os.getcwd()
+
+    def absolute(value: str, must_exist: bool) -> str:
+        path = os.path.join(cwd, os.path.expanduser(value))
+        return os.path.abspath(path) if value and (not must_exist or os.path.exists(path)) else value
+
+    out, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        name, eq, value = arg.partition("=")
+        if name in PATH_OPTIONS and eq:
+            out.append(f"{name}={absolute(value, False)}")
+        elif arg in PATH_OPTIONS and i + 1 < len(extra):
+            out += [arg, absolute(extra[i + 1], False)]
+            i += 1
+        elif name == "--impl-opt" and eq:
+            key, sep, val = value.partition("=")
+            out.append(f"--impl-opt={key}{sep}{absolute(val, True) if sep else val}")
+        elif arg == "--impl-opt" and i + 1 < len(extra):
+            key, sep, val = extra[i + 1].partition("=")
+            out += [arg, f"{key}{sep}{absolute(val, True) if sep else val}"]
+            i += 1
+        else:
+            out.append(arg)
+        i += 1
+    return out
 
 
 def rule_values(extra: list[str]) -> list[str]:
@@ -122,13 +190,31 @@ def check_rules(extra: list[str], bisect: str | None) -> list[str]:
 
 
 def load_versions(args):
+    """(versions, source, start): the versions in order and, with --fail-on-regression, the index of the
+    first one the gate judges (1 when the base, the file as the range starts from, comes first). A range
+    that changed nothing gives no versions (EmptyRange's message in source["empty"]) for the gate to pass."""
     if args.repo:
-        return from_git(args.repo, args.path, args.rev_range, args.all), {
-            "kind": "git", "repo": os.path.abspath(args.repo), "path": args.path, "rev_range": args.rev_range,
-            "all": args.all}
+        source = {"kind": "git", "repo": os.path.abspath(args.repo), "path": args.path, "rev_range": args.rev_range,
+                  "all": args.all}
+        try:
+            versions = from_git(args.repo, args.path, args.rev_range, args.all)
+        except EmptyRange as e:
+            if not args.fail_on_regression:
+                raise
+            return [], {**source, "empty": str(e)}, 0
+        start = 1 if args.fail_on_regression else 0  # without a range, the first version is the base
+        if args.fail_on_regression and args.rev_range:
+            base = baseline(args.repo, args.path, args.rev_range, versions[0])
+            if base is None and range_ends(args.rev_range) is not None:
+                start = 0  # the range adds the file: every version is judged
+            elif base is not None:
+                versions = [base] + [Version(v.index + 1, v.id, v.date, v.title, v.path, v.commit, v.content)
+                                     for v in versions]
+                source["base"] = base.describe()
+        return versions, source, start
     return from_folder(args.versions, args.manifest), {
         "kind": "folder", "folder": os.path.abspath(args.versions),
-        "manifest": os.path.abspath(args.manifest) if args.manifest else None}
+        "manifest": os.path.abspath(args.manifest) if args.manifest else None}, (1 if args.fail_on_regression else 0)
 
 
 def _safe(name: str) -> str:
@@ -154,7 +240,17 @@ def abort_on_bad_arguments(result) -> None:
         raise HistoryError(f"pytest refused the arguments passed to it: {result.message}")
 
 
-def full_run(args, versions, source, suite, runner) -> int:
+def empty_gate(args, source) -> int:
+    """--fail-on-regression on a range that changed no version of the file: nothing got worse."""
+    os.makedirs(args.output, exist_ok=True)
+    summary = {"tool": "conformance.history", "format": 1, "gate": "passed", "source": source, "versions": 0,
+               "regressions": [], "unjudged": [], "message": source["empty"]}
+    atomic_write(os.path.join(args.output, "gate.json"), json.dumps(summary, indent=2).encode())
+    print(f"gate: passed: {source['empty']}")
+    return 0
+
+
+def full_run(args, versions, source, suite, runner, start: int = 0) -> int:
     out = args.output
     name = _source_name(versions)
     distinct: dict[str, list] = {}
@@ -177,6 +273,8 @@ def full_run(args, versions, source, suite, runner) -> int:
         bar.close()
     results = {v.index: by_sha[v.sha256] for v in versions}
     rows, reports, table, changes = verdicts.table(versions, results)
+    gating = getattr(args, "fail_on_regression", False)
+    regressions, unjudged = gate.judge(versions, results, start) if gating else ([], [])
 
     os.makedirs(os.path.join(out, "reports"), exist_ok=True)
     described = []
@@ -191,10 +289,13 @@ def full_run(args, versions, source, suite, runner) -> int:
             entry["rules"] = (r.report.get("summary") or {}).get("rules")
         described.append(entry)
     executed = runner.executed
+    adapter = suite.adapter
     history = {
         "tool": "conformance.history", "format": 1, "source": source,
         "suite": {"impl": suite.impl, "extra": list(suite.extra), "hash": runner.cache.suite_hash,
-                  "command": suite.command("FILE", "REPORT.json")},
+                  "command": suite.command("FILE", "REPORT.json"), "cache_read": runner.cache.read,
+                  "adapter": None if adapter is None else {"where": adapter.where, "files": list(adapter.files),
+                                                           "distributions": adapter.distributions}},
         "runs": {"versions": len(versions), "distinct": len(distinct), "executed": executed,
                  "cached": len(distinct) - executed},
         "versions": described,
@@ -202,9 +303,21 @@ def full_run(args, versions, source, suite, runner) -> int:
                    "verdicts": table[row.id]} for row in rows],
         "changes": [c.to_json(versions) for c in changes],
     }
+    if gating:
+        history["gate"] = {"status": "failed" if gate.exit_status(regressions, unjudged) else "passed",
+                           "judged_from": start,
+                           "regressions": [r.to_json(versions) for r in regressions],
+                           "unjudged": [versions[i].describe() | {"outcome": results[versions[i].index].outcome,
+                                                                  "message": results[versions[i].index].message}
+                                        for i in unjudged]}
+        atomic_write(os.path.join(out, "gate.json"), json.dumps(
+            {"tool": "conformance.history", "format": 1, "gate": history["gate"]["status"], "source": source,
+             "versions": len(versions), **{k: v for k, v in history["gate"].items() if k != "status"}},
+            indent=2).encode())
     atomic_write(os.path.join(out, "history.json"), json.dumps(history, indent=2).encode())
     what = source.get("path") or source.get("folder")
-    html = page.render(f"Conformance history of {what}", versions, results, rows, reports, table, changes, what)
+    html = page.render(f"Conformance history of {what}", versions, results, rows, reports, table, changes, what,
+                       regressions=regressions if gating else None)
     atomic_write(os.path.join(out, "history.html"), html.encode("utf-8"))
 
     print(f"{len(versions)} version(s), {len(distinct)} distinct content(s) of {what}: {executed} suite run(s), "
@@ -226,8 +339,11 @@ def full_run(args, versions, source, suite, runner) -> int:
     if failed:
         print(f"no verdict for {len(failed)} version(s) (crashed or timed out, not cached): {', '.join(failed)}",
               file=sys.stderr)
-        return 1
-    return 0
+    if gating:
+        for line in gate.report_lines(versions, results, regressions, unjudged, start):
+            print(line)
+        return gate.exit_status(regressions, unjudged)
+    return 1 if failed else 0
 
 
 def bisect_run(args, versions, source, suite, runner) -> int:
@@ -289,14 +405,27 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _terminated)
     runner = None
     try:
-        extra = check_rules(args.extra, args.bisect)
-        versions, source = load_versions(args)
-        suite = Suite(args.impl, tuple(extra), args.timeout)
-        cache = Cache(args.cache or os.path.join(args.output, ".history-cache"), suite.fingerprint())
-        runner = Runner(suite, cache, args.jobs, os.path.join(cache.folder, "work"))
+        extra = absolute_options(check_rules(args.extra, args.bisect))
+        versions, source, start = load_versions(args)
+        impl = absolute_impl(args.impl)
+        options = dict(opt.partition("=")[::2] for opt in impl_opts(extra))
+        # Before any run: an adapter that cannot load is the same usage error for every version.
+        # Installed, the suite runs from where the tool was started (run_dir) and its trees are site-packages'.
+        adapter = probe(impl, {"source": "FILE", **options}, run_dir(), SUITE_TREES if checkout() else (),
+                        excluded=[TOOL] if checkout() else [])
+        if not versions:
+            return empty_gate(args, source)
+        suite = Suite(impl, tuple(extra), args.timeout, adapter)
+        cache = Cache(args.cache or os.path.join(args.output, ".history-cache"), suite.fingerprint(),
+                      base_hash=suite.fingerprint(rules=False), rules=rule_values(extra), read=not args.no_cache)
+        runner = Runner(suite, cache, args.jobs, os.path.join(cache.folder, "work"), rule=args.bisect)
         if args.bisect:
             return bisect_run(args, versions, source, suite, runner)
-        return full_run(args, versions, source, suite, runner)
+        return full_run(args, versions, source, suite, runner, start)
+    except AdapterError as e:
+        print(f"conformance.history: error: the adapter cannot be loaded (exit 4, nothing was run): {e}",
+              file=sys.stderr)
+        return 4
     except HistoryError as e:
         if runner is not None:
             runner.stop()

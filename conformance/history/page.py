@@ -17,6 +17,7 @@ NO_REPORT = {"usage_error": "usage error", "crashed": "crashed", "timed_out": "t
 
 CSS = matrix.CSS + """
 td.cell.change { box-shadow: inset 4px 0 0 #0969da; }
+td.cell.regression { outline: 3px solid #cf222e; outline-offset: -3px; }
 td.cell .chg { display: block; font-size: 11px; font-weight: normal; margin-top: 2px; }
 td.cell .chg code { font-size: 11px; }
 td.norun { background: #eaeef2; color: #57606a; font-style: italic; font-size: 12px; }
@@ -32,15 +33,35 @@ def _arrow(old: str, new: str) -> str:
     return f"{old} → {new}"
 
 
-def render(title: str, versions, results: dict, rows, reports, verdicts, changes, source: str) -> str:
-    """The page. ``results`` maps a version's index to its runs.Result (absent: not run)."""
+def render(title: str, versions, results: dict, rows, reports, verdicts, changes, source: str,
+           regressions=None) -> str:
+    """The page. ``results`` maps a version's index to its runs.Result (absent: not run); ``regressions``
+    (the gate's, gate.judge), when given, are listed first and their cells outlined in red."""
     at = {(c.rule, c.index): c for c in changes}
+    worse = {(r.rule, r.index): r for r in regressions or []}
     out = page_head(title, CSS)
     w = out.append
     runs = sum(1 for r in reports if r is not None)
     w(f'<p class="sub">{len(rows)} rules by {len(versions)} versions of {esc(source)} (oldest first), '
       f"{runs} with a report; {len(changes)} verdict change(s). A blue bar marks a cell whose verdict differs "
       "from the previous version with a report. Hover a cell for its tests' messages.</p>")
+
+    if regressions is not None:
+        w('<h2 style="font-size:16px">Regressions (the gate)</h2>')
+        if regressions:
+            w('<table class="changes regressions"><thead><tr><th>at</th><th>title</th><th>rule</th><th>verdict</th>'
+              "<th>was, at</th><th>failing tests</th></tr></thead><tbody>")
+            for r in regressions:
+                v = versions[r.index]
+                tests = "<br>".join(f"<code>{esc(t)}</code>: {esc(m.splitlines()[0] if m else '')}"
+                                    for t, m in r.failures[:3])
+                w(f'<tr data-rule="{esc(r.rule)}" data-col="{r.index}"><td><code>{esc(v.id)}</code></td>'
+                  f'<td>{esc(v.title)}</td><td><a href="#{esc(r.rule)}"><code>{esc(r.rule)}</code></a></td>'
+                  f"<td>{esc(_arrow(r.old, r.new))}</td><td><code>{esc(versions[r.before].id)}</code></td>"
+                  f"<td>{tests}</td></tr>")
+            w("</tbody></table>")
+        else:
+            w("<p>No rule's verdict got worse from one version to the next.</p>")
 
     w('<h2 style="font-size:16px">Verdict changes</h2>')
     if changes:
@@ -97,6 +118,8 @@ def render(title: str, versions, results: dict, rows, reports, verdicts, changes
             tip = cell_tooltip(cls, rule, report)
             mark = ""
             change = at.get((row.id, v.index))
+            if (row.id, v.index) in worse:
+                cls += " regression"
             if change is not None:
                 cls += " change"
                 tip = f"changed at {v.id}: {v.title} ({_arrow(change.old, change.new)} since " \

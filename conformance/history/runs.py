@@ -3,9 +3,12 @@
 A run is ``python -m pytest conformance --impl=NAME --impl-opt source=FILE --conformance-report R.json``
 in a child process (the same interpreter, in the suite's repository), so a version that crashes,
 hangs or leaks cannot harm the tool or the other runs. Results are cached by the file's sha256 and a
-hash of the suite (its code, SPEC.md, the command's options and the libraries it runs on): a rerun
-resumes, and a changed suite runs again. Each cache entry is one JSON file written to a temporary name
-and renamed into place, so an interrupted run leaves whole entries or none.
+hash of everything else that decides a verdict: the suite (its code, SPEC.md), the adapter (its files
+and the local modules they import, adapter_probe.py), the command's options and the files they name,
+and the libraries it runs on: a rerun resumes, and a change to any of them runs again. Each cache entry
+is one JSON file written to a temporary name and renamed into place, so an interrupted run leaves whole
+entries or none; beside it a small ``.meta.json`` names the content, the hash without the ``--rule``
+selection and the selection, so that a bisection can read a verdict a wider run already has.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from importlib import metadata
 
+from .adapter_probe import AdapterInfo
 from .versions import HistoryError
 
 # The suite's checkout, or the folder the installed suite's packages are in (site-packages).
@@ -33,7 +37,8 @@ SUITE_TREES = ("conformance", "fixtures", "sim", "wire")
 SUITE_FILES = ("SPEC.md", "conftest.py", "pyproject.toml")
 INSTALLED_UNDER = "weightsync"
 LIBRARIES = ("paddlepaddle", "paddlepaddle-gpu", "numpy", "safetensors", "pyzmq", "msgpack", "pytest")
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the key covers the adapter's files; entries have a .meta.json
+TOOL = os.path.join("conformance", "history")  # this tool: not the suite
 USAGE_ERROR = 4  # pytest's exit status for a usage error (the adapter cannot drive the file)
 REPORTED = (0, 1, 5)  # all passed, some failed, nothing tested: the suite wrote its report
 OUTCOMES = ("report", "usage_error", "crashed", "timed_out")
@@ -52,12 +57,62 @@ def run_dir() -> str:
     return ROOT if checkout() else os.getcwd()
 
 
+def without_rules(extra) -> list[str]:
+    """The pytest arguments less the ``--rule`` selection (``--rule X`` and ``--rule=X``)."""
+    out, skip = [], False
+    for arg in extra:
+        if skip:
+            skip = False
+        elif arg == "--rule":
+            skip = True
+        elif not arg.startswith("--rule="):
+            out.append(arg)
+    return out
+
+
+def _hash_file(h, name: str, path: str) -> None:
+    h.update(name.encode() + b"\0")
+    with open(path, "rb") as f:
+        h.update(hashlib.sha256(f.read()).digest())
+
+
+def _tree_files(top: str, skip: str | None = None) -> list[str]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith(".")
+                             and os.path.join(dirpath, d) != skip)
+        found += [os.path.join(dirpath, n) for n in sorted(filenames) if not n.endswith((".pyc", ".pyo"))]
+    return found
+
+
+def _named(path: str) -> str:
+    """A file's name in the hash: relative to the suite's root when under it (the same tree checked out
+    elsewhere hashes the same), else absolute."""
+    rel = os.path.relpath(path, ROOT)
+    return path if rel.startswith(os.pardir) else rel
+
+
+def option_paths(extra) -> list[str]:
+    """The files and folders the pytest arguments name: an argument's value (``--expectations FILE``, a
+    ``KEY=VALUE`` of ``--impl-opt``, ``--opt=VALUE``) that is a path, as the suite's runs (from ``run_dir()``) read it."""
+    found = []
+    for arg in extra:
+        for candidate in {arg, arg.split("=", 1)[-1]}:
+            if candidate and not candidate.startswith("-"):
+                path = os.path.join(run_dir(), os.path.expanduser(candidate))
+                if os.path.exists(path) and os.path.realpath(path) != os.path.realpath(run_dir()):
+                    found.append(os.path.abspath(path))
+    return sorted(set(found))
+
+
 @dataclass(frozen=True)
 class Suite:
-    """How each version is run: the implementation name and the extra pytest arguments."""
+    """How each version is run: the implementation name, the extra pytest arguments, and what the adapter
+    is made of (adapter_probe.probe, for the cache key)."""
     impl: str = "fastdeploy"
     extra: tuple[str, ...] = ()
     timeout_s: float | None = None
+    adapter: AdapterInfo | None = None
 
     def command(self, source: str, report: str) -> list[str]:
         """The checkout's suite runs as ``pytest conformance`` in the checkout (its configuration), the installed
@@ -66,30 +121,36 @@ class Suite:
         return [sys.executable, "-m", "pytest", *where, f"--impl={self.impl}", "--impl-opt",
                 f"source={source}", "--conformance-report", report, "-p", "no:cacheprovider", "-q", *self.extra]
 
-    def fingerprint(self) -> str:
-        """sha256 of the suite's files, the options, the contents of files the options name (an
-        --expectations file) and the versions of Python and the libraries the suite runs on."""
+    def fingerprint(self, rules: bool = True) -> str:
+        """sha256 of what decides a verdict besides the version: the suite's files (not this tool's), the
+        adapter's files and the local modules they import, the options, the contents of the files and
+        folders the options name (an --expectations file, an --impl-opt path), the versions of Python, of
+        the libraries the suite runs on and of the distributions the adapter imports. ``rules=False``: all
+        of it but the ``--rule`` selection (what a bisection may share with a wider run)."""
         h = hashlib.sha256()
+        extra = list(self.extra) if rules else without_rules(self.extra)
         paths = [os.path.join(ROOT, f) for f in SUITE_FILES]
         for tree in SUITE_TREES:
             top = os.path.join(ROOT, tree)
             if not os.path.isdir(top):
                 top = os.path.join(ROOT, INSTALLED_UNDER, tree)
-            for dirpath, dirnames, filenames in os.walk(top):
-                dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith(".")
-                                     and os.path.join(dirpath, d) != os.path.join(ROOT, "conformance", "history"))
-                paths += [os.path.join(dirpath, n) for n in sorted(filenames) if not n.endswith((".pyc", ".pyo"))]
+            paths += _tree_files(top, skip=os.path.join(ROOT, TOOL))
         for path in paths:
             if os.path.isfile(path):
-                h.update(os.path.relpath(path, ROOT).encode() + b"\0")
-                with open(path, "rb") as f:
-                    h.update(hashlib.sha256(f.read()).digest())
-        h.update(json.dumps([CACHE_FORMAT, self.impl, list(self.extra), sys.version]).encode())
-        for arg in self.extra:
-            candidate = arg.split("=", 1)[-1]
-            if os.path.isfile(os.path.join(run_dir(), candidate)):
-                with open(os.path.join(run_dir(), candidate), "rb") as f:
-                    h.update(b"file:" + candidate.encode() + hashlib.sha256(f.read()).digest())
+                _hash_file(h, os.path.relpath(path, ROOT), path)
+        h.update(json.dumps([CACHE_FORMAT, self.impl, extra, sys.version]).encode())
+        for path in option_paths(extra):
+            for name in ([path] if os.path.isfile(path) else _tree_files(path)):
+                if os.path.isfile(name):
+                    _hash_file(h, "option:" + _named(name), name)
+        if self.adapter is not None:
+            h.update(f"adapter:{self.adapter.where}".encode())
+            for path in self.adapter.files:
+                if os.path.isfile(path):
+                    _hash_file(h, "adapter:" + _named(path), path)
+                else:
+                    h.update(f"adapter:{_named(path)}:absent".encode())
+            h.update(json.dumps(self.adapter.distributions, sort_keys=True).encode())
         for lib in LIBRARIES:
             try:
                 h.update(f"{lib}={metadata.version(lib)}".encode())
@@ -136,12 +197,16 @@ def atomic_write(path: str, data: bytes) -> None:
 
 
 class Cache:
-    """Results by key (sha256 of the content and of the suite), one JSON file each, and the sources the
-    runs read (``sources/<sha256>/<name>``), kept so a report's paths stay valid."""
+    """Results by key (sha256 of the content and of the suite), one JSON file each with its ``.meta.json``,
+    and the sources the runs read (``sources/<sha256>/<name>``), kept so a report's paths stay valid.
+    ``read=False`` (--no-cache): nothing is read from it; what runs is written as usual."""
 
-    def __init__(self, folder: str, suite_hash: str):
+    def __init__(self, folder: str, suite_hash: str, base_hash: str | None = None, rules=(), read: bool = True):
         self.folder = folder
         self.suite_hash = suite_hash
+        self.base_hash = base_hash  # the suite hash without the --rule selection
+        self.rules = list(rules)  # the --rule values of this run ([]: every rule)
+        self.read = read
         try:
             os.makedirs(os.path.join(folder, "results"), exist_ok=True)
             os.makedirs(os.path.join(folder, "sources"), exist_ok=True)
@@ -161,7 +226,9 @@ class Cache:
         return os.path.join(self.folder, "results", f"{key}.json")
 
     def get(self, sha256: str) -> Result | None:
-        key = self.key(sha256)
+        return self._load(self.key(sha256), sha256) if self.read else None
+
+    def _load(self, key: str, sha256: str) -> Result | None:
         try:
             with open(self._entry(key), encoding="utf-8") as f:
                 data = json.load(f)
@@ -170,14 +237,45 @@ class Cache:
         except (OSError, ValueError):
             return None  # unreadable: run it again (the new entry replaces it)
         if not isinstance(data, dict) or data.get("key") != key or data.get("format") != CACHE_FORMAT \
-                or data.get("outcome") not in CACHED_OUTCOMES:
+                or data.get("sha256") != sha256 or data.get("outcome") not in CACHED_OUTCOMES:
             return None
         return Result(key, sha256, data["outcome"], data.get("exit_status"), data.get("message") or "",
                       float(data.get("duration_s") or 0.0), data.get("report"), cached=True)
 
+    def find(self, sha256: str, rule: str) -> Result | None:
+        """This run's entry for the content, else one a run with another ``--rule`` selection wrote, all
+        else the same (the hash without the selection), whose selection has ``rule`` and whose report
+        judged it: a bisection reads what a full run or an area's run already knows."""
+        hit = self.get(sha256)
+        if hit is not None or not self.read or self.base_hash is None:
+            return hit
+        folder = os.path.join(self.folder, "results")
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(".meta.json"):
+                continue
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    meta = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if not isinstance(meta, dict) or meta.get("sha256") != sha256 or meta.get("base") != self.base_hash:
+                continue
+            wanted = meta.get("rules") or []
+            if wanted and not any(v == rule or rule.startswith(v + "-") for v in wanted):
+                continue
+            found = self._load(name[: -len(".meta.json")], sha256)
+            if found is None:
+                continue
+            if found.outcome == "report" and not any(r.get("id") == rule for r in found.report.get("rules", [])):
+                continue
+            return found
+        return None
+
     def put(self, result: Result) -> None:
         if result.outcome in CACHED_OUTCOMES:
             atomic_write(self._entry(result.key), json.dumps(result.to_json()).encode())
+            meta = {"format": CACHE_FORMAT, "sha256": result.sha256, "base": self.base_hash, "rules": self.rules}
+            atomic_write(os.path.join(self.folder, "results", f"{result.key}.meta.json"), json.dumps(meta).encode())
 
     def source(self, sha256: str, name: str, content: bytes) -> str:
         path = os.path.join(self.folder, "sources", sha256, name)
@@ -208,19 +306,24 @@ class Runner:
     """Runs the suite on contents, at most ``jobs`` at a time, each once per cache key. ``stop()`` (from
     the main thread on Ctrl-C) ends every child's process group and starts no new one."""
 
-    def __init__(self, suite: Suite, cache: Cache, jobs: int, work: str):
+    def __init__(self, suite: Suite, cache: Cache, jobs: int, work: str, rule: str | None = None):
         self.suite, self.cache, self.jobs, self.work = suite, cache, max(1, jobs), work
+        self.rule = rule  # a bisection's rule: a wider run's entry that judged it will do (Cache.find)
         self.executed = 0
         self._lock = threading.Lock()
         self._children: set[subprocess.Popen] = set()
         self._stopping = threading.Event()
+        self._ran: dict[str, Result] = {}  # this process's runs (--no-cache reads no entry, but runs a content once)
 
     def cached(self, sha256: str) -> Result | None:
-        return self.cache.get(sha256)
+        with self._lock:
+            if sha256 in self._ran:
+                return self._ran[sha256]
+        return self.cache.get(sha256) if self.rule is None else self.cache.find(sha256, self.rule)
 
     def run_one(self, sha256: str, name: str, content: bytes) -> Result:
         """The cached result, or a new run (cached when its outcome depends on the content alone)."""
-        hit = self.cache.get(sha256)
+        hit = self.cached(sha256)
         if hit is not None:
             return hit
         source = self.cache.source(sha256, name, content)
@@ -260,6 +363,8 @@ class Runner:
                 output = f.read()
             result = self._result(key, sha256, status, output, report_path, duration)
             self.cache.put(result)
+            with self._lock:
+                self._ran[sha256] = result
             return result
         finally:
             _remove_tree(scratch)  # a crash's message has the end of its output
@@ -307,7 +412,7 @@ class Runner:
         for sha256, name, content in items:
             if sha256 in results or any(t[0] == sha256 for t in todo):
                 continue
-            hit = self.cache.get(sha256)
+            hit = self.cached(sha256)
             if hit is not None:
                 results[sha256] = hit
                 on_done(hit)

@@ -49,19 +49,85 @@ def _git(repo: str, *args: str, binary: bool = False):
     return proc.stdout if binary else proc.stdout.decode("utf-8", "replace")
 
 
-def from_git(repo: str, path: str, rev_range: str | None = None, all_branches: bool = False) -> list[Version]:
-    """Every commit that changed ``path`` (followed across renames), oldest first in topological order:
-    the first-parent line of ``rev_range`` (default HEAD), or every branch with ``all_branches``. A commit
-    that deletes the file is not a version."""
+class EmptyRange(HistoryError):
+    """A --rev-range none of whose commits changed the file (or that has no commits): nothing to run."""
+
+
+def _root(repo: str) -> str:
+    """The repository's root (a work tree's top folder, or a bare repository's git directory)."""
     if not os.path.isdir(repo):
         raise HistoryError(f"{repo}: no such directory")
     try:
-        inside = subprocess.run(["git", "-C", repo, "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+        inside = subprocess.run(["git", "-C", repo, "rev-parse", "--is-bare-repository", "--show-toplevel"],
+                                capture_output=True, text=True)
     except FileNotFoundError:
         raise HistoryError("git is not installed (no `git` on PATH): --repo needs it") from None
+    lines = inside.stdout.split()
+    if lines[:1] == ["true"]:
+        return _git(repo, "rev-parse", "--absolute-git-dir").strip()
     if inside.returncode != 0:
         raise HistoryError(f"{repo}: not a git repository ({inside.stderr.strip() or 'git rev-parse failed'})")
-    repo = inside.stdout.strip() or repo  # paths are the repository root's, whatever folder was given
+    return lines[1] if len(lines) > 1 else repo  # paths are the repository root's, whatever folder was given
+
+
+def _commit_line(repo: str, rev: str) -> tuple[str, str, str, str]:
+    """(sha, short sha, committer date, subject) of ``rev``."""
+    head = _git(repo, "log", "-1", "--format=%H%x1f%h%x1f%cI%x1f%s", rev, "--").strip()
+    sha, short, date, subject = (head.split("\x1f") + ["", "", "", ""])[:4]
+    return sha, short, date, subject
+
+
+def range_ends(rev_range: str) -> tuple[str, str] | None:
+    """(A, B) of ``A..B`` or ``A...B`` (an empty end is HEAD); None for a single revision."""
+    for sep in ("...", ".."):
+        if sep in rev_range:
+            a, _, b = rev_range.partition(sep)
+            return a or "HEAD", b or "HEAD"
+    return None
+
+
+def baseline(repo: str, path: str, rev_range: str, first: Version | None) -> Version | None:
+    """The file as the range starts from, for a gate: at the merge base of ``A`` and ``B`` (the commit a
+    pull request branched from: what the base branch gained since is not the request's), under the name
+    it had before the range's first version (renames followed); None when the range is a single revision
+    or the file did not exist there (the request adds it)."""
+    ends = range_ends(rev_range)
+    if ends is None:
+        return None
+    repo = _root(repo)
+    for rev in ends:
+        found = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                               capture_output=True, text=True)
+        if found.returncode != 0:
+            raise HistoryError(f"{repo}: --rev-range {rev_range}: {rev!r} names no commit")
+    proc = subprocess.run(["git", "-C", repo, "merge-base", *ends], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise HistoryError(f"{repo}: {ends[0]} and {ends[1]} have no common ancestor: no base to compare with")
+    base = proc.stdout.strip()
+    name = path.replace(os.sep, "/").lstrip("/") if first is None else first.path
+    if first is not None and first.commit:
+        try:
+            renamed = _git(repo, "diff", "--name-status", "-M", f"{first.commit}^", first.commit, "--").splitlines()
+        except HistoryError:
+            renamed = []  # a root commit: nothing before it
+        for line in renamed:
+            fields = line.split("\t")
+            if fields[0].startswith("R") and len(fields) == 3 and fields[2] == first.path:
+                name = fields[1]
+    try:
+        content = _git(repo, "cat-file", "blob", f"{base}:{name}", binary=True)
+    except HistoryError:
+        return None
+    sha, short, date, subject = _commit_line(repo, base)
+    return Version(0, short, date, subject, name, sha, content)
+
+
+def from_git(repo: str, path: str, rev_range: str | None = None, all_branches: bool = False) -> list[Version]:
+    """Every commit that changed ``path`` (followed across renames), oldest first in topological order:
+    the first-parent line of ``rev_range`` (default HEAD), or every branch with ``all_branches``. A commit
+    that deletes the file is not a version. A range no commit of which changed the file is an EmptyRange
+    that says so (and how many commits it has); a path no commit ever had, a HistoryError."""
+    repo = _root(repo)
     if all_branches and rev_range:
         raise HistoryError("--all and --rev-range exclude each other: --all reads every branch")
     path = path.replace(os.sep, "/").lstrip("/")
@@ -71,6 +137,13 @@ def from_git(repo: str, path: str, rev_range: str | None = None, all_branches: b
                "--format=%x1e%H%x1f%h%x1f%cI%x1f%s", *revs, "--", path)
     records = [r for r in log.split("\x1e") if r.strip()]
     if not records:
+        ever = _git(repo, "log", "--all", "-1", "--format=%h", "--", path).strip()
+        if rev_range and ever:
+            count = int(_git(repo, "rev-list", "--count", "--first-parent", rev_range, "--").strip() or 0)
+            if count == 0:
+                raise EmptyRange(f"{rev_range}: the range is empty (no commits) in {repo}: no version of {path} to run")
+            raise EmptyRange(f"{rev_range}: none of its {count} commit(s) (first-parent line) changed {path} in {repo}: "
+                             "no version to run")
         where = "every branch" if all_branches else (rev_range or "HEAD")
         raise HistoryError(f"{path}: never in the history of {repo} ({where}); give the path relative to the "
                            "repository's root")

@@ -1,0 +1,169 @@
+"""conformance.thread_state: whether a worker's thread has looked at the cell again since a moment, judged from
+the kernel's view of the thread, never from a delay."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from conformance import thread_state as T
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux /proc only")
+
+
+class Poller(threading.Thread):
+    """A loop that polls a value as FastDeploy's does (read, then sleep ``poll_s`` while it is not the one
+    it waits for), recording every value it read in order."""
+
+    def __init__(self, poll_s: float, want: int = 99):
+        super().__init__(daemon=True)
+        self.value, self.want, self.poll_s, self.reads = 0, want, poll_s, []
+        self.start()
+
+    def run(self):
+        while True:
+            now = self.value
+            self.reads.append(now)
+            if now == self.want:
+                return
+            time.sleep(self.poll_s)
+
+
+def _stop(poller: Poller) -> None:
+    poller.value = poller.want
+    poller.join(5)
+
+
+@pytest.mark.parametrize("poll_s", [0.001, 0.01, 0.05])
+@pytest.mark.parametrize("times", [1, 3])
+def test_a_polling_thread_has_read_the_new_value_when_it_returns(poll_s, times):
+    poller = Poller(poll_s)
+    try:
+        time.sleep(0.02)  # inside its loop
+        for round_ in range(5):
+            poller.value = round_ + 1
+            assert T.looked_again(os.getpid(), poller.native_id, times=times, timeout_s=10.0)
+            read = list(poller.reads)
+            assert read.count(round_ + 1) >= times, (
+                f"poll every {poll_s}s: returned before the loop had read {round_ + 1} {times} time(s): {read[-8:]}")
+    finally:
+        _stop(poller)
+
+
+def test_under_cpu_load_it_waits_for_the_read_not_for_a_delay():
+    """Four busy threads contend for the interpreter with the poller: whatever the delay before the
+    poller runs again, the answer comes after its read."""
+    stop = threading.Event()
+
+    def burn():
+        while not stop.is_set():
+            sum(range(2000))
+
+    burners = [threading.Thread(target=burn, daemon=True) for _ in range(4)]
+    for b in burners:
+        b.start()
+    poller = Poller(0.01)
+    try:
+        for round_ in range(10):
+            poller.value = round_ + 1
+            assert T.looked_again(os.getpid(), poller.native_id, timeout_s=20.0)
+            assert round_ + 1 in poller.reads, f"round {round_}: {poller.reads[-5:]}"
+    finally:
+        stop.set()
+        _stop(poller)
+        for b in burners:
+            b.join(5)
+
+
+def test_a_thread_blocked_on_a_lock_has_not_looked():
+    lock = threading.Lock()
+    lock.acquire()
+    blocked = threading.Thread(target=lock.acquire, daemon=True)
+    blocked.start()
+    try:
+        time.sleep(0.05)
+        started = time.monotonic()
+        assert not T.looked_again(os.getpid(), blocked.native_id, timeout_s=0.3)
+        assert time.monotonic() - started >= 0.3
+    finally:
+        lock.release()
+        blocked.join(5)
+
+
+def test_a_busy_loop_counts_once_it_has_used_its_cpu_time():
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    busy = threading.Thread(target=spin, daemon=True)
+    busy.start()
+    try:
+        assert T.looked_again(os.getpid(), busy.native_id, timeout_s=30.0, busy_s=0.05)
+    finally:
+        stop.set()
+        busy.join(5)
+
+
+def test_an_ended_thread_has_looked_and_between_can_end_the_wait():
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    assert T.looked_again(os.getpid(), done.native_id, timeout_s=0.1)
+    sleeper = Poller(1.0)
+    try:
+        calls = []
+        assert T.looked_again(os.getpid(), sleeper.native_id, timeout_s=5.0, between=lambda: calls.append(1) or True)
+        assert calls == [1]
+        assert not T.looked_again(os.getpid(), sleeper.native_id, timeout_s=0.2, between=lambda: False)
+    finally:
+        _stop(sleeper)
+
+
+def test_a_forked_child_waiting_in_a_pipe_read_is_seen_waiting():
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(w)
+            os.read(r, 1)
+        finally:
+            os._exit(0)
+    try:
+        os.close(r)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            seen = T.sample(T.task_dir(pid))
+            if seen is not None and seen.waiting:
+                break
+            time.sleep(0.01)
+        assert seen is not None and seen.waiting, seen
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def test_before_a_fork_it_waits_for_a_busy_thread_and_not_for_a_sleeping_one():
+    sleeper = Poller(0.05)
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    try:
+        assert T.others_asleep(timeout_s=10.0), "only threads asleep: no wait"
+        busy = threading.Thread(target=spin, daemon=True)
+        busy.start()
+        started = time.monotonic()
+        assert not T.others_asleep(timeout_s=0.3) and time.monotonic() - started >= 0.3
+        threading.Timer(0.2, stop.set).start()
+        assert T.others_asleep(timeout_s=10.0), "the busy thread ended: gone"
+        busy.join(5)
+    finally:
+        stop.set()
+        _stop(sleeper)
