@@ -13,7 +13,7 @@ from .. import spec
 from . import gate, page, verdicts
 from .adapter_probe import AdapterError, absolute_impl, probe
 from .progress import progress_for
-from .runs import ROOT, SUITE_TREES, TOOL, Cache, Runner, Suite, atomic_write, checkout, default_jobs, run_dir
+from .runs import SUITE_TREES, TOOL, Cache, Runner, Suite, atomic_write, checkout, default_jobs, run_dir
 from .versions import EmptyRange, HistoryError, Version, baseline, from_folder, from_git, range_ends
 
 VERDICTS = ("passed", "failed", "error", "not_applicable", "skipped", "expected_failure", "unexpected_pass",
