@@ -33,7 +33,7 @@ def count() -> int:
 def _show(dtype: str, shape, data: bytes | None, limit: int = 6) -> str:
     if data is None:
         return "<not loaded>"
-    from fixtures.models import NUMPY_DTYPES
+    from weightsync.fixtures.models import NUMPY_DTYPES
 
     arr = np.frombuffer(data, dtype=NUMPY_DTYPES[dtype]) if dtype in NUMPY_DTYPES else np.frombuffer(data, np.uint8)
     head = ", ".join(str(v) for v in arr[:limit].tolist())

@@ -62,7 +62,7 @@ class Worker:
 def _set_device(selected) -> None:
     """Make the worker's CUDA ordinal the device stand-in's current device, as an engine's
     ``set_device`` at worker start does; it then stays put when the environment changes."""
-    from wire import handles as ipc_handles
+    from weightsync.wire import handles as ipc_handles
 
     try:
         ipc_handles.set_current_device(int(selected))
@@ -76,7 +76,7 @@ def open_session(adapter, model_spec, config: LoaderConfig, worker: Worker) -> R
     caller restores the environment (``Loader.open``) or owns the process (a forked rank, ``rank_group``)."""
     set_worker_env(os.environ, worker.rank, worker.visible, worker.selected)
     _set_device(worker.selected)
-    from fixtures.models import build_models
+    from weightsync.fixtures.models import build_models
 
     # A spec that builds its own layers (fixtures.tiny_transformer: declarations, buffers, ties) does so.
     models = model_spec.build_models() if hasattr(model_spec, "build_models") else build_models(model_spec)
@@ -97,7 +97,7 @@ class Loader:
         self._sessions: list[RecordedSession] = []
         # The legacy tp0{id} file is written in the format the loader's era reads (optional adapter
         # attribute ``snapshot_formats``, e.g. {"legacy": "paddle.save"}; default safetensors).
-        from fixtures import snapshot
+        from weightsync.fixtures import snapshot
 
         snapshot.set_legacy_format(dict(getattr(adapter, "snapshot_formats", None) or {}).get("legacy", "safetensors"))
 

@@ -22,9 +22,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from fixtures import models as M
-from fixtures import snapshot as S
-from fixtures import status_cell as C
+from weightsync.fixtures import models as M
+from weightsync.fixtures import snapshot as S
+from weightsync.fixtures import status_cell as C
 
 from .loop_driver import END_RESULTS, DriverError, LoopChild
 from .thread_state import looked_again

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from fixtures import models as M
+from weightsync.fixtures import models as M
 
 CALLS = {"first": 0, "second": 1, "third": 2}
 DRAFT_PREFIX = "mtp_block.0."  # an `mtp_` name component: GDR routes it to the draft model (GDR-MTP-ROUTE)
@@ -71,7 +71,7 @@ def earlier_snapshot(combo: Mapping[str, str], session, spec: M.ModelSpec, model
     loaded, cleared, and its files removed before the case writes its own."""
     import os
 
-    from fixtures import snapshot as S
+    from weightsync.fixtures import snapshot as S
 
     def publish(version):
         for path in S.write_level(level, model_dir, shared_dir, rank, gpu_id, M.state(spec, version=version)):
@@ -90,7 +90,7 @@ def earlier_stream(combo: Mapping[str, str], session, trainer, spec: M.ModelSpec
     """:func:`earlier` on a streamed path (rsync, GDR), whose updates write into loaded weights: each earlier
     version is streamed by ``trainer`` and loaded; then, for ``start=cleared``, the session is cleared, so that the
     update under test fills cleared parameters (a bootstrap load) instead of updating them in place."""
-    from fixtures import streams as S
+    from weightsync.fixtures import streams as S
 
     def publish(version):
         trainer.serve(S.stream_of(M.state(spec, version=version)))

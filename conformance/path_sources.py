@@ -20,11 +20,11 @@ import re
 
 import numpy as np
 
-from fixtures import buckets as B
-from fixtures import ipc as I
-from fixtures import models as M
-from fixtures import snapshot as S
-from fixtures import status_cell as C
+from weightsync.fixtures import buckets as B
+from weightsync.fixtures import ipc as I
+from weightsync.fixtures import models as M
+from weightsync.fixtures import snapshot as S
+from weightsync.fixtures import status_cell as C
 
 KINDS = ("snapshot", "ipc", "bucket")
 CAPS = {"snapshot": ("snapshot.parts",), "ipc": ("ipc.meta",), "bucket": ("ipc.buckets",)}

@@ -72,7 +72,7 @@ class SnapshotFeed(Feed):
 
     def publish(self, rank: int, tensors: Mapping[str, np.ndarray], version: int, layout=None) -> str:
         """``layout``: for parts, the names of each part (default: two parts, round-robin)."""
-        from fixtures import snapshot as S
+        from weightsync.fixtures import snapshot as S
 
         for path in self.written.pop(rank, []):
             os.remove(path)
@@ -94,7 +94,7 @@ class IpcFeed(Feed):
         self.exports: dict[int, object] = {}
 
     def publish(self, rank: int, tensors, version: int, layout=None) -> str:
-        from fixtures import ipc as I
+        from weightsync.fixtures import ipc as I
 
         old = self.exports.pop(rank, None)
         if old is not None:  # the worker holds its own copy of the previous version (IPC-WORKER-OWNS-COPY)
@@ -121,7 +121,7 @@ class BucketFeed(Feed):
         self.publishers: dict[int, object] = {}
 
     def _publisher(self, rank: int):
-        from fixtures import buckets as B
+        from weightsync.fixtures import buckets as B
 
         if rank not in self.publishers:
             self.publishers[rank] = B.Publisher(self.BUCKET_BYTES, wait_s=self.WAIT_S)
@@ -132,7 +132,7 @@ class BucketFeed(Feed):
 
     def publish(self, rank: int, tensors, version: int, layout=None) -> str:
         """``layout``: a function given the packed update (``fixtures.buckets.Update``) to tamper with."""
-        from fixtures import buckets as B
+        from weightsync.fixtures import buckets as B
 
         pub = self._publisher(rank)
         update = B.pack(dict(tensors), version, self.BUCKET_BYTES)
@@ -165,26 +165,26 @@ class StreamFeed(Feed):
         self.trainers: dict[int, object] = {}
 
     def _trainer(self, rank: int):
-        from fixtures import streams as S
+        from weightsync.fixtures import streams as S
 
         if rank not in self.trainers:
             self.trainers[rank] = S.trainer()
         return self.trainers[rank]
 
     def options(self, rank: int) -> dict:
-        from fixtures import streams as S
+        from weightsync.fixtures import streams as S
 
         return {"rsync_config": S.rsync_config(self._trainer(rank), self.TIMEOUT_S), "version": "1"}
 
     def opened(self, session) -> None:
-        from fixtures import streams as S
+        from weightsync.fixtures import streams as S
 
         S.attach_loaders(session.models)
         S.publish_version(self.loader.model_dir, self.options(0)["version"])  # for a bootstrap first load
 
     def publish(self, rank: int, tensors, version: int, layout=None) -> str:
         """``layout``: a trainer fault ``(kind, k)`` for this stream (``sim.stream_trainer.Stream.fault``)."""
-        from fixtures import streams as S
+        from weightsync.fixtures import streams as S
 
         trainer = self._trainer(rank)
         trainer.serve(S.stream_of(dict(tensors), fault=layout))
@@ -210,7 +210,7 @@ class Path:
 
 
 def _legacy_fp8() -> bool:
-    from fixtures import snapshot as S
+    from weightsync.fixtures import snapshot as S
 
     return not S.writes_pickle("legacy")
 

@@ -186,9 +186,9 @@ def run_path(job: dict, config: dict, adapter, rank: int, report: Reporter, coll
     """One path: open, first load, then the worker loop until the orchestrator ends it. False when the
     group broke and the rank must leave."""
     from conformance.adapter import LoaderConfig
-    from fixtures.models import build_models
-    from fixtures.models import spec as make_spec
-    from fixtures.status_cell import UPDATING, Cell
+    from weightsync.fixtures.models import build_models
+    from weightsync.fixtures.models import spec as make_spec
+    from weightsync.fixtures.status_cell import UPDATING, Cell
 
     spec = make_spec(*(tuple(p[:2]) + (tuple(p[2]),) for p in job["params"]))
     options = {"status_cell": job["cell"], "agree_timeout_s": config["agree_timeout_s"], **job.get("options", {})}
@@ -270,8 +270,8 @@ def run_levels(config: dict, adapter, rank: int, report: Reporter) -> None:
     every rank's shard at that level (on two hosts the parts and single files of all four ranks, named by
     the global rank, with ranks 0 and 2 on the same physical GPU), updated once; reports what it holds."""
     from conformance.adapter import LoaderConfig
-    from fixtures.models import build_models
-    from fixtures.models import spec as make_spec
+    from weightsync.fixtures.models import build_models
+    from weightsync.fixtures.models import spec as make_spec
 
     spec = make_spec(*(tuple(p[:2]) + (tuple(p[2]),) for p in config["levels_params"]))
     for entry in config["levels"]:
@@ -362,7 +362,7 @@ def main(config_path: str) -> int:
         report("joined", world=dist.get_world_size(), seconds=time.monotonic() - start, pid=os.getpid(),
                local_rank=local, host=config.get("host", 0), master=os.environ.get("PADDLE_MASTER"),
                endpoint=os.environ.get("PADDLE_CURRENT_ENDPOINT"))
-        from wire import handles
+        from weightsync.wire import handles
 
         handles.set_current_device(local)
         from conformance.registry import resolve

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from fixtures import streams as S
+from weightsync.fixtures import streams as S
 
 STRATEGY_CAPS = {"rsync": "stream.rsync", "gdr": "stream.gdr", "gdr_ipc": "stream.gdr_ipc"}
 

@@ -15,8 +15,8 @@ import re
 import pytest
 
 from conformance import check
-from fixtures import models as M
-from fixtures import snapshot as S
+from weightsync.fixtures import models as M
+from weightsync.fixtures import snapshot as S
 
 pytestmark = pytest.mark.snapshot
 
@@ -334,7 +334,7 @@ def test_unknown_names_are_reported_by_name(loader, caplog, source, layout):
     extras = M.state(EXTRAS_PICKLABLE if S.writes_pickle(source) or source == "ipc" else EXTRAS, version=5)
     caplog.set_level(logging.WARNING)  # root logger: whatever logger the implementation uses
     if source == "ipc":
-        from fixtures import ipc as I
+        from weightsync.fixtures import ipc as I
 
         export = I.Export({**want, **extras}, device_id=0)
         try:
@@ -610,8 +610,8 @@ def test_empty_source_is_refused_in_every_mode(route, loader, combo):
     by the engine) or the second (after a whole version: ``cleared``, after clear(); ``loaded``, without one, in
     place on the streamed paths): refused; after a clear the status is not NORMAL, while loaded nothing changes;
     then a whole version loads."""
-    from fixtures import streams as ST
-    from fixtures import strided as SD
+    from weightsync.fixtures import streams as ST
+    from weightsync.fixtures import strided as SD
 
     path, first = combo["path"], combo["call"] == "first"
     model = EMPTY_SPEC_MTP if combo["model"] == "draft" else EMPTY_SPEC

@@ -17,9 +17,9 @@ import pytest
 
 from conformance import check, modes
 from conformance.paths import route  # noqa: F401 - a fixture
-from fixtures import buckets as B
-from fixtures import ipc as I
-from fixtures import models as M
+from weightsync.fixtures import buckets as B
+from weightsync.fixtures import ipc as I
+from weightsync.fixtures import models as M
 
 RULE = "APPLY-EVERY-PROBLEM"
 MAIN = (("embed.weight", "float32", (4, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 2)),

@@ -12,7 +12,7 @@ from conformance import check
 from conformance import mode_run as R
 from conformance import modes
 from conformance.paths import ALL_PATHS, route  # noqa: F401 - route is a fixture
-from fixtures import models as M
+from weightsync.fixtures import models as M
 
 FIRST, MIDDLE, LAST = "embed.weight", "layers.0.mlp.weight", "norm.bias"
 SPEC = M.spec((FIRST, "float32", (4, 4)), (MIDDLE, "bfloat16", (4, 2)), (LAST, "float16", (4,)))

@@ -16,9 +16,9 @@ import pytest
 
 from conformance import check, modes
 from conformance.paths import PATHS, cases, route  # noqa: F401 - route is a fixture
-from fixtures import models as M
-from fixtures import streams as S
-from fixtures import strided as ST
+from weightsync.fixtures import models as M
+from weightsync.fixtures import streams as S
+from weightsync.fixtures import strided as ST
 
 
 

@@ -35,12 +35,12 @@ import pytest
 from conformance import check, harness, modes
 from conformance.holds import CallHold, DrainHold, EventHold, HoldError, LeaseHold
 from conformance.paths import route  # noqa: F401 (the fixture)
-from fixtures import buckets as B
-from fixtures import digests as D
-from fixtures import ipc as I
-from fixtures import models as M
-from fixtures import status_cell as C
-from fixtures import streams as S
+from weightsync.fixtures import buckets as B
+from weightsync.fixtures import digests as D
+from weightsync.fixtures import ipc as I
+from weightsync.fixtures import models as M
+from weightsync.fixtures import status_cell as C
+from weightsync.fixtures import streams as S
 
 RULE = "LIFE-CONCURRENT"
 MAIN = (("embed.weight", "float32", (16, 16)), ("layers.0.mlp.weight", "bfloat16", (4, 4)),

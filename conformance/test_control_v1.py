@@ -27,9 +27,9 @@ import pytest
 
 from conformance import check, harness, modes
 from conformance.paths import Route, route  # noqa: F401 (the fixture)
-from fixtures import engine as E
-from fixtures import models as M
-from fixtures import streams as S
+from weightsync.fixtures import engine as E
+from weightsync.fixtures import models as M
+from weightsync.fixtures import streams as S
 
 MAIN = (("embed.weight", "float32", (4, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
 DRAFT = (("mtp_block.0.proj.weight", "float32", (4, 4)), ("mtp_block.0.norm.weight", "bfloat16", (4,)))
@@ -772,7 +772,7 @@ def test_kv_cache_before_the_weights_graphs(loader, route, impl, combo):
     "CTL-STATUS-CONSISTENT",
     requires=lambda c: ["control.sleep", "status", *(["status.cell"] if c["cell"] == "shared" else [])]))
 def test_status_and_loop_agree_with_what_sleeps(loader, route, combo):
-    from fixtures import status_cell as C
+    from weightsync.fixtures import status_cell as C
 
     with contextlib.ExitStack() as stack:
         options = {}

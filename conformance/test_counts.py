@@ -15,9 +15,9 @@ import pytest
 
 from conformance import check
 from conformance.paths import MORE_PATHS, PATHS, route  # noqa: F401 - route is a fixture
-from fixtures import models as M
-from fixtures import status_cell as C
-from fixtures import streams as ST
+from weightsync.fixtures import models as M
+from weightsync.fixtures import status_cell as C
+from weightsync.fixtures import streams as ST
 
 MAIN = (("embed.weight", "float32", (4, 4)), ("model.layers.0.mlp.weight", "bfloat16", (4, 2)), ("norm.bias", "float16", (4,)))
 MTP = (("model.layers.2.eh_proj.weight", "float32", (2, 4)),)

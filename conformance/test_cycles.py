@@ -19,7 +19,7 @@ import pytest
 from conformance import check, harness, modes
 from conformance import multirank_plan as P
 from conformance.paths import route  # noqa: F401 (the fixture)
-from fixtures import models as M
+from weightsync.fixtures import models as M
 
 RSS_TOLERANCE = 0.02
 COUNTS = ("fds", "sockets", "threads")

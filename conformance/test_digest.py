@@ -17,11 +17,11 @@ import pytest
 
 from conformance import check
 from conformance.paths import Route
-from fixtures import buckets as B
-from fixtures import digests as D
-from fixtures import ipc as I
-from fixtures import models as M
-from fixtures import snapshot as S
+from weightsync.fixtures import buckets as B
+from weightsync.fixtures import digests as D
+from weightsync.fixtures import ipc as I
+from weightsync.fixtures import models as M
+from weightsync.fixtures import snapshot as S
 
 pytestmark = pytest.mark.snapshot
 
@@ -389,8 +389,8 @@ def test_debug_digest_of_empty_and_ml_dtypes_arrays(loader):
 # is excluded, and a clear-first path updates loaded weights only at its first update.
 from conformance import modes  # noqa: E402
 from conformance.paths import PATHS as ROUTES, route  # noqa: E402,F401 - route is a fixture
-from fixtures import streams as ST  # noqa: E402
-from fixtures import strided as SD  # noqa: E402
+from weightsync.fixtures import streams as ST  # noqa: E402
+from weightsync.fixtures import strided as SD  # noqa: E402
 
 COLUMN_MAJOR, EXPERTS, DRAFT_SCALE = "scale.col", "experts.scale", "mtp_block.0.scale"
 LAYOUTED = (("experts.scale", "bfloat16", (2, 3, 4)), ("scale.col", "float32", (4, 3)))

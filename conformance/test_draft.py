@@ -13,8 +13,8 @@ import pytest
 
 from conformance import check, modes
 from conformance.paths import route  # noqa: F401 - route is a fixture
-from fixtures import models as M
-from fixtures import streams as S
+from weightsync.fixtures import models as M
+from weightsync.fixtures import streams as S
 
 MAIN = (("embed.weight", "bfloat16", (8, 4)), ("model.layers.0.mlp.weight", "float32", (4, 8)), ("norm.bias", "float16", (4,)))
 MTP = (("model.layers.2.eh_proj.weight", "float32", (4, 4)), ("mtp_block.0.norm.weight", "bfloat16", (4,)))

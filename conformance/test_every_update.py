@@ -8,7 +8,7 @@ from conformance import check
 from conformance import mode_run as R
 from conformance import modes
 from conformance.paths import ALL_PATHS, cases, route  # noqa: F401 (the fixture)
-from fixtures import models as M
+from weightsync.fixtures import models as M
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)),
               ("norm.bias", "float16", (4,)))

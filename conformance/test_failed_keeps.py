@@ -32,12 +32,12 @@ from safetensors import SafetensorError
 
 from conformance import check, modes
 from conformance.paths import ALL_PATHS, cases, route  # noqa: F401 (the fixture)
-from fixtures import digests as D
-from fixtures import ipc as I
-from fixtures import models as M
-from fixtures import snapshot as S
-from fixtures import status_cell as C
-from fixtures import streams as ST
+from weightsync.fixtures import digests as D
+from weightsync.fixtures import ipc as I
+from weightsync.fixtures import models as M
+from weightsync.fixtures import snapshot as S
+from weightsync.fixtures import status_cell as C
+from weightsync.fixtures import streams as ST
 
 # 1 KiB, 512 B and 8 B: in 1 KiB buckets (conformance.paths.BucketFeed) bucket 0 holds embed.weight alone, so
 # bucket 1 comes after a tensor landed (and the middle tensor as float64, 1 KiB, has a bucket of its own)

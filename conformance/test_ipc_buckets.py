@@ -21,8 +21,8 @@ from conformance import check
 from conformance import mode_run as R
 from conformance import modes
 from conformance.harness import Worker, concurrently, in_child
-from fixtures import buckets as B
-from fixtures import models as M
+from weightsync.fixtures import buckets as B
+from weightsync.fixtures import models as M
 
 pytestmark = pytest.mark.buckets
 

@@ -17,9 +17,9 @@ from conformance import check, harness
 from conformance import mode_run as R
 from conformance import modes
 from conformance.harness import Worker
-from fixtures import ipc as I
-from fixtures import models as M
-from wire.handles import PREFIX, leaked_segments
+from weightsync.fixtures import ipc as I
+from weightsync.fixtures import models as M
+from weightsync.wire.handles import PREFIX, leaked_segments
 
 pytestmark = pytest.mark.ipc
 
@@ -568,7 +568,7 @@ NESTED_BOUND_S = 30.0
 def _nested_metas_cases(loader, metas) -> bool:
     """In the child: each nested file refused with a ValueError naming the file (and the tensor and field where a
     meta holds the nesting); nothing loaded."""
-    from fixtures import files as F
+    from weightsync.fixtures import files as F
 
     path = _meta_file(loader)
     extra = "extra.unknown.weight"

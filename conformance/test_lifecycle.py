@@ -17,8 +17,8 @@ from conformance import check
 from conformance import mode_run as R
 from conformance import modes
 from conformance.paths import ALL_PATHS, route  # noqa: F401 - route is a fixture
-from fixtures import models as M
-from fixtures import snapshot as S
+from weightsync.fixtures import models as M
+from weightsync.fixtures import snapshot as S
 
 pytestmark = pytest.mark.snapshot
 

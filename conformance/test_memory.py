@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from conformance import check, heap
-from fixtures import models as M
-from fixtures import snapshot as S
+from weightsync.fixtures import models as M
+from weightsync.fixtures import snapshot as S
 
 pytestmark = pytest.mark.snapshot
 
@@ -258,7 +258,7 @@ STREAM_TENSORS = 10  # M = 160 MiB
                                                           id="rsync-staged")])
 def test_stream_first_load_holds_one_model(loader, strategy, staged):
     from conformance.stream_support import open_stream
-    from fixtures import streams as ST
+    from weightsync.fixtures import streams as ST
 
     spec = _spec(STREAM_TENSORS)
     trainer = ST.trainer()

@@ -16,7 +16,7 @@ from conformance import check
 from conformance.adapter import observe_paddle
 from conformance.paths import PATHS, cases, route, staged_options  # noqa: F401 - route is a fixture
 from conformance.plugin import NOT_APPLICABLE, run_device
-from fixtures import tiny_transformer as TT
+from weightsync.fixtures import tiny_transformer as TT
 
 POST = ("model.post_load", "mtp")
 HOOKS = ("model.hooks",)

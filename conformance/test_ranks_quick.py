@@ -41,8 +41,8 @@ from conformance.adapter import LoaderConfig, Observed
 from conformance.harness import Worker, open_session
 from conformance.paths import Route
 from conformance.rank_group import VISIBLE, GroupPool
-from fixtures import models as M
-from fixtures import status_cell as C
+from weightsync.fixtures import models as M
+from weightsync.fixtures import status_cell as C
 from sim.ranks import CellWatch
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)),

@@ -24,8 +24,8 @@ import pytest
 from conformance import check, harness, modes
 from conformance.loop_driver import LoopThread
 from conformance.paths import PATHS, Route, worker
-from fixtures import models as M
-from fixtures import status_cell as C
+from weightsync.fixtures import models as M
+from weightsync.fixtures import status_cell as C
 
 SPEC = M.spec(("embed.weight", "float32", (64, 8)), ("layers.0.mlp.weight", "bfloat16", (16, 16)),
               ("norm.bias", "float16", (16,)))  # 2 KiB + 512 B + 32 B: three buckets of 1 KiB
@@ -288,7 +288,7 @@ def _kill_a(loader, impl, path_id, cell, left, phase):
 def _serve_held(route, version: int):
     """The bucket trainer serves ``version``, holding before bucket 1: returned, ``holding`` is set once it is
     there and ``release`` lets it go on."""
-    from fixtures import buckets as B
+    from weightsync.fixtures import buckets as B
 
     publisher = route.feed._publisher(0)
     publisher.serve(B.pack(M.state(SPEC, version=version), version, route.feed.BUCKET_BYTES), hold_before=1)

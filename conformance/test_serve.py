@@ -23,7 +23,7 @@ import pytest
 
 from conformance import check
 from conformance.paths import PATHS, cases, route, staged_options  # noqa: F401 (the fixture)
-from fixtures import models as M
+from weightsync.fixtures import models as M
 
 # embed.weight fills one 1 KiB bucket, the other three share the next one (ipc_bucket: two buckets)
 SPEC = M.spec(("embed.weight", "float32", (16, 16)), ("layers.0.mlp.weight", "bfloat16", (4, 4)),
@@ -112,7 +112,7 @@ def _hold_update(rt, path: str, session, v2: dict):
     """Publish version 2 so that its update stops at a point the test chooses; returns (what the hold is,
     wait until the update is there, release it) or None where the path's trainer cannot hold it."""
     if path == "bucket":
-        from fixtures import buckets as B
+        from weightsync.fixtures import buckets as B
 
         pub = rt.feed._publisher(0)
         update = B.pack(dict(v2), 2, rt.feed.BUCKET_BYTES)
@@ -124,7 +124,7 @@ def _hold_update(rt, path: str, session, v2: dict):
         loader.hold_at = len(v2) - 1
         return ("with every item but the last loaded", lambda: loader.holding.wait(BOUND_S), loader.release.set)
     if path == "rsync":
-        from fixtures import streams as S
+        from weightsync.fixtures import streams as S
 
         trainer = rt.feed._trainer(0)
         trainer.serve(S.stream_of(dict(v2), pauses={len(v2) - 1: RSYNC_PAUSE_S}))

@@ -21,9 +21,9 @@ import pytest
 from conformance import check
 from conformance import mode_run as R
 from conformance import modes
-from fixtures import files as F
-from fixtures import models as M
-from fixtures import snapshot as S
+from weightsync.fixtures import files as F
+from weightsync.fixtures import models as M
+from weightsync.fixtures import snapshot as S
 
 pytestmark = pytest.mark.snapshot
 

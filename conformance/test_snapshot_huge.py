@@ -23,8 +23,8 @@ import pytest
 import safetensors.numpy
 
 from conformance import check, harness, heap, read_cap
-from fixtures import models as M
-from fixtures import snapshot as S
+from weightsync.fixtures import models as M
+from weightsync.fixtures import snapshot as S
 
 pytestmark = pytest.mark.snapshot
 

@@ -21,8 +21,8 @@ from conformance import check
 from conformance import mode_run as R
 from conformance import modes
 from conformance.harness import ChildFailed, ChildTimedOut, Worker, in_child
-from fixtures import models as M
-from fixtures import snapshot as S
+from weightsync.fixtures import models as M
+from weightsync.fixtures import snapshot as S
 
 pytestmark = pytest.mark.snapshot
 

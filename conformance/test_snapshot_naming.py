@@ -16,8 +16,8 @@ from conformance import check, harness
 from conformance import mode_run as R
 from conformance import modes
 from conformance.harness import Worker, set_worker_env
-from fixtures import models as M
-from fixtures import snapshot as S
+from weightsync.fixtures import models as M
+from weightsync.fixtures import snapshot as S
 
 pytestmark = pytest.mark.snapshot
 

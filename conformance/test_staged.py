@@ -11,8 +11,8 @@ import pytest
 
 from conformance import check
 from conformance.path_sources import CAPS, FAULTS, KINDS, Sources
-from fixtures import ipc as I
-from fixtures import models as M
+from weightsync.fixtures import ipc as I
+from weightsync.fixtures import models as M
 
 # Five tensors in three parts: part 0 holds the first and fourth, so the last parameter (norm.bias) is
 # in part 1 and part 2 follows it; a duplicate name in a later part must win.
@@ -76,7 +76,7 @@ def test_failed_staged_update_changes_nothing(loader, sources, kind, fault):
 @pytest.mark.rule("STAGE-ATOMIC")
 @pytest.mark.requires("staged", "snapshot.parts", "mtp")
 def test_staged_update_takes_the_later_duplicate(loader):
-    from fixtures import snapshot as S
+    from weightsync.fixtures import snapshot as S
 
     spec = M.spec(*((p.name, p.dtype, p.shape) for p in SPEC.main if not p.name.startswith("mtp")),
                   mtp=[(("mtp.0.proj.weight", "bfloat16", (4, 4)),)])

@@ -26,8 +26,8 @@ import pytest
 from conformance import check, modes
 from conformance.loop_driver import LoopThread
 from conformance.paths import route  # noqa: F401 (the fixture)
-from fixtures import models as M
-from fixtures import status_cell as C
+from weightsync.fixtures import models as M
+from weightsync.fixtures import status_cell as C
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)),
               ("norm.bias", "float16", (4,)))

@@ -21,8 +21,8 @@ from conformance.harness import Worker
 from conformance.loop_driver import END_RESULTS, LoopChild
 from conformance.path_sources import CAPS, Sources
 from conformance.thread_state import looked_again
-from fixtures import models as M
-from fixtures import status_cell as C
+from weightsync.fixtures import models as M
+from weightsync.fixtures import status_cell as C
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
 LOOP = ("status.cell", L.ANY_LEVEL)  # on whichever snapshot level the loader reads (loop_schedule.LEVELS)

@@ -31,9 +31,9 @@ import pytest
 
 from conformance import check, modes
 from conformance.paths import PATHS, route  # noqa: F401 (the fixture)
-from fixtures import models as M
-from fixtures import streams as S
-from fixtures import strided as ST
+from weightsync.fixtures import models as M
+from weightsync.fixtures import streams as S
+from weightsync.fixtures import strided as ST
 
 RECAPTURE = "model.recapture"
 MAIN = (("a.scale", "float32", (4, 3)),  # column-major (strided), first by name

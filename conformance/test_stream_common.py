@@ -8,8 +8,8 @@ import pytest
 
 from conformance import check
 from conformance.stream_support import case, ct_trainer, open_stream, socket_fds  # noqa: F401
-from fixtures import models as M
-from fixtures import streams as S
+from weightsync.fixtures import models as M
+from weightsync.fixtures import streams as S
 
 pytestmark = pytest.mark.streams
 

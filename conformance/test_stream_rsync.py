@@ -19,9 +19,9 @@ from conformance import mode_run as R
 from conformance import modes
 from conformance.harness import Worker
 from conformance.stream_support import ct_trainer, open_stream  # noqa: F401 - ct_trainer is a fixture
-from fixtures import models as M
-from fixtures import streams as S
-from fixtures.ipc import patterned
+from weightsync.fixtures import models as M
+from weightsync.fixtures import streams as S
+from weightsync.fixtures.ipc import patterned
 
 pytestmark = pytest.mark.streams
 

@@ -8,8 +8,8 @@ import pytest
 from conformance import check, harness
 from conformance.plugin import ADAPTER_KEY
 from conformance.stream_support import STRATEGY_CAPS, case, open_stream, reraise
-from fixtures import models as M
-from fixtures import streams as S
+from weightsync.fixtures import models as M
+from weightsync.fixtures import streams as S
 
 pytestmark = pytest.mark.streams
 

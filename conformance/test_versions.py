@@ -10,9 +10,9 @@ import pytest
 
 from conformance import check
 from conformance.path_sources import CAPS, FAULTS, KINDS, Sources
-from fixtures import models as M
-from fixtures import status_cell as C
-from fixtures.version_entries import make_entry as _make_entry
+from weightsync.fixtures import models as M
+from weightsync.fixtures import status_cell as C
+from weightsync.fixtures.version_entries import make_entry as _make_entry
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
 
@@ -327,7 +327,7 @@ def _entries_on_stream(loader, strategy, capped=None):
     import os
 
     from conformance.stream_support import open_stream
-    from fixtures import streams as ST
+    from weightsync.fixtures import streams as ST
 
     cap = _capped(capped)
     state = M.state(SPEC, version=3)

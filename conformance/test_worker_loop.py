@@ -20,8 +20,8 @@ from conformance import check
 from conformance import loop_schedule as L
 from conformance.harness import Worker
 from conformance.thread_state import looked_again
-from fixtures import models as M
-from fixtures import status_cell as C
+from weightsync.fixtures import models as M
+from weightsync.fixtures import status_cell as C
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)), ("norm.bias", "float16", (4,)))
 NEEDS = ("status.cell", "loop.runner", L.ANY_LEVEL)

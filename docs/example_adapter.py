@@ -31,6 +31,7 @@ import paddle
 from conformance.adapter import LoaderConfig, LoadEvent, UnsupportedLoadPath, observe_paddle
 
 log = logging.getLogger("mine")
+MAX_DEPTH = 128  # safetensors (serde_json) refuses a header nested deeper; the header object counts as one
 
 # safetensors dtype -> (Paddle dtype, numpy dtype of the same item size that carries the bytes).
 # numpy has no bfloat16 or fp8: bf16 bytes travel as uint16, fp8 bytes as uint8, and the Paddle
@@ -159,6 +160,10 @@ def read_header(path: str) -> tuple[list, tuple]:
         header = json.loads(raw, object_pairs_hook=_unique)
     except ValueError as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
         raise ValueError(f"{path}: not a valid safetensors file: the JSON header does not parse ({e})") from None
+    except RecursionError:  # nested past Python's recursion limit: never a bare RecursionError
+        header = None
+    if header is None or _depth(header) > MAX_DEPTH:
+        raise ValueError(f"{path}: not a valid safetensors file: the JSON header nests deeper than {MAX_DEPTH} levels")
     if not isinstance(header, dict):
         raise ValueError(f"{path}: not a valid safetensors file: the header is not a JSON object")
     meta = header.pop("__metadata__", {})
@@ -193,21 +198,48 @@ def read_header(path: str) -> tuple[list, tuple]:
     return entries, ident  # (no entries at all: reload() refuses the file, FILE-NO-TENSORS)
 
 
-def check_against(params: dict, entries: list, path: str) -> None:
-    """Dtype first (TypeError), then shape (ValueError), naming the tensor and the file. Names the
-    model does not have are ignored, and named in a warning (a trainer's names may have drifted)."""
+def _depth(value) -> int:
+    """How deep a parsed JSON value nests, the value itself counting as one (without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if isinstance(item, dict):
+            stack += [(v, level + 1) for v in item.values()]
+        elif isinstance(item, list):
+            stack += [(v, level + 1) for v in item]
+    return deepest
+
+
+def raise_all(problems: list[Exception], what: str) -> None:
+    """Every problem of an input, not the first: one alone is raised as it is; several as one error of the
+    first one's type naming each (a TypeError if any is one)."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        kind = TypeError if any(isinstance(p, TypeError) for p in problems) else ValueError
+        raise kind(f"{len(problems)} {what}: " + "; ".join(str(p) for p in problems))
+
+
+def check_against(params: dict, entries: list, path: str) -> list[Exception]:
+    """Dtype (TypeError), then shape (ValueError), naming the tensor and the file: every mismatch of the
+    file, returned. Names the model does not have are ignored, and named in a warning (a trainer's names
+    may have drifted)."""
     unknown = [name for name, *_ in entries if name not in params]
     if unknown:
         log.warning("%s: ignoring %d tensor(s) the model does not have: %s", path, len(unknown), ", ".join(unknown))
+    problems = []
     for name, dtype, shape, _, _ in entries:
         param = params.get(name)
         if param is None:
             continue
         want = DTYPES[dtype][0]
         if param.dtype != want:
-            raise TypeError(f"Type mismatch for {name}: {want} in {path}, the parameter is {param.dtype}")
+            problems.append(TypeError(f"Type mismatch for {name}: {want} in {path}, the parameter is {param.dtype}"))
         if list(param.shape) != shape:
-            raise ValueError(f"Shape mismatch for {name}: {shape} in {path}, the parameter is {list(param.shape)}")
+            problems.append(ValueError(f"Shape mismatch for {name}: {shape} in {path}, "
+                                       f"the parameter is {list(param.shape)}"))
+    return problems
 
 
 # -- 3. load: one file at a time --------------------------------------------------------------
@@ -268,12 +300,20 @@ class MineLoader:
     def reload(self) -> None:
         self.state, self.applied = "UPDATING", []  # stays UPDATING if anything below raises
         sources = plan(self.model_dir, self.rank, self.gpu)
-        headers = [read_header(path) for _, path in sources]
+        headers, unreadable = [], []
+        for _, path in sources:  # every file that cannot be read is named, not the first
+            try:
+                headers.append(read_header(path))
+            except ValueError as e:
+                unreadable.append(e)
+        raise_all(unreadable, "snapshot files cannot be loaded")
+        mismatches = []
         for (_, path), (entries, _) in zip(sources, headers):
             if not entries:  # an update of nothing: both counts named (APPLY-COUNT-MATCHES)
                 raise ValueError(f"{path}: no parameter found: the file holds no tensors; "
                                  f"0 of {len(self.params)} parameter(s) landed")
-            check_against(self.params, entries, path)  # every file, before any parameter changes
+            mismatches += check_against(self.params, entries, path)  # every file, before any parameter changes
+        raise_all(mismatches, "tensor(s) do not match their parameters")
         loaded = set()
         for (label, path), (entries, ident) in zip(sources, headers):  # one file in memory at a time
             with paddle.no_grad():

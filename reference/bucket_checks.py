@@ -14,7 +14,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from wire.protocol import ALIGN, DTYPES, HANDLE_SIZE, PROTO, ManifestError, brief, name_digest
+from weightsync.wire.protocol import ALIGN, DTYPES, HANDLE_SIZE, PROTO, ManifestError, brief, name_digest
 
 
 @dataclass(frozen=True)

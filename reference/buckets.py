@@ -26,8 +26,8 @@ import numpy as np
 import paddle
 import zmq
 
-from wire import protocol
-from wire.handles import Segment
+from weightsync.wire import protocol
+from weightsync.wire.handles import Segment
 
 from . import apply, ties
 from . import bucket_checks as checks

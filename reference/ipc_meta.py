@@ -22,7 +22,7 @@ import os
 import numpy as np
 import paddle
 
-from wire.handles import HANDLE_SIZE, META_FIELDS, HandleError, attach_on_device, phi_dtype_codes
+from weightsync.wire.handles import HANDLE_SIZE, META_FIELDS, HandleError, attach_on_device, phi_dtype_codes
 
 from .dtypes import ITEMSIZE, paddle_dtype
 from .errors import MetaError, brief

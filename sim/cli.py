@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from wire import protocol
+from weightsync.wire import protocol
 
 from . import interrupt, leftovers
 from .trainer import TrainerConfig, sweep_segments, trainer_main
@@ -45,7 +45,7 @@ def model_spec(model_mib: float, layers: int = 2):
     """A decoder-shaped model of about ``model_mib`` MiB mixing every carried dtype: a bf16 embedding
     larger than typical buckets, fp8 weights with 0-d scales, an odd-sized uint8 tensor, bool, int64,
     and an empty tensor."""
-    from fixtures.models import spec
+    from weightsync.fixtures.models import spec
 
     total = int(model_mib * MiB)
     hidden = 1024 if total >= 16 * MiB else 64
@@ -201,8 +201,8 @@ class Roundtrip:
         self.close()
 
     def start(self) -> None:
-        from fixtures.models import build_models
-        from reference.manager import WeightManager
+        from weightsync.fixtures.models import build_models
+        from weightsync.reference.manager import WeightManager
 
         mp = multiprocessing.get_context("spawn")
         self.phase = "starting the trainers"

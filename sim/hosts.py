@@ -19,7 +19,7 @@ import re
 import shutil
 import subprocess
 
-from wire.handles import PREFIX
+from weightsync.wire.handles import PREFIX
 
 from .leftovers import pid_alive
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from wire.handles import (  # noqa: F401  (re-exported: the simulator's view of the transport)
+from weightsync.wire.handles import (  # noqa: F401  (re-exported: the simulator's view of the transport)
     HANDLE_SIZE,
     META_FIELDS,
     PHI_DTYPE_CODES_PADDLE3,

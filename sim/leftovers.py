@@ -19,7 +19,7 @@ import re
 import shutil
 import tempfile
 
-from wire.handles import PREFIX, SHM_DIR
+from weightsync.wire.handles import PREFIX, SHM_DIR
 
 SHM_NAMES = (re.compile(rf"^{PREFIX}_(\d+)_[0-9a-f]+$"), re.compile(rf"^model_weights_status\.{PREFIX}(\d+)x\d+$"))
 RUN_DIR_NAME = re.compile(rf"^{PREFIX}-(?:sim|ranks)-(\d+)-")

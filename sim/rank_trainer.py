@@ -31,7 +31,7 @@ import time
 import numpy as np
 import zmq
 
-from wire import protocol
+from weightsync.wire import protocol
 
 from . import interrupt
 from .trainer import BucketTrainer, MetaTrainer
@@ -43,13 +43,13 @@ def shard(spec, rank: int, version: int, fault: str | None, fast: bool = False) 
     """The shard of (rank, version); ``fast``: random bytes instead of ``fixtures.models`` values
     (benchmarks: generating values for hundreds of MiB takes seconds)."""
     if fast:
-        from fixtures.models import NUMPY_DTYPES
+        from weightsync.fixtures.models import NUMPY_DTYPES
 
         rng = np.random.default_rng([rank, version])
         st = {p.name: np.frombuffer(rng.bytes(p.nbytes), np.uint8).view(NUMPY_DTYPES[p.dtype]).reshape(p.shape)
               for p in sorted(spec.all_params, key=lambda p: p.name)}
     else:
-        from fixtures.models import state
+        from weightsync.fixtures.models import state
 
         st = dict(sorted(state(spec, seed=rank, version=version).items()))
     last = list(st)[-1]
@@ -195,7 +195,7 @@ def _on_sigterm(signum, frame):
 
 def serve(config: dict) -> None:
     """Process entry point (spawned): ``config`` is plain data (JSON-able)."""
-    from fixtures.models import spec as make_spec
+    from weightsync.fixtures.models import spec as make_spec
 
     # SIGINT ignored (a terminal's Ctrl-C reaches the orchestrator's whole group; it stops the trainers), SIGTERM
     # unwinds (segments unlinked), and SIGTERM comes by itself if the orchestrator dies.

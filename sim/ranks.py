@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from wire import protocol
+from weightsync.wire import protocol
 
 from . import hosts as netns
 from . import interrupt, leftovers
@@ -345,7 +345,7 @@ class Job:
 
     # the engine's side of one path
     def _setup(self, run_dir: str) -> list[dict]:
-        from fixtures.status_cell import Cell
+        from weightsync.fixtures.status_cell import Cell
 
         paths = []
         for plan in self.plans:
@@ -376,8 +376,8 @@ class Job:
         directory one for every host (parts and single files are named by the global rank), but each host's
         own for the legacy level (``tp0{gpu}``: keyed by the GPU alone, which repeats from host to host).
         Returns {level: {"sent": {rank: sha256 by name}, "dirs": [(model_dir, shared_dir) per host]}}."""
-        from fixtures import snapshot as S
-        from fixtures.models import spec as make_spec
+        from weightsync.fixtures import snapshot as S
+        from weightsync.fixtures.models import spec as make_spec
 
         from .rank_trainer import hashes, shard
 

@@ -262,7 +262,7 @@ class StreamTrainer:
 # -- a trainer process (benchmarks, the simulator) ---------------------------------------------------
 def patterned_state(spec, seed: int) -> dict:
     """Cheap deterministic weights for large models: every 4-byte word distinct (fixtures.ipc.patterned)."""
-    from fixtures.ipc import patterned
+    from weightsync.fixtures.ipc import patterned
 
     return {p.name: patterned(p.shape, p.dtype, seed=seed * 7919 + i) for i, p in enumerate(spec.all_params)}
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 import msgpack
 
-from wire.protocol import unpack_map
+from weightsync.wire.protocol import unpack_map
 
 PROTO = 1
 MAX_FRAME = 1 << 31  # one tensor per frame; the limit only guards against a confused peer

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from reference import digest  # the digest both ends compute (SPEC.md § DIGEST); it needs no Paddle
-from wire import protocol
-from wire.handles import SHM_DIR, Segment
+from weightsync.reference import digest  # the digest both ends compute (SPEC.md § DIGEST); it needs no Paddle
+from weightsync.wire import protocol
+from weightsync.wire.handles import SHM_DIR, Segment
 
 from . import interrupt
 
@@ -69,7 +69,7 @@ class TrainerConfig:
 
 def make_state(cfg: TrainerConfig, version: int) -> dict[str, np.ndarray]:
     if cfg.fast_fill:
-        from fixtures.models import NUMPY_DTYPES
+        from weightsync.fixtures.models import NUMPY_DTYPES
 
         rng = np.random.default_rng([cfg.seed, version])
         out = {}
@@ -78,7 +78,7 @@ def make_state(cfg: TrainerConfig, version: int) -> dict[str, np.ndarray]:
             raw = np.frombuffer(rng.bytes(p.nbytes), np.uint8)
             out[p.name] = ((raw % 2).astype(np.bool_) if p.dtype == "bool" else raw.view(dt)).reshape(p.shape)
         return out
-    from fixtures.models import state
+    from weightsync.fixtures.models import state
 
     return state(cfg.model, seed=cfg.seed, version=version)
 
@@ -274,7 +274,7 @@ def trainer_main(cfg: TrainerConfig) -> None:
             control.setsockopt(zmq.LINGER, 0)
             control.bind(cfg.endpoint)
         if cfg.path == "meta":
-            from wire.handles import phi_dtype_codes
+            from weightsync.wire.handles import phi_dtype_codes
 
             phi_dtype_codes()  # imports Paddle now rather than inside the first timed update
             interrupt.install_sigterm(_on_sigterm)  # Paddle's import set a C handler that dumps a stack and dies

@@ -55,7 +55,7 @@ class FastDeployAdapter:
         """The engine's control API over the status cell (EngineClient's ``clear_load_weight`` and
         ``update_model_weight``, fd-spec §2.3): the engine's code, not the manager's, so the adapter plays
         it, with the suite's reference rendering of those guards; FastDeploy's worker answers in the cell."""
-        from reference.control import WeightControl
+        from weightsync.reference.control import WeightControl
 
         return WeightControl(cell_name)
 
