@@ -61,18 +61,24 @@ PHASES = {
     "gdr_ipc": ("plan", "trainer-dies", "end"),
 }
 # (path, phase) also run with an MTP model, its tensor the one at fault where the phase has one
-WITH_MTP = {("parts", "end"), ("shared", "middle"), ("ipc", "middle"), ("bucket", "end"), ("rsync", "middle"),
-            ("gdr", "trainer-dies")}
+WITH_MTP = {("parts", "end"), ("single", "middle"), ("legacy", "end"), ("shared", "middle"), ("ipc", "middle"),
+            ("bucket", "end"), ("rsync", "middle"), ("gdr", "trainer-dies"), ("gdr_ipc", "end")}
 
 
 def _params():
     out = []
     for path, phases in PHASES.items():
         for phase in phases:
-            out += cases(phase, SPEC, paths=[path], id_suffix=f":{phase}")
+            out += _model(cases(phase, SPEC, paths=[path], id_suffix=f":{phase}"), "main")
             if (path, phase) in WITH_MTP:
-                out += cases(phase, SPEC_MTP, paths=[path], extra=("mtp",), id_suffix=f":{phase}:main+mtp")
+                out += _model(cases(phase, SPEC_MTP, paths=[path], extra=("mtp",), id_suffix=f":{phase}:main+mtp"), "draft")
     return out
+
+
+def _model(params, model: str):
+    """The params with their ``model`` mode (conformance/modes.py): the tensor at fault is the draft model's
+    in the cases with an MTP model (``_target``)."""
+    return [pytest.param(*p.values, marks=[*p.marks, pytest.mark.modes(model=model)], id=p.id) for p in params]
 
 
 def _state(spec, version: int) -> dict[str, np.ndarray]:

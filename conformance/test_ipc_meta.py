@@ -860,7 +860,9 @@ FAILURES = [("range", "first-load"), ("size", "first-load"), ("dtype", "first-lo
 
 @pytest.mark.rule("LIFE-FAILED-NOT-NORMAL")
 @pytest.mark.requires("ipc.meta", "status")
-@pytest.mark.parametrize("kind,when", FAILURES, ids=[f"{k}-{w}" for k, w in FAILURES])
+@pytest.mark.parametrize("kind,when", [
+    pytest.param(k, w, marks=pytest.mark.modes(call="first" if w == "first-load" else "second", model="main"),
+                 id=f"{k}-{w}") for k, w in FAILURES])
 def test_ipc_failed_update_is_not_normal(loader, trainer, kind, when):
     session = loader.open(SPEC, strategy="ipc")
     if when == "after-clear":

@@ -37,7 +37,10 @@ CAPS = {
 
 def case(source, *values, mtp=False, status=False, extra=(), id=None):
     needs = CAPS[source.split(":")[0]] + (("mtp",) if mtp else ()) + (("status",) if status else ()) + tuple(extra)
-    marks = pytest.mark.requires(*needs)
+    marks = [pytest.mark.requires(*needs)]
+    if "first-load" in values or "after-clear" in values:  # the session's first update, or a later one
+        marks.append(pytest.mark.modes(call="first" if "first-load" in values else "second",
+                                       model="draft" if mtp else "main"))
     return pytest.param(source, *values, marks=marks, id=id)
 
 

@@ -344,13 +344,13 @@ def test_hooks_run_once_after_each_commit(route, loader, path, breakage, updates
 
 
 @pytest.mark.rule("MODEL-HOOK-FAILURE")
-# The hooks run at the commit, after any path's load (MODEL-HOOKS runs them on every path); the failing hook is
-# shown on a file, on buckets (the trainer already told done) and on gdr (the recovery in place, no clear).
-@pytest.mark.parametrize("path", cases(paths=["single", "bucket", "gdr"], extra=POST + HOOKS + ("status",)))
-def test_a_failing_hook_fails_the_update(route, path):
+# The hooks run at the commit, after any path's load, plain or staged (on buckets the trainer was already told
+# done; on the streamed paths the recovery is in place, without a clear).
+@pytest.mark.parametrize("path,staged", cases(extra=POST + HOOKS + ("status",), staged=True))
+def test_a_failing_hook_fails_the_update(route, path, staged):
     rt = route(path)
     model = _model(rt)
-    session = rt.open(model)
+    session = rt.open(model, options=staged_options(staged))
     calls, broken = [], [True]
 
     def hook(name):

@@ -127,11 +127,14 @@ def test_no_version_carried_none_reported(loader, sources, kind):
 
 
 @pytest.mark.rule("VER-FAILED-KEEPS")
-@pytest.mark.parametrize("kind,fault", [pytest.param(k, f, marks=_needs(k), id=f"{k}:{f}") for k in KINDS for f in FAULTS
-                                        if (k, f) != ("bucket", "gone")])  # (a 0.2 s timeout; STAGE-ATOMIC has it)
-def test_failed_update_keeps_version(loader, sources, kind, fault):
+@pytest.mark.parametrize("kind,fault,staged", [
+    pytest.param(k, f, s, marks=_needs(k, *(("staged",) if s else ())), id=f"{k}:{f}{':staged' if s else ''}")
+    for k in KINDS for f in FAULTS for s in (False, True)
+    if (k, f) != ("bucket", "gone")  # (a 0.2 s timeout; STAGE-ATOMIC has it)
+    and (not s or f == FAULTS[0])])  # staged: one fault per path (the version's bookkeeping is the commit's)
+def test_failed_update_keeps_version(loader, sources, kind, fault, staged):
     src = sources(kind)
-    session = _load(src, SPEC, 5)
+    session = _load(src, SPEC, 5, **({"staged": True} if staged else {}))
     session.clear()
     src.publish(SPEC, 6, fault)
     exc, match, names = src.failure(SPEC, fault)
