@@ -262,10 +262,16 @@ def pytest_collection_modifyitems(session, config, items):
                                                   {rule_of(i) for i in conformance_items} >= set(known)),
                                  [(test_id(i), rule_of(i)) for i in conformance_items])
         if stale:
-            raise pytest.UsageError(
-                f"--expectations {config.getoption('--expectations')}: "
-                + "; ".join(f"{e.describe()} matches no conformance test" for e in stale)
-                + " (remove it, or fix the selector)")
+            message = (f"--expectations {config.getoption('--expectations')}: "
+                       + "; ".join(f"{e.describe()} matches no conformance test" for e in stale)
+                       + " (remove it, or fix the selector)")
+            if not _is_worker(config):
+                raise pytest.UsageError(message)
+            # An xdist worker's UsageError is lost (the controller sees a worker gone with a test pending): the
+            # worker runs nothing and hands the message to the controller (pytest_testnodedown).
+            config.workeroutput[USAGE_ERROR_OUTPUT] = message
+            items[:] = []
+            return
     if config.getoption("--list-rules"):
         config.stash[LISTING_KEY] = _listing(conformance_items)
     wanted = config.getoption("--rule")
@@ -611,8 +617,24 @@ def nothing_tested(config, results=None) -> str | None:
             f"of {len(results)} selected test(s) of {len(rule_ids)} rule(s), {detail}; nothing was tested")
 
 
+USAGE_ERROR_OUTPUT = "conformance_usage_error"
+USAGE_ERROR_KEY = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """(pytest-xdist, in the controller) a worker's usage error (a stale expectations entry) is the run's."""
+    message = (getattr(node, "workeroutput", None) or {}).get(USAGE_ERROR_OUTPUT)
+    if message:
+        node.config.stash[USAGE_ERROR_KEY] = message
+
+
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
+    usage = config.stash.get(USAGE_ERROR_KEY, None)
+    if usage is not None:
+        session.exitstatus = pytest.ExitCode.USAGE_ERROR  # (pytest_terminal_summary prints it)
+        return
     if (_is_worker(config) or _adapter(config) is None or config.getoption("--list-rules")
             or config.getoption("collectonly", False)):
         return
@@ -632,6 +654,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    usage = config.stash.get(USAGE_ERROR_KEY, None)
+    if usage is not None:
+        terminalreporter.write_line(f"ERROR: {usage}", red=True)
+        return
     if config.getoption("--list-rules"):
         _print_listing(terminalreporter, config.stash.get(LISTING_KEY, []))
         return

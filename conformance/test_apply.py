@@ -603,8 +603,23 @@ def _empty_valid(combo) -> bool:
     return not (combo["path"] == "bucket" and combo["start"] == "loaded" and combo["call"] == "second")
 
 
+def _first_into_allocated() -> list:
+    """The first update into weights the engine allocated (``start=loaded`` at the first call) on the paths that
+    load cleared weights: a pair conformance.modes leaves out of every declaration (those paths refuse an update of
+    loaded weights, LIFE-RECOVERY), yet a first load meets it on every path (FastDeploy's constructor loads into the
+    engine's placeholders). Plain and staged, each path."""
+    out = []
+    for path in ("parts", "single", "legacy", "shared", "ipc", "bucket"):
+        for staged in ("plain", "staged"):
+            combo = {"path": path, "staged": staged, "start": "loaded", "model": "main", "call": "first"}
+            out.append(pytest.param(combo, marks=[pytest.mark.modes(**combo),
+                                                  pytest.mark.requires(*modes.default_requires(combo))],
+                                    id="-".join(combo.values())))
+    return out
+
+
 @pytest.mark.rule("APPLY-EMPTY-REFUSED")
-@pytest.mark.parametrize("combo", modes.params("APPLY-EMPTY-REFUSED", valid=_empty_valid))
+@pytest.mark.parametrize("combo", modes.params("APPLY-EMPTY-REFUSED", valid=_empty_valid) + _first_into_allocated())
 def test_empty_source_is_refused_in_every_mode(route, loader, combo):
     """The source of no tensor is the first update (``start``: the parameters built without memory, or allocated
     by the engine) or the second (after a whole version: ``cleared``, after clear(); ``loaded``, without one, in

@@ -138,6 +138,7 @@ def runs(sandbox, tmp_path_factory):
         "unexpected_pass": impl + ["--expectations=unexpected_pass.toml"],
         "flaky_pass": impl + ["--expectations=flaky_pass.toml"],
         "stale": impl + ["--expectations=stale.toml"],
+        "stale_xdist": impl + ["--expectations=stale.toml", "-n", "2"],
         "stale_deselected": impl + ["--expectations=all.toml", "--rule", PASSING],
         "other_module": impl + ["--expectations=other_module.toml"],
         "no_reason": impl + ["--expectations=no_reason.toml"],
@@ -221,6 +222,11 @@ def test_an_entry_matching_nothing_is_an_error(runs):
     run = runs["stale"]
     assert run.code == USAGE_ERROR, run.output[-2000:]
     assert "entry 4 (id = 'test_gate.py::test_gone') matches no conformance test" in run.output, run.output[-2000:]
+    # Under pytest-xdist the workers find it: the same usage error, named (never an INTERNALERROR), nothing run.
+    run = runs["stale_xdist"]
+    assert run.code == USAGE_ERROR, run.output[-2000:]
+    assert "ERROR: --expectations stale.toml: entry 4 (id = 'test_gate.py::test_gone') matches no conformance test" \
+        in run.output and "INTERNALERROR" not in run.output, run.output[-2000:]
     # An entry for a rule this run deselects still matches a collected test: no error.
     run = runs["stale_deselected"]
     assert run.code == 0 and set(_rule_status(run.report)) == {PASSING}, run.output[-2000:]
