@@ -35,6 +35,7 @@ import threading
 
 from . import commit
 from .agreement import AgreementError
+from .errors import OperationInProgressError
 from .status import Status
 
 TAGS = ("weight", "kv_cache")
@@ -240,6 +241,8 @@ class Control:
         manager.options.update({"verify_checksum": verify_checksum}, **({} if version is None else {"version": str(version)}))
         try:
             return manager.update(version=step)
+        except OperationInProgressError:
+            raise  # another clear or update runs: its gate is its own (LIFE-CONCURRENT)
         except BaseException:
             # Refused before its commit vote and nothing written (rsync validates the whole step before it stores,
             # and its store is followed by the vote): the committed weights are intact, so the requests a resume
