@@ -414,7 +414,7 @@ class Job:
                          "endpoints": [f"ipc://{p['base']}/bkt{r}" for r in range(self.ranks)],
                          "transfer_timeouts": timeouts, "options": dict(plan.options)})
         config = {"impl": self.impl, "impl_opts": self.impl_opts, "run_dir": run_dir, "block": self.block,
-                  "orchestrator": os.getpid(), "host": host, "start_timeout_s": self.start_timeout_s,
+                  "orchestrator": os.getpid(), "host": host, "start_timeout_s": self.start_timeout_s * START_ATTEMPTS,
                   "agree_timeout_s": self.agree_timeout_s, "visible": ",".join(map(str, self.host_visible)),
                   "life_s": 600.0, "jobs": jobs, "stall_join_rank": self.stall_join_rank,
                   "levels": [{"level": level, "model_dir": v["dirs"][host][0], "shared_dir": v["dirs"][host][1]}
@@ -589,7 +589,8 @@ class Job:
                     for p in paths:  # while the ranks start
                         p["first_sent"] = self._publish(p, p["plan"].steps[0])
                 try:
-                    result["joined"] = self._await_join(events, launches)
+                    # Each start waits longer than the one before (a loaded machine's Paddle imports, not a stall).
+                    result["joined"] = self._await_join(events, launches, self.start_timeout_s * attempt)
                     break
                 except JobError as e:
                     # Nothing of the implementation has run yet (a rank resolves it once it joined): this is
@@ -638,13 +639,13 @@ class Job:
             with interrupt.shielded():  # a signal now is raised once everything is released
                 self._release(launches, paths, run_dir)
 
-    def _await_join(self, events: Events, launches: list) -> dict:
+    def _await_join(self, events: Events, launches: list, timeout_s: float) -> dict:
         """Every rank's ``joined`` event. A rank that left, a launcher that exited, or the start-up deadline
         first: a JobError naming every rank's last events, and the log of each rank not joined with the
         stack of each of its threads (SIGUSR1: faulthandler, which writes even while Paddle's rendezvous
         holds the GIL)."""
         joined: dict = {}
-        deadline = time.monotonic() + self.start_timeout_s
+        deadline = time.monotonic() + timeout_s
         why = None
         while why is None:
             for r in range(self.ranks):
@@ -661,7 +662,7 @@ class Job:
             if why is None and exited:
                 why = f"a launcher exited ({exited[0]}) before every rank joined"
             elif why is None and time.monotonic() > deadline:
-                why = f"not every rank joined within {self.start_timeout_s:g}s"
+                why = f"not every rank joined within {timeout_s:g}s"
             time.sleep(0.01)
         run_dir = os.path.dirname(events.paths[0])
         for pid in _rank_pids(run_dir):
