@@ -159,11 +159,11 @@ def _gate_runs(tmp_path_factory):
         name, path, gen, *extra = job
         return name, run_conformance(["--impl=fastdeploy", f"--impl-opt=source={path}",
                                       f"--expectations={expectations_path(gen)}"], root / f"{name}.json",
-                               [*FROZEN_HEAP, *extra], timeout=600, in_job=True)
+                               [*FROZEN_HEAP, *extra], in_job=True)
 
     def run_ungated(name, path):
         return name, run_conformance(["--impl=fastdeploy", f"--impl-opt=source={path}"], root / f"{name}.json",
-                                     timeout=600, in_job=True)
+                                     in_job=True)
 
     jobs = [(f"{gen}:multirank", os.path.relpath(standin(gen), REPO), gen, "-m", "multirank") for gen in MULTIRANK]
     jobs += [(gen, os.path.relpath(standin(gen), REPO), gen) for gen in GENERATIONS]
@@ -781,7 +781,7 @@ def test_the_v1_path_judges_the_managers_own_split_operations(tmp_path, change, 
     changed.write_text(source.replace(old, new))
     code, report, output = run_conformance(["--impl=fastdeploy", f"--impl-opt=source={changed}",
                                             f"--expectations={expectations_path('v1')}", f"--rule={rule}"],
-                                           tmp_path / "report.json", list(FROZEN_HEAP), timeout=600)
+                                           tmp_path / "report.json", list(FROZEN_HEAP))
     assert report is not None and code == 1, f"exit {code}:\n{output[-3000:]}"
     status = {r["id"]: r["status"] for r in report["rules"]}
     assert status.get(rule) == {"failed": "failed", "unexpected_pass": "unexpected_pass"}[turns], (status, output[-2000:])

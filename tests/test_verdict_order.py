@@ -36,7 +36,7 @@ def verdicts(tmp_path_factory):
     company_rules = [r for r in rules() if r.startswith(AREAS)]
 
     def run(name, selected):
-        code, report, output = run_conformance(impl, root / f"{name}.json", [f"--rule={r}" for r in selected], timeout=600)
+        code, report, output = run_conformance(impl, root / f"{name}.json", [f"--rule={r}" for r in selected])
         assert report is not None, f"{name}: no report (exit {code}):\n{output[-3000:]}"
         return name, report
 

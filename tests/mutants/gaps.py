@@ -156,7 +156,21 @@ class KeepsUnclaimedTensors(Mutant):
     kills = frozenset({"MEM-SNAPSHOT-PEAK"})
 
     def patches(self):
-        return _manager_patch(_KeepsUnknownManager)
+        return {**_manager_patch(_KeepsUnknownManager), **_reads_every_tensor()}
+
+
+def _reads_every_tensor():
+    """The snapshot path reading every tensor of a file, the model's or not (as most loaders do: a file is read
+    whole), where the reference reads only the model's (``iter_safetensors(wanted=...)``): without it a mutant that
+    keeps what no parameter takes would keep names, not data."""
+    from reference import snapshot_load
+
+    real = snapshot_load.iter_safetensors
+
+    def iter_safetensors(path, expect=None, wanted=None):
+        return real(path, expect=expect)
+
+    return {"reference.snapshot.iter_safetensors": iter_safetensors}
 
 
 # -- ranks: CLEARED before every rank cleared (multirank tier) --------------------------------------

@@ -22,6 +22,7 @@ from .base import Mutant
 
 _real_apply_tensors = _apply.apply_tensors
 _real_check_match = _apply.check_match
+_real_mismatch = _apply.mismatch
 _real_list_dir = snapshot_plan.list_dir
 
 
@@ -39,11 +40,12 @@ class ValidateOnlyFirstTensor(Mutant):
     def patches(self):
         first: dict = {}
 
-        def check_match(name, src_dtype, src_shape, dst, source=""):
+        def mismatch(name, src_dtype, src_shape, dst, source=""):  # (every path's validation asks apply.mismatch)
             if first.setdefault(source, name) == name:
-                _real_check_match(name, src_dtype, src_shape, dst, source)
+                return _real_mismatch(name, src_dtype, src_shape, dst, source)
+            return None
 
-        return {"reference.apply.check_match": check_match}
+        return {"reference.apply.mismatch": mismatch}
 
 
 class ByteLengthCompare(Mutant):
@@ -360,7 +362,9 @@ class HoldsEverySource(Mutant):
                 del held, items
                 super().finalize()
 
-        return _manager_patch(Manager)
+        from .gaps import _reads_every_tensor
+
+        return {**_manager_patch(Manager), **_reads_every_tensor()}
 
 
 class FailureForAnotherReason(Mutant):

@@ -31,6 +31,7 @@ _real_iter = snapshot_load.iter_safetensors
 _real_load_pickle = snapshot_load.load_pickle_state_dict
 _real_apply_tensors = _apply.apply_tensors
 _real_check_match = _apply.check_match
+_real_mismatch = _apply.mismatch
 PDPARAMS = snapshot_plan.PDPARAMS
 
 
@@ -383,10 +384,10 @@ class ShapeCheckSkipped(Mutant):
     kills = frozenset({"APPLY-SHAPE-MISMATCH"})
 
     def patches(self):
-        def check_match(name, src_dtype, src_shape, dst, source=""):
-            _dtype_check(name, src_dtype, dst, f" (from {source})" if source else "")
+        def mismatch(name, src_dtype, src_shape, dst, source=""):  # (every path's validation asks apply.mismatch)
+            return _real_mismatch(name, src_dtype, list(dst.shape), dst, source)  # the shape never compared
 
-        return {"reference.apply.check_match": check_match}
+        return {"reference.apply.mismatch": mismatch}
 
 
 class DtypeAfterShape(Mutant):
@@ -395,12 +396,13 @@ class DtypeAfterShape(Mutant):
     kills = frozenset({"APPLY-DTYPE-BEFORE-SHAPE"})
 
     def patches(self):
-        def check_match(name, src_dtype, src_shape, dst, source=""):
-            where = f" (from {source})" if source else ""
-            _shape_check(name, src_shape, dst, where)
-            _dtype_check(name, src_dtype, dst, where)
+        def mismatch(name, src_dtype, src_shape, dst, source=""):
+            if tuple(src_shape) != tuple(dst.shape):  # the shape first: a tensor wrong in both is a ValueError
+                return ValueError(f"Shape mismatch for {name}: {list(src_shape)} vs {list(dst.shape)}"
+                                  + (f" (from {source})" if source else ""))
+            return _real_mismatch(name, src_dtype, src_shape, dst, source)
 
-        return {"reference.apply.check_match": check_match}
+        return {"reference.apply.mismatch": mismatch}
 
 
 class DtypeByItemsize(Mutant):
