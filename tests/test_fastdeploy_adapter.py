@@ -706,7 +706,7 @@ def test_matrix_shows_the_reference_and_every_generation_side_by_side(reports, r
         for rule in report["rules"]:
             cell = page.cells[(rule["id"], j)]
             want = {"passed": "passed", "expected_failure": "expected-failure", "not_applicable": "not-applicable",
-                    "skipped": "skipped", "failed": f"failed-{rule['level']}"}[rule["status"]]
+                    "skipped": "skipped", "failed": f"failed-{rule['level']}", "error": "error"}[rule["status"]]
             assert cell["class"] == [want], f"{name} {rule['id']}: {rule['status']} shown as {cell['class']}"
     assert page.cells[("PART-ORDER-NUMERIC", len(names) - 1)]["text"].strip() == "FAILED (contract)"
     assert page.cells[("PART-ORDER-NUMERIC", names.index("parts"))]["text"].strip() == "passed"
