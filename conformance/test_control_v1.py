@@ -18,7 +18,6 @@ import hashlib
 import json
 import math
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 import pytest
 
 from conformance import check, harness, modes
+from conformance.rank_group import _free_port, _join  # the quick run's forked ranks join the same way
 from conformance.paths import Route, route  # noqa: F401 (the fixture)
 from weightsync.fixtures import engine as E
 from weightsync.fixtures import models as M
@@ -905,30 +905,6 @@ def test_routed_legacy_pair_answers_as_the_legacy_api(loader, route, combo):
 
 
 # -- CTL-EVERY-RANK: two ranks in forked processes, one gloo group ---------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _join(rank: int, port: int, endpoints: list[str]) -> None:
-    os.environ.update(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM="2", PADDLE_MASTER=f"127.0.0.1:{port}",
-                      PADDLE_DISTRI_BACKEND="gloo", PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
-                      PADDLE_CURRENT_ENDPOINT=endpoints[rank])
-    from paddle.distributed import parallel
-
-    parallel._global_parallel_env = None
-    if rank:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # Paddle's store client retries after 3 s if it comes too early
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                time.sleep(0.01)
-    import paddle.distributed as dist
-
-    dist.init_parallel_env()
 
 
 def two_ranks(script, timeout_s: float = 60.0) -> list[dict]:
@@ -942,7 +918,7 @@ def two_ranks(script, timeout_s: float = 60.0) -> list[dict]:
         if pid == 0:
             os.close(read_end)
             try:
-                _join(rank, port, endpoints)
+                _join(rank, 2, port, endpoints)
                 out = {"ok": True, "value": script(rank)}
             except BaseException as e:  # noqa: BLE001 (handed to the parent)
                 out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
