@@ -21,14 +21,15 @@ def run_conformance(impl_args: list[str], report_path, extra: list[str] = (), ti
     """Run the conformance suite as a subprocess would (forked from tests/pytest_server.py); return (exit code,
     report dict, output). ``in_job``: from a background job (tests/early.py: the jobs' environment and priority,
     killed with the session). ``timeout`` guards against a hang only: a whole run of the suite alone takes about
-    2 minutes on 2 idle cores, and the session runs up to nine of them at once beside the mutant zoo."""
+    2 minutes on 2 idle cores; in a job it starts once the cores it uses are free (tests/early.py)."""
     # Native tracebacks: pytest's own style parses a test module's whole source per traceback entry, and the
     # FastDeploy stand-ins fail hundreds of tests on purpose (the parts gate: 23.3 CPU-s, 14.7 native; the same
     # verdicts, root causes and messages).
     args = ["conformance", "-q", "-p", "no:cacheprovider", "--tb=native", f"--conformance-report={report_path}",
             *impl_args, *extra]
     if in_job:
-        proc = early.run_pytest(args, REPO, timeout)
+        workers = args[args.index("-n") + 1] if "-n" in args else "1"
+        proc = early.run_pytest(args, REPO, timeout, cores=int(workers) if workers.isdigit() else early.CORES)
     else:
         proc = pytest_server.run(args, REPO, timeout)
     report = None

@@ -11,6 +11,13 @@ selected by hand after a plugin changed the selection) runs it there and then.
 
 A job's processes get the environment as it was when the jobs started (never a variable a test set for a
 moment) and run in their own process group, which is killed when the session ends (Ctrl-C included).
+
+The jobs' processes together never ask for more than ``CORES`` cores: each process a job starts takes the cores
+it says it uses (a whole-suite run under ``-n 2``, the kill matrix's workers: two) from a pool of ``CORES`` first,
+in the order they asked, and gives them back when it ends. The foreground keeps its own core. Started all at once,
+nine whole-suite runs beside the kill matrix gave each a tenth of a core, and the cases' few-second deadlines (a
+peer's answer, a follower's broadcast, a held file) broke, differently in every run: a verdict of the suite must
+not depend on how many other suites the project's tests run beside it.
 """
 from __future__ import annotations
 
@@ -31,6 +38,46 @@ _env: dict[str, str] | None = None
 _running: set[subprocess.Popen] = set()
 _lock = threading.Lock()
 _stopping = threading.Event()
+
+CORES = 2  # the machine's (2 cores, 24 GiB): what the jobs' processes use at once, all of them together
+
+
+class Cores:
+    """``with pool.take(n):`` holds ``n`` of the pool's cores (at most all of them) until the block ends; callers
+    are served in the order they asked, so a run that needs two is never passed over by later runs needing one."""
+
+    def __init__(self, size: int):
+        self.size, self.free = size, size
+        self._turn = threading.Condition()
+        self._queue: list[object] = []
+
+    def take(self, n: int):
+        import contextlib
+
+        n = max(1, min(n, self.size))
+        ticket = object()
+
+        @contextlib.contextmanager
+        def held():
+            with self._turn:
+                self._queue.append(ticket)
+                try:
+                    self._turn.wait_for(lambda: self._queue[0] is ticket and self.free >= n)
+                finally:
+                    self._queue.remove(ticket)
+                    self._turn.notify_all()
+                self.free -= n
+            try:
+                yield n
+            finally:
+                with self._turn:
+                    self.free += n
+                    self._turn.notify_all()
+
+        return held()
+
+
+_cores = Cores(CORES)
 
 
 def job(fixture: str, prepare: Callable | None = None, after_the_others: bool = False):
@@ -116,18 +163,25 @@ def environment() -> dict[str, str]:
     return dict(_env if _env is not None else os.environ)
 
 
-# A job's processes run at this much lower priority (nice): the tests in the foreground keep the CPU they need,
-# the jobs take what they leave idle. Their verdicts must hold starved: a case that judges time or CPU is bounded
-# by what the machine gave it (BKT-IDLE-WAIT's pause lasts until a process spinning beside the worker had its
-# share; FILE-CHANGED-DURING-LOAD holds the loader's reads instead of racing them), and the gates' runs passed at
-# nice 19 beside a mutation run.
-NICE = 10
+# A job's processes run at this priority (nice). The pool above bounds what they take (two cores); at a lower
+# priority than the foreground's they got a tenth of a core whenever two foreground processes ran (a history run's
+# two versions, a gate's rerun), and the whole-suite runs' few-second deadlines broke there. The foreground and the
+# jobs share the machine as equals.
+NICE = 0
 
 
-def run(cmd: list[str], cwd: str, timeout: float, nice: int = NICE, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(cmd: list[str], cwd: str, timeout: float, nice: int = NICE, env: dict | None = None,
+        cores: int = 1) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True)`` for a job: the jobs' environment (or ``env``) and
     priority (``nice``), its own process group (killed whole when it runs past ``timeout``, then TimeoutExpired, or
-    when the session ends)."""
+    when the session ends), started once ``cores`` of the jobs' cores are free (``timeout`` counts from then)."""
+    with _cores.take(cores):
+        return _run(cmd, cwd, timeout, nice, env)
+
+
+def _run(cmd, cwd, timeout, nice, env) -> subprocess.CompletedProcess:
+    if _stopping.is_set():
+        raise RuntimeError("the session ended before this job's process started")
     proc = subprocess.Popen(["nice", "-n", str(nice), *cmd], cwd=cwd, env=environment() if env is None else env,
                             stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -146,9 +200,16 @@ def run(cmd: list[str], cwd: str, timeout: float, nice: int = NICE, env: dict | 
             _running.discard(proc)
 
 
-def run_pytest(args: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+def run_pytest(args: list[str], cwd: str, timeout: float, cores: int = 1) -> subprocess.CompletedProcess:
     """``python -m pytest *args`` for a job, as ``run`` runs a command, forked from the project's pytest server
     (tests/pytest_server.py: no interpreter start-up, no import, no collection of its own)."""
+    with _cores.take(cores):
+        if _stopping.is_set():
+            raise RuntimeError("the session ended before this job's run started")
+        return _run_pytest(args, cwd, timeout)
+
+
+def _run_pytest(args, cwd, timeout) -> subprocess.CompletedProcess:
     from tests import pytest_server
 
     handles = []

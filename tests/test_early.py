@@ -89,3 +89,42 @@ def test_a_job_process_runs_at_the_jobs_priority_unless_told_otherwise():
     for nice, expected in ((None, min(mine + early.NICE, 19)), (0, mine)):
         proc = early.run(probe, REPO, timeout=60) if nice is None else early.run(probe, REPO, timeout=60, nice=nice)
         assert proc.returncode == 0 and int(proc.stdout) == expected, (nice, proc.stdout, proc.stderr)
+
+
+def test_the_jobs_processes_never_hold_more_than_the_pools_cores_and_are_served_in_order():
+    """Three callers of a two-core pool: one wanting both, asked first while another holds one, is served before a
+    later caller wanting one (never passed over), and the cores held at once never exceed two."""
+    import threading
+
+    pool = early.Cores(2)
+    held, most, order, lock = [0], [0], [], threading.Lock()
+
+    def use(name, n, hold_s, asked=None):
+        with pool.take(n):
+            with lock:
+                held[0] += n
+                most[0] = max(most[0], held[0])
+                order.append(name)
+            if asked is not None:
+                asked.wait(5)
+            time.sleep(hold_s)
+            with lock:
+                held[0] -= n
+
+    asked = threading.Event()
+    first = threading.Thread(target=use, args=("one", 1, 0.2, asked))
+    first.start()
+    while not order:
+        time.sleep(0.001)
+    both = threading.Thread(target=use, args=("both", 2, 0.05))
+    both.start()
+    while not pool._queue:
+        time.sleep(0.001)
+    later = threading.Thread(target=use, args=("later", 1, 0.05))
+    later.start()
+    while len(pool._queue) < 2:
+        time.sleep(0.001)
+    asked.set()
+    for t in (first, both, later):
+        t.join(10)
+    assert order == ["one", "both", "later"] and most[0] == 2 and pool.free == 2, (order, most, pool.free)

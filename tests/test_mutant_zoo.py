@@ -71,7 +71,8 @@ def mutant_runs(tmp_path_factory):
 def _zoo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("mutants")
     names = sorted(n for n in MUTANTS if not (_needs_two_hosts(n) and _two_hosts_unavailable()))
-    proc = early.run([sys.executable, "-m", "tests.zoo_runner", f"--out={out}", "--jobs=3", *names], REPO, ZOO_TIMEOUT_S)
+    proc = early.run([sys.executable, "-m", "tests.zoo_runner", f"--out={out}", "--jobs=2", *names], REPO, ZOO_TIMEOUT_S,
+                     cores=2)
     assert proc.returncode == 0, f"zoo runner failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
     runs = {}
     for name in MUTANTS:
