@@ -155,11 +155,18 @@ def _as_follower(worker: Worker, request: int, written: int, done=None, act=None
         threading.Timer(RANK0_AFTER_S, rank0).start()
 
     def on_sync(value):
-        if worker.loop.on_sync is on_sync:
-            worker.loop.on_sync = None  # once: rank 0 broadcasts each request once
-            start_rank0()
-            return request
-        return None
+        # Rank 0 broadcasts what it reads in the cell, not what the follower read: a pass that syncs before the
+        # request is written gets the value before it (the request installed here, then written: a loaded machine
+        # ran a whole follower update between the two, and its loop, given the request before the cell held it,
+        # saw it again once the cell did).
+        if worker.loop.on_sync is not on_sync:
+            return None
+        read = worker.cell.read()
+        if read != request:
+            return read
+        worker.loop.on_sync = None  # once: rank 0 broadcasts each request once
+        start_rank0()
+        return request
 
     first = len(worker.results)
     worker.loop.on_sync = on_sync

@@ -22,6 +22,7 @@ not depend on how many other suites the project's tests run beside it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import subprocess
@@ -52,9 +53,9 @@ class Cores:
         self._queue: list[object] = []
 
     def take(self, n: int):
-        import contextlib
-
-        n = max(1, min(n, self.size))
+        if n <= 0:  # a process of the foreground's (the jobs' own tests): the pool is the jobs'
+            return contextlib.nullcontext(0)
+        n = min(n, self.size)
         ticket = object()
 
         @contextlib.contextmanager
@@ -174,7 +175,8 @@ def run(cmd: list[str], cwd: str, timeout: float, nice: int = NICE, env: dict | 
         cores: int = 1) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True)`` for a job: the jobs' environment (or ``env``) and
     priority (``nice``), its own process group (killed whole when it runs past ``timeout``, then TimeoutExpired, or
-    when the session ends), started once ``cores`` of the jobs' cores are free (``timeout`` counts from then)."""
+    when the session ends), started once ``cores`` of the jobs' cores are free (``timeout`` counts from then; ``0``:
+    a foreground test's process, which takes none)."""
     with _cores.take(cores):
         return _run(cmd, cwd, timeout, nice, env)
 

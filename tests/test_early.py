@@ -43,7 +43,7 @@ def test_a_job_process_past_its_timeout_dies_with_everything_it_started(tmp_path
     script = f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
     start = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        early.run([sys.executable, "-c", script], REPO, timeout=3)
+        early.run([sys.executable, "-c", script], REPO, timeout=3, cores=0)
     assert time.monotonic() - start < 30, "the timeout did not end the job"
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 5
@@ -55,7 +55,8 @@ def test_a_job_process_past_its_timeout_dies_with_everything_it_started(tmp_path
 def test_a_job_process_gets_the_environment_of_the_start_not_a_test_s(monkeypatch):
     assert early._env is not None, "the autouse fixture starts the jobs (and takes the environment) before a test"
     monkeypatch.setenv("EARLY_JOB_PROBE", "set by a test for a moment")
-    proc = early.run([sys.executable, "-c", "import os; print(os.environ.get('EARLY_JOB_PROBE'))"], REPO, timeout=60)
+    proc = early.run([sys.executable, "-c", "import os; print(os.environ.get('EARLY_JOB_PROBE'))"], REPO, timeout=60,
+                     cores=0)
     assert proc.returncode == 0 and proc.stdout.strip() == "None", (proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -87,7 +88,8 @@ def test_a_job_process_runs_at_the_jobs_priority_unless_told_otherwise():
     probe = [sys.executable, "-c", "import os; print(os.nice(0))"]
     mine = os.nice(0)
     for nice, expected in ((None, min(mine + early.NICE, 19)), (0, mine)):
-        proc = early.run(probe, REPO, timeout=60) if nice is None else early.run(probe, REPO, timeout=60, nice=nice)
+        proc = (early.run(probe, REPO, timeout=60, cores=0) if nice is None
+                else early.run(probe, REPO, timeout=60, nice=nice, cores=0))
         assert proc.returncode == 0 and int(proc.stdout) == expected, (nice, proc.stdout, proc.stderr)
 
 

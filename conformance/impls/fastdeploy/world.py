@@ -31,6 +31,7 @@ import contextlib
 import glob as glob_module
 import os
 import re
+import threading
 import types
 
 SHARED_IPC_DIR = "/shared_ipc_meta"
@@ -75,74 +76,142 @@ def _apply_env(values: dict) -> None:
     parallel._global_parallel_env = None  # paddle.distributed.get_rank() re-reads the env
 
 
+class _World:
+    """One ``worker_world`` block's configuration, as the patched functions consult it."""
+
+    def __init__(self, env, shared_dir, load_hook, watch, groups, real_ranks, group_timeout_s):
+        self.env, self.shared_dir, self.load_hook, self.watch = env, shared_dir, load_hook, watch
+        self.groups, self.real_ranks, self.group_timeout_s = groups, real_ranks, group_timeout_s
+        self.loading: list = []  # non-empty while paddle.load runs: its own lookups are not FastDeploy's
+
+
+# The patches are installed by the first block to enter and removed by the last to leave, whatever the threads:
+# two calls into one session at once (LIFE-CONCURRENT, an is_paused() while an update runs) each entered a
+# block that saved the functions it found, the second saving the first's patches, and, when the first left
+# first, the second restored them: paddle.load stayed patched for the rest of the run and failed every stream's
+# paddle.load(BytesIO) after it, in whichever case came next. Each thread's calls follow its own innermost block;
+# a thread in none (FastDeploy's own threads, started in a call) follows the block entered last.
+_worlds_lock = threading.Lock()
+_worlds: dict = {"active": [], "real": None, "env": None}
+_mine = threading.local()
+
+
+_OUTSIDE = _World({}, None, None, None, None, False, 30.0)  # a patched function called after the last block left
+
+
+def _world() -> _World:
+    stack = getattr(_mine, "stack", None)
+    if stack:
+        return stack[-1]
+    active = _worlds["active"]
+    return active[-1] if active else _OUTSIDE
+
+
+def _real(name: str):
+    return _worlds["real"][name]
+
+
+def _exists(path):
+    world = _world()
+    path = map_shared(path, world.shared_dir) if world.shared_dir else path
+    _note(world, "exists", path)
+    return _real("exists")(path)
+
+
+def _glob(pathname, **kwargs):
+    world = _world()
+    pathname = map_shared(pathname, world.shared_dir) if world.shared_dir else pathname
+    _note(world, "glob", pathname)
+    return _real("glob")(pathname, **kwargs)
+
+
+def _load(path, **configs):
+    world = _world()
+    path = map_shared(path, world.shared_dir) if world.shared_dir else path
+    _note(world, "load", path)
+    world.loading.append(path)
+    try:
+        if world.load_hook is None:
+            return _real("load")(path, **configs)
+        return world.load_hook(path, configs, _real("load"))
+    finally:
+        world.loading.pop()
+
+
+def _note(world: _World, how: str, path) -> None:
+    if world.watch is not None and not world.loading:
+        world.watch(how, os.fspath(path) if isinstance(path, (str, os.PathLike)) else path)
+
+
+def _barrier(*args, **kwargs):
+    world = _world()
+    if world.real_ranks:  # the default group: the tensor-parallel group is the whole world (module docstring)
+        bounded(_real("barrier"), world.group_timeout_s, "paddle.distributed.barrier")
+    return None
+
+
+def _group_call(how):
+    def call(group=None, *args, **kwargs):
+        world = _world()
+        if world.groups is not None:
+            world.groups(how, group_name(group))
+
+    return call
+
+
+def _install() -> None:
+    import paddle
+
+    dist = paddle.distributed
+    _worlds["real"] = {"exists": os.path.exists, "glob": glob_module.glob, "load": paddle.load,
+                       "barrier": dist.barrier, "shutdown": getattr(dist, "shutdown_process_group", None),
+                       "restart": getattr(dist, "restart_process_group", None)}
+    _worlds["env"] = {k: os.environ.get(k) for k in WORKER_ENV}
+    os.path.exists, glob_module.glob, paddle.load, dist.barrier = _exists, _glob, _load, _barrier
+    dist.shutdown_process_group, dist.restart_process_group = _group_call("shutdown"), _group_call("restart")
+
+
+def _uninstall() -> None:
+    import paddle
+
+    dist, real = paddle.distributed, _worlds["real"]
+    os.path.exists, glob_module.glob = real["exists"], real["glob"]
+    paddle.load, dist.barrier = real["load"], real["barrier"]
+    for name, key in (("shutdown_process_group", "shutdown"), ("restart_process_group", "restart")):
+        if real[key] is None:
+            dist.__dict__.pop(name, None)
+        else:
+            setattr(dist, name, real[key])
+    _apply_env(_worlds["env"])
+    _worlds["env"] = None  # (``real`` stays: a patched function someone kept a reference to calls it)
+
+
 @contextlib.contextmanager
 def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None, groups=None, real_ranks: bool = False,
                  group_timeout_s: float = 30.0):
-    """Patch the process for one call into FastDeploy (see the module docstring); undo it after."""
-    import paddle
-
-    saved_env = {k: os.environ.get(k) for k in WORKER_ENV}
-    dist = paddle.distributed
-    real = {"exists": os.path.exists, "glob": glob_module.glob, "load": paddle.load,
-            "barrier": dist.barrier, "shutdown": getattr(dist, "shutdown_process_group", None),
-            "restart": getattr(dist, "restart_process_group", None)}
-
-    loading = []  # non-empty while paddle.load runs: its own lookups are not FastDeploy's
-
-    def note(how, path):
-        if watch is not None and not loading:
-            watch(how, os.fspath(path) if isinstance(path, (str, os.PathLike)) else path)
-
-    def exists(path):
-        path = map_shared(path, shared_dir)
-        note("exists", path)
-        return real["exists"](path)
-
-    def glob(pathname, **kwargs):
-        pathname = map_shared(pathname, shared_dir)
-        note("glob", pathname)
-        return real["glob"](pathname, **kwargs)
-
-    def load(path, **configs):
-        path = map_shared(path, shared_dir)
-        note("load", path)
-        loading.append(path)
-        try:
-            if load_hook is None:
-                return real["load"](path, **configs)
-            return load_hook(path, configs, real["load"])
-        finally:
-            loading.pop()
-
-    def barrier(*args, **kwargs):
-        if real_ranks:  # the default group: the tensor-parallel group is the whole world (module docstring)
-            bounded(real["barrier"], group_timeout_s, "paddle.distributed.barrier")
-        return None
-
-    def group_call(how):
-        def call(group=None, *args, **kwargs):
-            if groups is not None:
-                groups(how, group_name(group))
-
-        return call
-
-    _apply_env(env)
-    os.path.exists, glob_module.glob, paddle.load, dist.barrier = exists, glob, load, barrier
-    dist.shutdown_process_group, dist.restart_process_group = group_call("shutdown"), group_call("restart")
+    """Patch the process for one call into FastDeploy (see the module docstring); undo it after the last block
+    (of any thread) has left."""
+    world = _World(env, shared_dir, load_hook, watch, groups, real_ranks, group_timeout_s)
+    with _worlds_lock:
+        if not _worlds["active"]:
+            _install()
+        _worlds["active"].append(world)
+        _apply_env(env)
+    stack = _mine.__dict__.setdefault("stack", [])
+    stack.append(world)
     try:
         yield
     except BaseException as e:
         _map_message(e, shared_dir)
         raise
     finally:
-        os.path.exists, glob_module.glob = real["exists"], real["glob"]
-        paddle.load, dist.barrier = real["load"], real["barrier"]
-        for name, key in (("shutdown_process_group", "shutdown"), ("restart_process_group", "restart")):
-            if real[key] is None:
-                dist.__dict__.pop(name, None)
+        stack.pop()
+        with _worlds_lock:
+            _worlds["active"].remove(world)
+            if not _worlds["active"]:
+                _uninstall()
             else:
-                setattr(dist, name, real[key])
-        _apply_env(saved_env)
+                _apply_env(_worlds["active"][-1].env)
 
 
 def real_group() -> bool:
