@@ -29,6 +29,9 @@ import time
 import traceback
 
 
+HARNESS_DEADLINES = 3  # the harness's own collective waits this many of the agreement's deadlines
+
+
 class Reporter:
     def __init__(self, run_dir: str, rank: int):
         self.rank = rank
@@ -368,7 +371,10 @@ def main(config_path: str) -> int:
         from conformance.registry import resolve
 
         adapter, _ = resolve(config["impl"], dict(config.get("impl_opts", {})))
-        collective = Collective(config["agree_timeout_s"])
+        # The harness's word waits for every rank's pass of the loop, and a pass may itself wait out the agreement's
+        # deadline (a rank at a barrier whose peer failed) before it does its own work: three deadlines, not one (a
+        # rank 0 that gave up after one, while rank 1 was still loading on a loaded machine, ended a healthy job).
+        collective = Collective(HARNESS_DEADLINES * config["agree_timeout_s"])
         if config.get("levels"):
             run_levels(config, adapter, rank, report)
         for job in config["jobs"]:
