@@ -56,6 +56,11 @@ def environment_left_as_found(request):
 
 def pytest_collection_modifyitems(items):
     early.reorder(items)
+    for item in items:
+        if any(early._uses(item, name) for name in early.JOBS):
+            # Its setup waits for the job, queued behind the others for the jobs' cores (tests/early.py): bounded by
+            # the job's own processes (each has its timeout), not by a test's; closest, so it is the one in force.
+            item.add_marker(pytest.mark.timeout(early.READER_TIMEOUT_S), append=False)
 
 
 @pytest.fixture(autouse=True)

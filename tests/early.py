@@ -40,6 +40,7 @@ _running: set[subprocess.Popen] = set()
 _lock = threading.Lock()
 _stopping = threading.Event()
 
+READER_TIMEOUT_S = 3600  # a test reading a job's result: the wait for the job and the jobs queued before it
 CORES = 2  # the machine's (2 cores, 24 GiB): what the jobs' processes use at once, all of them together
 
 

@@ -192,6 +192,22 @@ def pinned_failures(report: dict) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("gen", GENERATIONS)
+def test_expectations_are_reviewed(gen):
+    """Every entry of a shipped expectations file says why, in words a reader checks: none is a candidate's
+    ``REVIEW:`` placeholder (``--update-expectations`` writes them), and a rule entry's kind fits its rule's
+    level before any run (a whole-suite run checks the id and glob entries too)."""
+    import tomllib
+
+    with open(expectations_path(gen), "rb") as f:
+        entries = tomllib.load(f).get("expect", [])
+    known = spec_levels()
+    unreviewed = [e.get("rule") or e.get("id") or e.get("glob") for e in entries if e["reason"].startswith("REVIEW")]
+    wrong = [f"{e['rule']}: kind {e['kind']} on a {known.get(e['rule'])} rule" for e in entries
+             if "rule" in e and e["kind"] in KIND_LEVEL and KIND_LEVEL[e["kind"]] != known.get(e["rule"])]
+    assert not unreviewed and not wrong, f"{gen}: unreviewed entries {unreviewed}; kinds that do not fit: {wrong}"
+
+
+@pytest.mark.parametrize("gen", GENERATIONS)
 def test_generation_fails_exactly_its_expectations(reports, gen):
     """Gated by its expectations file the run is green: every failure is expected, no expected failure
     passes (the plugin's strict rules), every entry matches a test; and each entry's kind fits its rule's
