@@ -289,7 +289,7 @@ def test_a_frame_over_the_limit_is_reported_as_such_not_as_a_dead_trainer():
     base = tempfile.mkdtemp(prefix="wsfl")
     ctx = zmq.Context.instance()
     try:
-        for case, reply, timeout_s in (("over", 4097, 5.0), ("at", 4096, 5.0), ("gone", None, 0.3)):
+        for case, reply, timeout_s in (("over", 4097, 30.0), ("at", 4096, 30.0), ("gone", None, 0.3)):
             endpoint = f"ipc://{base}/{case}.sock"
             trainer = ctx.socket(zmq.ROUTER)
             trainer.setsockopt(zmq.LINGER, 0)
@@ -317,7 +317,7 @@ def test_a_frame_over_the_limit_is_reported_as_such_not_as_a_dead_trainer():
                 with pytest.raises(expected[0], match=expected[1]):
                     link.receive("bucket 0 of version 3")
                 elapsed = time.monotonic() - start
-                assert elapsed < (2.0 if case == "over" else 2.3), f"{case}: raised after {elapsed:.2f}s"
+                assert elapsed < 10.0, f"{case}: raised after {elapsed:.2f}s (the frame limit at once, the deadline once)"
             finally:
                 link.close()
                 trainer.close()

@@ -52,6 +52,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import math
 import os
 import re
 import sys
@@ -136,6 +137,15 @@ def _status_cell() -> tuple[int, SharedMemory]:
             continue
 
 
+def _group_timeout(options: dict) -> float:
+    """The adapter's own option (FastDeploy's manager has none): the deadline of the world's barriers and
+    broadcasts (world.py), 30 s unless given; anything but a positive finite number of seconds is refused."""
+    timeout = options.get("agree_timeout_s", 30.0)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"options['agree_timeout_s'] must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
 class FastDeploySession:
     def __init__(self, dwm_class: type, generation: Generation, models: list, config: LoaderConfig):
         self._cls = dwm_class
@@ -154,7 +164,7 @@ class FastDeploySession:
         # A rank of several under paddle.distributed (the multirank tier): barriers and the loop's broadcast
         # on the real group, bounded by the process group's timeout (world.py).
         self.real_ranks = real_group()
-        self.group_timeout_s = float(options.get("agree_timeout_s") or 30.0)
+        self.group_timeout_s = _group_timeout(options)
         if options.get("status_cell") is not None:
             self.pid = loop.cell_suffix(options["status_cell"])
             self.cell_name = options["status_cell"]
