@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conformance import check, harness, modes
+from conformance import check, harness, modes, thread_state
 from conformance.rank_group import _free_port, _join  # the quick run's forked ranks join the same way
 from conformance.paths import Route, route  # noqa: F401 (the fixture)
 from weightsync.fixtures import engine as E
@@ -215,6 +215,14 @@ def refused_request(rig: Rig, where: str) -> None:
     check.equal(len(request.steps), 0, f"{where}: steps run by a request arriving while paused")
 
 
+def settle(call: Call) -> None:
+    """Give a call that must wait the time to show it: until its thread is blocked in a wait (or ended, or
+    spinning), then ``HOLD_S`` more; never a bare delay from its start (on a loaded machine the thread may not
+    have run at all yet, and the request held would go on as if nothing had been called)."""
+    thread_state.blocked(call, BOUND_S)
+    time.sleep(HOLD_S)
+
+
 def pause_if_claimed(rig: Rig, caps) -> None:
     if "control.pause" in caps:
         rig.session.pause()
@@ -236,7 +244,7 @@ def test_pause_aborts_in_flight_and_refuses_new_work(loader, route, combo):
         request = Request(rig, hold_at=k)
         request.wait_held(where)
         pause = Call("pause()", session.pause)
-        time.sleep(HOLD_S)
+        settle(pause)
         check.that(not pause.returned.is_set(), f"{where}: pause() returned while step {k} of a request was still running")
         released_at = time.monotonic()
         request.release.set()
@@ -307,7 +315,7 @@ def test_is_paused_tells_the_truth_throughout(loader, route, combo):
             request = Request(rig, hold_at=1)
             request.wait_held(where)
             pause = Call("pause()", session.pause)
-            time.sleep(HOLD_S)
+            settle(pause)
             during.append(read_paused(session, where))
             request.finish(where)
             pause.join_ok(where)
@@ -565,7 +573,7 @@ def test_sleep_pauses_before_it_releases(loader, route, combo):
         stepping.append(1)
     sleep = Call("sleep()", lambda: session.sleep(tags))
     if request is not None:
-        time.sleep(HOLD_S)
+        settle(sleep)
         check.that(not sleep.returned.is_set(), f"{where}: sleep() returned while a step of a request was running")
         if "weight" in tags:
             check.that(all(rig.loaded().values()), f"{where}: the weights were released while a step was running")

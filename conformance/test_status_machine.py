@@ -358,6 +358,29 @@ def _bounded_iteration(session, timeout_s=10.0, cell=None, sync=lambda value: va
     return box, seconds, len(ran)
 
 
+def _rank0_writes(cell, value, box, delay_s=0.0) -> threading.Thread:
+    """Rank 0's write of ``value``, once this rank's iteration (``box``, filled by ``_bounded_iteration``) has
+    started and been seen waiting (looked at the cell again: thread_state), then ``delay_s`` on; never a timer
+    from the test's start, which a loaded machine fires before the iteration has read the request at all.
+    ``"at"`` in the returned thread's ``wrote``: when it wrote. Join it before writing the cell again."""
+    wrote: dict = {}
+
+    def write():
+        deadline = time.monotonic() + L.EVENT_TIMEOUT_S
+        while "tid" not in box and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if "tid" in box:
+            looked_again(os.getpid(), box["tid"], timeout_s=L.EVENT_TIMEOUT_S)
+        time.sleep(delay_s)
+        wrote["at"] = time.monotonic()
+        cell.write(value)
+
+    thread = threading.Thread(target=write, name="conformance-rank0-write", daemon=True)
+    thread.wrote = wrote
+    thread.start()
+    return thread
+
+
 class _Trainer:
     """The trainer of rank 1 on physical GPU 6, at the snapshot level the loader reads."""
 
@@ -387,16 +410,11 @@ def test_follower_waits_for_rank0_write(loader, monkeypatch, cell):
         if version:
             sources.publish(SPEC, version)
         cell.write(request)
-        wrote = {}
-
-        def rank0(value=written):  # rank 0, done a little later
-            wrote["at"] = time.monotonic()
-            cell.write(value)
-
-        timer = threading.Timer(RANK0_DELAY_S, rank0)
-        timer.start()
-        box, seconds, runs = _bounded_iteration(session, cell=cell)
-        timer.cancel()
+        box: dict = {}
+        rank0 = _rank0_writes(cell, written, box, RANK0_DELAY_S)  # rank 0, done a little later
+        box, seconds, runs = _bounded_iteration(session, cell=cell, box=box)
+        rank0.join(L.EVENT_TIMEOUT_S + 1.0)
+        wrote = rank0.wrote
         where = f"rank 1 of 2, {C.name_of(request)} in the cell, rank 0 writing {C.name_of(written)} after {RANK0_DELAY_S}s"
         check.equal(box.get("result", box.get("error", box.get("stuck"))), want, f"{where}: what the iteration returned")
         early = "before rank 0 wrote at all" if "at" not in wrote or "end" not in box else \
@@ -418,8 +436,10 @@ def test_follower_gives_up_at_its_deadline(loader, monkeypatch, cell, request_va
     sources, session = _follower(loader, monkeypatch, cell, agree_timeout_s=FOLLOWER_DEADLINE_S)
     if request_value == C.UPDATING:  # rank 0 wrote CLEARED; the follower cleared; now it updates alone
         cell.write(C.CLEARING)
-        threading.Timer(0.05, lambda: cell.write(C.CLEARED)).start()
-        _bounded_iteration(session, cell=cell)
+        box: dict = {}
+        rank0 = _rank0_writes(cell, C.CLEARED, box)
+        _bounded_iteration(session, cell=cell, box=box)
+        rank0.join(L.EVENT_TIMEOUT_S + 1.0)  # (its CLEARED never lands on the request below)
         sources.publish(SPEC, 2)
     cell.write(request_value)  # rank 0 never answers
     box, seconds, runs = _bounded_iteration(session, cell=cell)

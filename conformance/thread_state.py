@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -132,6 +133,36 @@ def looked_again(pid: int, tid: int | None = None, *, times: int = 1, timeout_s:
             last_wait = now.switches
         if now.cpu_ns - first_cpu >= busy_s * 1e9:
             return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+
+
+def _in_python_wait(ident: int | None) -> bool:
+    """Whether the thread's innermost Python frame is a wait of ``threading`` (an Event, a Condition, a queue,
+    a join): blocked on a lock the kernel shows only as a futex, as a thread waiting for the GIL is."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    return frame is not None and frame.f_code.co_filename == threading.__file__ and \
+        frame.f_code.co_name in ("wait", "_wait_for_tstate_lock", "join")
+
+
+def blocked(thread: threading.Thread, timeout_s: float = 5.0, busy_s: float = BUSY_S) -> bool:
+    """Wait until ``thread`` (of this process), a call the suite started, is blocked in a wait (a sleep, a poll,
+    a read, or a wait of ``threading``), has ended, or has run ``busy_s`` of CPU time (a loop that never
+    waits): True; False after ``timeout_s``. So a test checks that a call which must wait has not returned
+    once the call is waiting, never a fixed delay after it started (a started thread may not have run yet
+    on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    first_cpu = None
+    while True:
+        if not thread.is_alive():
+            return True
+        tid = thread.native_id
+        now = sample(task_dir(os.getpid(), tid)) if tid is not None else None
+        if now is not None:
+            first_cpu = now.cpu_ns if first_cpu is None else first_cpu
+            if now.waiting or _in_python_wait(thread.ident) or now.cpu_ns - first_cpu >= busy_s * 1e9:
+                return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(POLL_S)
