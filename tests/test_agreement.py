@@ -416,7 +416,8 @@ def _restarted_ranks(rank, agreement, shared, rank0_answers: bool):
         deadline = time.monotonic() + (HOLD_S if world > 1 else 0)
         while time.monotonic() < deadline and not os.path.exists(marker):
             time.sleep(0.01)
-        return value
+        out["rank1_returned_first"] = os.path.exists(marker)  # here, before rank 0 can write NORMAL: after it,
+        return value  # a healthy rank 1 may see NORMAL and return before a preempted rank 0 looks
 
     out = {"rank1_returned_first": os.path.exists(marker)}
     if rank == 0 and not rank0_answers:
@@ -431,8 +432,6 @@ def _restarted_ranks(rank, agreement, shared, rank0_answers: bool):
     if rank == 1:
         with open(marker, "w"):
             pass
-    else:
-        out["rank1_returned_first"] = os.path.exists(marker)
     return out
 
 

@@ -789,7 +789,9 @@ def test_status_watcher_sees_the_status_during_an_action():
     session = Session()
     with harness.StatusWatcher(session) as watch:
         session.state = "UPDATING"
-        time.sleep(0.05)
+        until = time.monotonic() + 30.0  # (its thread has just started: on a loaded machine it may not have run yet)
+        while not ("UPDATING" in watch.seen and watch.polls > 3) and time.monotonic() < until:
+            time.sleep(0.005)
         session.state = "NORMAL"
     assert watch.seen == ["CLEARED", "UPDATING", "NORMAL"] and not watch.errors and watch.polls > 3, (watch.seen, watch.polls)
 

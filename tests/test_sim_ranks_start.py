@@ -119,7 +119,7 @@ def test_ranks_join_whatever_devices_the_orchestrator_sees(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,2")
     monkeypatch.setenv("FLAGS_selected_gpus", "0")
     job = Job("reference", [PathPlan("bucket", default_params(0.25), [Step(1)], cycles=1)], ranks=2,
-              start_timeout_s=60.0)
+              start_timeout_s=60.0, agree_timeout_s=60.0, transfer_timeout_s=60.0)  # (a healthy step, loaded)
     result = job.run()
     assert "error" not in result, result["error"]
     device_path = [f for f in result.get("start_failures", []) if "wait_for_master" in f]

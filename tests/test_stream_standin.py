@@ -84,7 +84,7 @@ def test_faults_as_scripted(fault, error):
     state = M.state(SPEC, version=1)
     with StreamTrainer() as trainer:
         trainer.serve(Stream(list(state.items()), fault=fault), stream_of(state))
-        handle = ct.CheckpointTransfer(endpoint=trainer.endpoint, recv_bucket_timeout_s=0.1, session_total_timeout_s=0.3)
+        handle = ct.CheckpointTransfer(endpoint=trainer.endpoint, recv_bucket_timeout_s=1.0, session_total_timeout_s=3.0)
         handle.initialize()
         with pytest.raises(error):
             list(handle.receive_weights_sync("1"))
