@@ -25,6 +25,7 @@ import pytest
 
 from conformance import check, modes
 from conformance.loop_driver import LoopThread
+from conformance.thread_state import looked_again
 from conformance.paths import route  # noqa: F401 (the fixture)
 from weightsync.fixtures import models as M
 from weightsync.fixtures import status_cell as C
@@ -133,8 +134,9 @@ def _released(worker: Worker) -> bool:
 def _as_follower(worker: Worker, request: int, written: int, done=None, act=None):
     """Rank 0's ``request``: written to the cell, and broadcast to the follower's loop at its next ``sync`` (rank 0
     read it, whatever the follower reads by then). Rank 0 (this process), the slower, writes ``written`` (what it
-    did: CLEARED, NORMAL) ``RANK0_AFTER_S`` after that ``sync`` (or after ``BLOCKED_S`` if no pass reaches it: a loop
-    that blocks in its check reads the request itself), having read the cell first. Returns once rank 0 has written
+    did: CLEARED, NORMAL) ``RANK0_AFTER_S`` after that ``sync`` (or, if no pass reaches it, ``BLOCKED_S`` on and once
+    the loop's thread is seen waiting twice without reaching it: a loop that blocks in its check reads the request
+    itself), having read the cell first. Returns once rank 0 has written
     and a pass of the follower's loop did something since the request, or, failing that within ``BLOCKED_S``,
     ``done(worker)`` holds (a clear's pass that blocks at CLEARED never returns, yet the follower has cleared):
     (what its passes returned or raised since the request, the cell just before rank 0 wrote). ``act``: wait for
@@ -168,15 +170,30 @@ def _as_follower(worker: Worker, request: int, written: int, done=None, act=None
         start_rank0()
         return request
 
+    stop = threading.Event()
+
+    def blocked_in_its_check():
+        # BLOCKED_S on, and then only once the loop's thread is seen waiting twice without having reached its sync:
+        # a loop that passes through its sync does so between two of its waits, so one that waits twice without it
+        # is blocked in its check (a slow loop on a loaded machine is not yet that).
+        if stop.wait(BLOCKED_S):
+            return
+        tid = worker.loop.thread.native_id
+        if tid is not None:
+            looked_again(os.getpid(), tid, times=2, timeout_s=ITERATION_S,
+                         between=lambda: started.is_set() or stop.is_set())
+        if not stop.is_set():
+            start_rank0()
+
     first = len(worker.results)
     worker.loop.on_sync = on_sync
     worker.cell.write(request)
-    fallback = threading.Timer(BLOCKED_S, start_rank0)
+    fallback = threading.Thread(target=blocked_in_its_check, name="conformance-rank0-fallback", daemon=True)
     fallback.start()
     acted = lambda: wrote.is_set() and (act in worker.results[first:] if act else _acts(worker.results[first:]))  # noqa: E731
     finished = worker.until(acted, BLOCKED_S + RANK0_AFTER_S + 0.5) or (
         worker.until(lambda: acted() or (wrote.is_set() and done is not None and done(worker))))
-    fallback.cancel()
+    stop.set()
     worker.loop.on_sync = None
     return (worker.results[first:] if finished else worker.results[first:] + ["(nothing more within the deadline)"]), before
 
