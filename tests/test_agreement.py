@@ -16,7 +16,8 @@ import pytest
 
 from reference import agreement as A
 
-DEADLINE_S = 1.0
+DEADLINE_S = 1.0  # the deadline the cases that wait one out wait
+HEALTHY_S = 10.0  # the deadline of collectives that must complete (two ranks just joined, on a loaded machine)
 
 
 def _free_port() -> int:
@@ -58,7 +59,7 @@ def in_this_process():
         os.environ.update(before)
 
 
-def two_ranks(script, timeout_s: float = 60.0, in_process: bool = True) -> list:
+def two_ranks(script, timeout_s: float = 60.0, in_process: bool = True, deadline_s: float = HEALTHY_S) -> list:
     """``script(rank, agreement) -> JSON-able`` in two forked processes joined in one gloo group. With
     ``in_process``, the script first runs here as rank 0 of one (every call local, its result unused): tools
     that trace calls, coverage and mutation testing, then see the functions the test drives; the two ranks'
@@ -75,7 +76,7 @@ def two_ranks(script, timeout_s: float = 60.0, in_process: bool = True) -> list:
             os.close(read_end)
             try:
                 _join(rank, port, endpoints)
-                out = {"ok": True, "value": script(rank, A.Agreement(DEADLINE_S))}
+                out = {"ok": True, "value": script(rank, A.Agreement(deadline_s))}
             except BaseException as e:  # noqa: BLE001 (handed to the parent)
                 out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             os.write(write_end, json.dumps(out).encode())
@@ -235,7 +236,7 @@ def _deadline(rank, agreement):
 
 
 def test_a_peer_that_never_votes_breaks_the_group_at_the_deadline():
-    zero, _ = two_ranks(_deadline)
+    zero, _ = two_ranks(_deadline, deadline_s=DEADLINE_S)
     assert zero["raised"] and "did not complete within 1s" in zero["raised"] and "vote on update" in zero["raised"]
     assert DEADLINE_S <= zero["waited"] < DEADLINE_S + 2.0, zero
     assert zero["broken"] == "vote on update (epoch 1) missed its 1s deadline"
@@ -259,7 +260,7 @@ def _peer_dies(rank, agreement):
 def test_a_dead_peer_fails_the_vote_at_once():
     zero, _ = two_ranks(_peer_dies)
     assert zero["raised"] and zero["raised"].startswith("rank 0: vote on clear (epoch 1) failed: "), zero
-    assert zero["waited"] < DEADLINE_S and zero["broken"].startswith("vote on clear (epoch 1) failed: "), zero
+    assert zero["waited"] < HEALTHY_S / 2 and zero["broken"].startswith("vote on clear (epoch 1) failed: "), zero
 
 
 # -- the manager's votes on two ranks ------------------------------------------------------------------------
@@ -381,7 +382,7 @@ def test_every_rank_reports_the_failure_of_one(tmp_path):
 # -- a restarted worker's first pass on a rank that does not write the cell (STATUS-RESTART-RECOVERS) -------
 HOLD_S = 1.0  # rank 0 holds its NORMAL this long, or until rank 1's first pass has returned
 ANSWERED_S = 10.0  # the agreement's timeout when rank 0 answers (rank 1 waits HOLD_S of it)
-UNANSWERED_S = 1.0  # and when it never does: rank 1 gives up after this
+UNANSWERED_S = 3.0  # and when it never does: rank 1 gives up after this (its start-up votes are healthy, loaded)
 
 
 def _restarted_ranks(rank, agreement, shared, rank0_answers: bool):
@@ -454,7 +455,7 @@ def test_a_restarted_rank_that_does_not_write_waits_for_rank_0(tmp_path, rank0_a
         assert not zero["rank1_returned_first"], f"rank 1's first pass returned before rank 0 wrote NORMAL: {one}"
         assert one["cell_at_return"] == Status.NORMAL, f"rank 1 returned with the cell at {one['cell_at_return']}"
     else:
-        assert one["result"] == (f"LoopTimeout: status cell {cell.name!r} still reads UPDATING 1s after rank 1 "
+        assert one["result"] == (f"LoopTimeout: status cell {cell.name!r} still reads UPDATING {UNANSWERED_S:g}s after rank 1 "
                                  "answered the update left in the cell"), one
         assert one["cell_at_return"] == Status.UPDATING, one
 
