@@ -354,6 +354,6 @@ def run(session, cell: C.Cell, model_dir: str, spec, *, block: bool, seed_list, 
                 outcome.cycles += 1
         except DriverError as e:
             outcome.violations.setdefault(PROGRESS, []).append(str(e))
-        outcome.report = loop.stop(timeout_s=3.0)
+        outcome.report = loop.stop(timeout_s=10.0)  # (a healthy child stops in milliseconds; a loaded one later)
         outcome.events = loop.events
     return outcome

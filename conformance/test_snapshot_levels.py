@@ -322,7 +322,7 @@ def _rss_mib(pid):
 RSS_CAP_MIB = 512  # the models here hold bytes; a loader that grows by this much reads without end
 # A case that can block inside the implementation (a FIFO or device opened and read) runs in a forked
 # child killed after this long: a hang fails the case naming it, never hangs the run.
-BLOCK_DEADLINE_S = 5.0
+BLOCK_DEADLINE_S = 10.0
 
 
 _BAD_KINDS = {
