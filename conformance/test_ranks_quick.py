@@ -663,9 +663,9 @@ def test_a_broken_group_fails_the_next_operation_at_once(job, combo):
         got = j.value(reply)
         at = f"{j.where}: rank {survivor}, {what} {where}"
         check.that(got["raised"] is not None, f"{at}: returned {got.get('result')!r}; it must fail")
-        check.that(reply["seconds"] < ABSENT_S / 2,
+        check.that(reply["seconds"] < 0.9 * ABSENT_S,
                    f"{at}: failed after {reply['seconds']:.2f}s: it waited again on a group in an unknown state "
-                   f"(it must fail at once, within half the {ABSENT_S:g}s deadline)")
+                   f"(it must fail at once, short of the {ABSENT_S:g}s deadline)")
         check.that(re.search(r"\bgroup\b", got["raised"] or "", re.IGNORECASE) is not None,
                    f"{at}: the error does not name the unusable (process) group: {got['raised']!r}")
         if "status" in j.caps:
@@ -687,7 +687,7 @@ def test_failure_on_one_rank_changes_no_rank(job, path, fault, failing):
     """Staged, 2 ranks: rank ``failing``'s update fails (its shard lacking the last tensor, the last tensor's dtype
     wrong, its source gone before the end); every rank, the healthy one too, keeps every parameter exactly as it
     was (cleared); the next clear and update load every rank bit for bit."""
-    j = job(path, deadline_s=PROMPT_S, staged=True, options={"timeout_s": 0.5} if path == "bucket" else None)
+    j = job(path, deadline_s=PROMPT_S, staged=True, options={"timeout_s": 2.0} if path == "bucket" else None)
     j.load(1)
     step = j.step(C.CLEARING)
     j.healthy(step.replies, "the clear before version 2", None, "cleared")
