@@ -114,7 +114,7 @@ class BucketFeed(Feed):
 
     BUCKET_BYTES = 1024
     WAIT_S = 5.0  # the trainer's wait for the receiver (and at a hold: ``Publisher.release``)
-    TIMEOUT_S = 2.0  # the receiver's wait for the trainer (the session's ``timeout_s``)
+    TIMEOUT_S = 5.0  # the receiver's wait for the trainer (the session's ``timeout_s``)
 
     def __init__(self, loader):
         self.loader = loader

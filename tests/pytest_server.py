@@ -10,7 +10,8 @@ subprocess would have been:
   its priority (``nice``), working directory, environment, ``sys.argv`` and the ``sys.path`` Python would
   give ``python -m pytest`` there (the directory, then ``PYTHONPATH``);
 * stdout and stderr are pipes the client made and passed over the socket (SCM_RIGHTS);
-* SIGINT, SIGTERM and SIGCHLD at the interpreter's defaults; at the end ``atexit`` runs, then the exit.
+* SIGINT, SIGTERM and SIGCHLD at the interpreter's defaults (SIGINT ignored where the server inherited it
+  ignored, as a subprocess would); at the end ``atexit`` runs, then the exit.
 
 A run whose environment differs from the server's in what an import reads once (Paddle's ``FLAGS_``,
 devices, threads, the interpreter's own variables) would not be that subprocess: it runs as one.
@@ -65,6 +66,11 @@ def _warm() -> None:
     freeze_heap()
 
 
+# What `python -m pytest` started by the test process gets: Python's handler, or SIGINT ignored where the test
+# process was started with it ignored (a background job of a shell): the server was exec'd as such a child is.
+_SIGINT = signal.SIG_IGN if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else signal.default_int_handler
+
+
 def _child(request: dict, fds: list[int], closing: list) -> None:
     code = 70
     try:
@@ -78,7 +84,7 @@ def _child(request: dict, fds: list[int], closing: list) -> None:
         os.dup2(fds[1], 2)
         for fd in fds:
             os.close(fd)
-        for signum, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),
+        for signum, handler in ((signal.SIGINT, _SIGINT), (signal.SIGTERM, signal.SIG_DFL),
                                 (signal.SIGCHLD, signal.SIG_DFL)):
             signal.signal(signum, handler)
         if request["nice"]:

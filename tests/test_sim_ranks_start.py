@@ -21,7 +21,8 @@ from tests.processes import ended, wait_ended
 
 # Last, once the background jobs are done (tests/early.py): beside them a rank was still importing Paddle 15 s on.
 RUNS_AFTER_THE_JOBS = True
-START_S = 15.0  # the start-up's deadline here: the second start must join within it on a loaded machine
+START_S = 30.0  # the start-up's deadline here: rank 0 must reach init_parallel_env (Paddle imported) and the second
+# start join within it on a loaded machine (15 s: a rank beside two suite runs was still importing Paddle)
 
 
 def _gone(pid: int) -> bool:
@@ -50,7 +51,7 @@ with open(out, "w") as f:
 @early.job("stalled_rendezvous", after_the_others=True)
 def _stalled_rendezvous_runs(tmp_path_factory):
     """hosts -> the job's result (or why it cannot run here), one after the other. Each waits out its first
-    start's 15 s: a job started once the other jobs are done, so that those waits overlap the simulator's tests
+    start's START_S: a job started once the other jobs are done, so that those waits overlap the simulator's tests
     instead of adding to them (its deadlines are kept from the other jobs' load: beside them a rank was still
     importing Paddle 15 s on). Each runs in a process of its own, with the environment of the session's start
     and at the foreground's priority: in a thread of this process it would read os.environ while a test changes
