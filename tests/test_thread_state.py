@@ -167,3 +167,48 @@ def test_before_a_fork_it_waits_for_a_busy_thread_and_not_for_a_sleeping_one():
     finally:
         stop.set()
         _stop(sleeper)
+
+
+# -- blocked: a call the suite started is waiting ----------------------------------------------------------------
+def test_blocked_sees_a_call_waiting_in_threading_in_a_sleep_or_gone_and_not_one_on_a_plain_lock():
+    """``blocked`` is what a test waits for before it checks that a call which must wait has not returned: a
+    thread in an Event's wait or a sleep is waiting, an ended one is done; a thread waiting for a plain lock (as one
+    waiting for the interpreter lock before it ran at all) is not yet either, and the wait says so at its bound."""
+    release = threading.Event()
+    for target in (lambda: release.wait(30.0), lambda: time.sleep(30.0) if not release.is_set() else None):
+        waiter = threading.Thread(target=target, daemon=True)
+        waiter.start()
+        assert T.blocked(waiter, timeout_s=30.0), "a thread in a wait was not seen blocked"
+    release.set()
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    assert T.blocked(done, timeout_s=0.1)
+    lock = threading.Lock()
+    lock.acquire()
+    on_lock = threading.Thread(target=lock.acquire, daemon=True)
+    on_lock.start()
+    try:
+        started = time.monotonic()
+        assert not T.blocked(on_lock, timeout_s=0.3), "a thread blocked on a plain lock was taken for a waiting call"
+        assert time.monotonic() - started >= 0.3
+    finally:
+        lock.release()
+        on_lock.join(5)
+
+
+def test_blocked_counts_a_spinning_call_once_it_used_its_cpu_time():
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    busy = threading.Thread(target=spin, daemon=True)
+    busy.start()
+    try:
+        assert T.blocked(busy, timeout_s=30.0, busy_s=0.05)
+        assert not T.blocked(busy, timeout_s=0.2, busy_s=1000.0)
+    finally:
+        stop.set()
+        busy.join(5)
