@@ -102,6 +102,9 @@ WHERE: dict[str, Where] = {
     "source=../FastDeploy/fastdeploy/rl/dynamic_weight_manager.py --expectations tests/fd_standins/parts/expectations.toml":
         by_hand("a FastDeploy checkout beside this one; the project tests gate each stand-in generation the same way",
                 "tests/test_fastdeploy_adapter.py::_gate_runs"),
+    ".venv/bin/python -m conformance.history --repo ~/FastDeploy --path fastdeploy/rl/dynamic_weight_manager.py "
+    "--rev-range develop..HEAD --fail-on-regression -o conformance-gate --jobs 2": in_test(
+        "tests/test_history.py::gated", "tests/test_history.py::test_the_gate_fails_naming_exactly_the_breaking_commit_and_rule"),
     # docs/benchmarks.md
     ".venv/bin/python -m benchmarks.snapshot_memory --model-mib 1024 --repeat 5": in_test(
         BENCH + "test_snapshot_memory_benchmark_smoke"),
