@@ -403,9 +403,9 @@ def concurrently(calls: dict, bound_s: float = 30.0) -> dict:
 
 
 class Call:
-    """``fn()`` on a thread of its own, started at once (a second caller of a session, say): ``done`` is set
-    when it returned or raised, ``error`` holds what it raised (None: it returned), ``result`` what it returned,
-    ``ended_at`` when (``time.monotonic()``). :meth:`wait` bounds the wait from outside; a call that never
+    """``fn()`` on a thread of its own (``thread``), started at once (a second caller of a session, say): ``done``
+    is set when it returned or raised, ``error`` holds what it raised (None: it returned), ``result`` what it
+    returned, ``ended_at`` when (``time.monotonic()``). :meth:`wait` bounds the wait from outside; a call that never
     returns is left behind (a daemon thread) and the test fails naming it (``concurrently`` for many at once)."""
 
     def __init__(self, name: str, fn):
@@ -416,8 +416,8 @@ class Call:
         self.error: BaseException | None = None
         self.result = None
         self.ended_at: float | None = None
-        self._thread = threading.Thread(target=self._run, name=f"conformance-{name}", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name=f"conformance-{name}", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         import time

@@ -271,7 +271,7 @@ class DrainHold(Hold):
 
         deadline = time.monotonic() + timeout_s
         if self.op is not None:  # its thread has begun and waits (a started thread may not have run yet, loaded)
-            thread_state.blocked(self.op._thread, timeout_s)
+            thread_state.blocked(self.op.thread, timeout_s)
         settled = time.monotonic() + self.settle_s
         while time.monotonic() < deadline:
             if self.op is not None and self.op.done.is_set():

@@ -2,6 +2,7 @@
 the kernel's view of the thread, never from a delay."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -92,7 +93,9 @@ def test_a_thread_blocked_on_a_lock_has_not_looked():
         blocked.join(5)
 
 
-def test_a_busy_loop_counts_once_it_has_used_its_cpu_time():
+@contextlib.contextmanager
+def _spinning():
+    """A thread that never waits (a busy loop), stopped on leaving."""
     stop = threading.Event()
 
     def spin():
@@ -102,10 +105,15 @@ def test_a_busy_loop_counts_once_it_has_used_its_cpu_time():
     busy = threading.Thread(target=spin, daemon=True)
     busy.start()
     try:
-        assert T.looked_again(os.getpid(), busy.native_id, timeout_s=30.0, busy_s=0.05)
+        yield busy
     finally:
         stop.set()
         busy.join(5)
+
+
+def test_a_busy_loop_counts_once_it_has_used_its_cpu_time():
+    with _spinning() as busy:
+        assert T.looked_again(os.getpid(), busy.native_id, timeout_s=30.0, busy_s=0.05)
 
 
 def test_an_ended_thread_has_looked_and_between_can_end_the_wait():
@@ -198,17 +206,6 @@ def test_blocked_sees_a_call_waiting_in_threading_in_a_sleep_or_gone_and_not_one
 
 
 def test_blocked_counts_a_spinning_call_once_it_used_its_cpu_time():
-    stop = threading.Event()
-
-    def spin():
-        while not stop.is_set():
-            pass
-
-    busy = threading.Thread(target=spin, daemon=True)
-    busy.start()
-    try:
+    with _spinning() as busy:
         assert T.blocked(busy, timeout_s=30.0, busy_s=0.05)
         assert not T.blocked(busy, timeout_s=0.2, busy_s=1000.0)
-    finally:
-        stop.set()
-        busy.join(5)
