@@ -183,10 +183,16 @@ def test_blocked_sees_a_call_waiting_in_threading_in_a_sleep_or_gone_and_not_one
     thread in an Event's wait or a sleep is waiting, an ended one is done; a thread waiting for a plain lock (as one
     waiting for the interpreter lock before it ran at all) is not yet either, and the wait says so at its bound."""
     release = threading.Event()
-    for target in (lambda: release.wait(30.0), lambda: time.sleep(30.0) if not release.is_set() else None):
+
+    def sleeps():
+        while not release.is_set():
+            time.sleep(0.05)
+
+    for target in (lambda: release.wait(300.0), sleeps):  # (each waits past the bound below: seen, never ended)
         waiter = threading.Thread(target=target, daemon=True)
         waiter.start()
-        assert T.blocked(waiter, timeout_s=30.0), "a thread in a wait was not seen blocked"
+        assert T.blocked(waiter, timeout_s=20.0), "a thread in a wait was not seen blocked"
+        assert waiter.is_alive()
     release.set()
     done = threading.Thread(target=lambda: None)
     done.start()
