@@ -60,3 +60,99 @@ def test_a_hello_that_overtakes_the_previous_done_is_served():
         first.close(linger=0)
         second.close(linger=0)
         pub.close()
+
+
+def _served_version(pub, version_asked: int) -> int:
+    """A whole session on a new connection: the version of the buckets the trainer sent."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    try:
+        sock.connect(pub.endpoint)
+        message = _ask(sock, protocol.hello(version_asked))
+        served = message["version"]
+        while message["type"] == "bucket":
+            message = _ask(sock, protocol.ack(version_asked, message["bucket"]))
+        assert message["type"] == "end", message
+        sock.send(msgpack.packb(protocol.done(version_asked, message["count"]), use_bin_type=True))
+        return served
+    finally:
+        sock.close(linger=1000)
+
+
+ROUNDS = 20  # two threads reading one socket lose a hello about one round in two
+
+
+def test_a_version_published_while_the_last_session_awaits_its_done_is_served():
+    """The receiver failed after the end (a parameter missing) and said so, and the suite published the next
+    version at once (CTL-WAKEUP-RELOADS on the bucket path, a loaded CI machine): the previous serve()'s thread
+    still awaited that session's error when the next hello came. Two threads reading one socket: the old one
+    took the hello as the one that overtook its done and ended, and the new one waited for a hello that never
+    came (the receiver's next update timed out). Each round, the next version is served within the timeout."""
+    pub = B.Publisher(256, wait_s=5.0)
+    ctx = zmq.Context.instance()
+    try:
+        for r in range(ROUNDS):
+            v = 2 * r + 1
+            first = ctx.socket(zmq.REQ)
+            try:
+                pub.serve(B.pack(M.state(SPEC, version=v), v, 256))
+                first.connect(pub.endpoint)
+                _receive_until_end(first, v)  # the session's error or done not sent yet
+                pub.serve(B.pack(M.state(SPEC, version=v + 1), v + 1, 256))
+                assert _served_version(pub, v + 1) == v + 1, f"round {r}"
+                first.send(msgpack.packb(protocol.error(v, 1, "RuntimeError: a parameter missing"), use_bin_type=True))
+            finally:
+                first.close(linger=0)
+        pub.wait(5.0)
+    finally:
+        pub.close()
+
+
+def test_a_version_never_asked_for_is_replaced_by_the_next():
+    """serve() again before any receiver came: the next session gets the newer version, never the one it
+    replaced, and the replaced call's thread ends without a failure for wait() to raise."""
+    pub = B.Publisher(256, wait_s=5.0)
+    try:
+        for r in range(ROUNDS):
+            v = 2 * r + 1
+            pub.serve(B.pack(M.state(SPEC, version=v), v, 256))
+            pub.serve(B.pack(M.state(SPEC, version=v + 1), v + 1, 256))
+            assert _served_version(pub, v + 1) == v + 1, f"round {r}: the replaced version {v} was served"
+        pub.wait(5.0)
+        assert [m["version"] for m in pub.replies("hello")] == [2 * r + 2 for r in range(ROUNDS)]
+    finally:
+        pub.close()
+
+
+def test_serve_waits_for_a_session_in_progress():
+    """A session inside its buckets (here held before bucket 1) is finished before a newer serve() takes the
+    socket: the held session ends on its own version, and the next one gets the newer version."""
+    import threading
+
+    spec = M.spec(("a", "float32", (64,)), ("b", "float32", (64,)))  # 256 bytes each: two buckets
+    pub = B.Publisher(256, wait_s=5.0)
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    try:
+        pub.serve(B.pack(M.state(spec, version=1), 1, 256), hold_before=1)
+        sock.connect(pub.endpoint)
+        message = _ask(sock, protocol.hello(1))
+        assert message["type"] == "bucket" and message["bucket"] == 0, message
+        sock.send(msgpack.packb(protocol.ack(1, 0), use_bin_type=True))
+        assert pub.holding.wait(5.0), "the trainer never reached its hold before bucket 1"
+        replaced = threading.Thread(target=pub.serve, args=(B.pack(M.state(spec, version=2), 2, 256),), daemon=True)
+        replaced.start()
+        replaced.join(0.3)
+        assert replaced.is_alive(), "serve() returned while the previous session was held inside its buckets"
+        pub.release.set()
+        assert sock.poll(TIMEOUT_MS), "the held session's bucket 1 never came after the release"
+        message = msgpack.unpackb(sock.recv(), raw=False)
+        assert (message["type"], message["bucket"], message["version"]) == ("bucket", 1, 1), message
+        message = _ask(sock, protocol.ack(1, 1))
+        assert message["type"] == "end" and message["version"] == 1, message
+        sock.send(msgpack.packb(protocol.done(1, message["count"]), use_bin_type=True))
+        replaced.join(5.0)
+        assert not replaced.is_alive(), "serve() still blocked after the previous session ended"
+        assert _served_version(pub, 2) == 2
+        pub.wait(5.0)
+    finally:
+        sock.close(linger=0)
+        pub.close()
