@@ -85,16 +85,26 @@ def _waiting(folder: str) -> bool | None:
     return stat.rpartition(")")[2].split()[0] == "S"  # the state after the command name
 
 
+def _switches(status: str) -> int:
+    return next((int(line.split()[1]) for line in status.splitlines()
+                 if line.startswith("voluntary_ctxt_switches:")), 0)
+
+
 def sample(folder: str) -> Sample | None:
     """The thread's state now, or None once it has ended."""
     status = _read(f"{folder}/status")
     if status is None:
         return None
     waiting = _waiting(folder)
-    if waiting is None:
+    again = _read(f"{folder}/status")
+    if waiting is None or again is None:
         return None
-    switches = next((int(line.split()[1]) for line in status.splitlines()
-                     if line.startswith("voluntary_ctxt_switches:")), 0)
+    switches = _switches(status)
+    if waiting and _switches(again) != switches:
+        # The thread blocked again between the reads: the wait seen is not the one the count was read in (a
+        # count from its lock wait before it read the cell, with the sleep after the read: one look counted
+        # twice, seen on a loaded machine). Not a sample of one wait; the next one is.
+        waiting = False
     schedstat = _read(f"{folder}/schedstat")
     if schedstat:
         cpu_ns = int(schedstat.split()[0])

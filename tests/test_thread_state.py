@@ -215,3 +215,19 @@ def test_blocked_counts_a_spinning_call_once_it_used_its_cpu_time():
     with _spinning() as busy:
         assert T.blocked(busy, timeout_s=30.0, busy_s=0.05)
         assert not T.blocked(busy, timeout_s=0.2, busy_s=1000.0)
+
+
+def test_a_sample_whose_count_moved_between_its_reads_is_not_a_wait(monkeypatch):
+    """A sample reads the thread's switch count and then what it waits in: if the thread left a lock wait, read
+    the cell and went back to sleep between the two reads, the sleep seen does not go with the count read, and
+    the next sample's count (one up, in the same sleep) would count that one look twice (seen on a loaded
+    machine: ``looked_again(times=3)`` returned after two reads). So such a sample is no wait; a count that
+    holds across the reads is."""
+    nanosleep = next(n for n, name in T.WAIT_SYSCALLS.items() if name in ("nanosleep", "clock_nanosleep"))
+    for counts, waiting in (((7, 8), False), ((8, 8), True)):
+        statuses = iter(f"voluntary_ctxt_switches:\t{n}\n" for n in counts)
+        files = {"syscall": f"{nanosleep} 0x0 0x0\n", "schedstat": "12345 0 0\n"}
+        monkeypatch.setattr(T, "_read", lambda path: next(statuses) if path.endswith("/status")
+                            else files[path.rsplit("/", 1)[1]])
+        got = T.sample("/proc/0/task/0")
+        assert got is not None and got.waiting is waiting and got.switches == counts[0], (counts, got)
