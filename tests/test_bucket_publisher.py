@@ -1,5 +1,7 @@
 """``fixtures.buckets.Publisher``, the suite's trainer on the bucket path, driven by a receiver written here
 with raw ZMQ (no loader under test): what it must do whatever order ZMQ delivers in."""
+import threading
+
 import msgpack
 import zmq
 
@@ -63,17 +65,13 @@ def test_a_hello_that_overtakes_the_previous_done_is_served():
 
 
 def _served_version(pub, version_asked: int) -> int:
-    """A whole session on a new connection: the version of the buckets the trainer sent."""
+    """A whole session on a new connection: the version the trainer served (its end's)."""
     sock = zmq.Context.instance().socket(zmq.REQ)
     try:
         sock.connect(pub.endpoint)
-        message = _ask(sock, protocol.hello(version_asked))
-        served = message["version"]
-        while message["type"] == "bucket":
-            message = _ask(sock, protocol.ack(version_asked, message["bucket"]))
-        assert message["type"] == "end", message
-        sock.send(msgpack.packb(protocol.done(version_asked, message["count"]), use_bin_type=True))
-        return served
+        end = _receive_until_end(sock, version_asked)
+        sock.send(msgpack.packb(protocol.done(version_asked, end["count"]), use_bin_type=True))
+        return end["version"]
     finally:
         sock.close(linger=1000)
 
@@ -126,8 +124,6 @@ def test_a_version_never_asked_for_is_replaced_by_the_next():
 def test_serve_waits_for_a_session_in_progress():
     """A session inside its buckets (here held before bucket 1) is finished before a newer serve() takes the
     socket: the held session ends on its own version, and the next one gets the newer version."""
-    import threading
-
     spec = M.spec(("a", "float32", (64,)), ("b", "float32", (64,)))  # 256 bytes each: two buckets
     pub = B.Publisher(256, wait_s=5.0)
     sock = zmq.Context.instance().socket(zmq.REQ)
