@@ -6,7 +6,8 @@ such runs: the gates, the FastDeploy generations, the sandboxes. The server pays
 (``tests/zoo_runner.py`` does the same for the kill matrix); each run is a forked child that is what the
 subprocess would have been:
 
-* its own session (a process group: a timeout kills it whole, its xdist workers and ranks included),
+* its own session (a process group: a timeout kills it whole, its xdist workers and ranks included; its pid
+  is reported once the group exists, so a kill right after never misses a run still leaving the server's),
   its priority (``nice``), working directory, environment, ``sys.argv`` and the ``sys.path`` Python would
   give ``python -m pytest`` there (the directory, then ``PYTHONPATH``);
 * stdout and stderr are pipes the client made and passed over the socket (SCM_RIGHTS);
@@ -71,12 +72,13 @@ def _warm() -> None:
 _SIGINT = signal.SIG_IGN if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else signal.default_int_handler
 
 
-def _child(request: dict, fds: list[int], closing: list) -> None:
+def _child(request: dict, fds: list[int], closing: list, grouped: int) -> None:
     code = 70
     try:
         for thing in closing:
             thing.close()
         os.setsid()
+        os.close(grouped)  # the server reports the pid once its group exists: killpg never misses the run
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # not the server's control pipe
         os.close(devnull)
@@ -150,9 +152,14 @@ def serve(path: str) -> None:
                     request = json.loads(msg)
                     sys.stdout.flush()
                     sys.stderr.flush()
+                    grouped_r, grouped_w = os.pipe()
                     pid = os.fork()
                     if pid == 0:
-                        _child(request, fds, [sel, listener, *conns])
+                        os.close(grouped_r)
+                        _child(request, fds, [sel, listener, *conns], grouped_w)
+                    os.close(grouped_w)
+                    os.read(grouped_r, 1)  # EOF once the child has its own session (or died before)
+                    os.close(grouped_r)
                     for fd in fds:
                         os.close(fd)
                     sel.unregister(conn)

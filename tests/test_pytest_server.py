@@ -119,6 +119,32 @@ def test_the_server_ends_with_its_runs_when_its_session_does(tmp_path):
     assert not os.path.exists(server.dir), f"{server.dir} left behind"
 
 
+def test_a_run_is_its_own_group_when_its_pid_is_reported(tmp_path):
+    """A kill of the group at the first moment the client can make one (the server closed, a timeout, the
+    session's end) reaches the run: the run is its group's leader before its pid is reported. The forked child
+    used to call setsid itself after the report, and a server closed in between missed it (the run slept on,
+    the client with it)."""
+    (tmp_path / "test_quick.py").write_text("def test_quick():\n    pass\n")
+    server = pytest_server._Server(dict(os.environ))
+    try:
+        for attempt in range(12):
+            groups = []
+
+            def started(run):
+                try:
+                    groups.append(os.getpgid(run.pid))
+                except ProcessLookupError:
+                    groups.append(run.pid)  # ended already: it had its group (it ran pytest)
+                groups.append(run.pid)
+
+            proc = pytest_server.run(["-q", "-p", "no:cacheprovider", "test_quick.py"], str(tmp_path), timeout=120,
+                                     started=started, server=server)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert groups[0] == groups[1], f"run {attempt}: pid {groups[1]} reported in group {groups[0]}"
+    finally:
+        server.close()
+
+
 def _run_ignoring_errors(server, cwd, started):
     try:
         pytest_server.run(["-q", "-p", "no:cacheprovider", "test_sleeps.py"], str(cwd), timeout=120, started=started,
