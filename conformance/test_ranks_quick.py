@@ -53,10 +53,10 @@ NEEDS = ("multirank", "status.cell")
 # rank within 0.2 s of the operation's start here (a loaded 2-core machine), 50 times less; a rank that waits for
 # a vote that never comes returns only at the deadline.
 PROMPT_S = 10.0
-ABSENT_S = 3.0  # the agreement's deadline where a peer never comes: the cases wait it out once
+ABSENT_S = 2.0  # the agreement's deadline where a peer never comes: the cases wait it out once
 WORK_S = 10.0  # what a rank may spend on its own part of an operation (loading a tiny shard) before it waits
 SLOW_S = 1.0  # a slow but healthy peer starts this late (with a deadline of PROMPT_S)
-LATE_S = 0.3  # a rank started late, or held inside its clear, for the agreement rules
+LATE_S = 0.2  # a rank started late, or held inside its clear, for the agreement rules
 PATHS = ("parts", "ipc", "bucket")
 NAMES = {C.NORMAL: "NORMAL", C.UPDATING: "UPDATING", C.CLEARING: "CLEARING", C.CLEARED: "CLEARED"}
 
