@@ -602,6 +602,9 @@ MUST_SUCCEED = ("dies-after-end-succeeds", "slow-but-healthy-succeeds")
 
 
 def _timeout_of(case: str) -> float:
+    """The ``timeout_s`` a BKT-TIMEOUT case's session is served with (a mode case's: RECOVERY_TIMEOUT, below)."""
+    if case in TIMEOUT_MODE_CASES:
+        return RECOVERY_TIMEOUT
     return HEALTHY_WAIT_S if case in MUST_SUCCEED else FAULT_TIMEOUT
 
 
@@ -649,7 +652,7 @@ def timed_updates(request, tmp_path_factory):
             for case, (combo, plain, needs) in TIMEOUT_MODE_CASES.items():
                 if set(needs) <= set(adapter.capabilities):
                     served[case] = _serve(loader, publisher, SPEC, [(VERSION, M.state(SPEC, version=VERSION))],
-                                          bucket_bytes=256, timeout_s=RECOVERY_TIMEOUT, combo=combo, **TIMEOUT_CASES[plain])
+                                          bucket_bytes=256, timeout_s=_timeout_of(case), combo=combo, **TIMEOUT_CASES[plain])
             outcomes = {}
 
             def bounded(case):  # _bounded, so that a worker that never gives up is reported, not waited out
@@ -672,8 +675,7 @@ def test_dead_trainer_is_a_timeout(timed_updates, case):
     state = M.state(SPEC, version=VERSION)
     plain = TIMEOUT_MODE_CASES[case][1] if case in TIMEOUT_MODE_CASES else case
     awaited = FAULT_PHASES[plain][1] if plain in FAULT_PHASES else None
-    timeout_s = RECOVERY_TIMEOUT if case in TIMEOUT_MODE_CASES else _timeout_of(case)
-    where = f"{pub.endpoint}: {case} ({len(updates[0].buckets)} buckets, timeout_s {timeout_s:g}, run beside the other cases)"
+    where = f"{pub.endpoint}: {case} ({len(updates[0].buckets)} buckets, timeout_s {_timeout_of(case):g}, run beside the other cases)"
     check.that(finished, f"{where}: update() still blocked after {elapsed:.1f}s")
     if awaited is None:
         check.that(error is None, f"{where}: the update must succeed, got {type(error).__name__}: {error}")
