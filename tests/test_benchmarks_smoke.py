@@ -5,6 +5,7 @@ of the snapshot file's mmap: their final RSS is then near 0, not near M. Times a
 (a loaded machine would make that flaky): only that every figure is measured and reported.
 """
 import json
+import os
 import subprocess
 import sys
 
@@ -108,3 +109,25 @@ def test_fresh_memory_benchmark_smoke(tmp_path):
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
     results = json.loads(out.read_text())["results"]
     assert len(results) == 4 and all(len(v) == 1 and v[0] > 0 for v in results.values()), results
+
+
+def test_wait_probe_tells_waiting_from_cpu(tmp_path):
+    """benchmarks/wait_probe.py: a test that sleeps is counted as waiting, one that computes is not."""
+    from benchmarks import wait_probe
+
+    (tmp_path / "test_sleeps.py").write_text("import time\ndef test_sleeps():\n    time.sleep(0.5)\n")
+    (tmp_path / "test_computes.py").write_text(
+        "import time\ndef test_computes():\n    end = time.process_time() + 0.5\n    while time.process_time() < end:\n"
+        "        pass\n")
+    out = tmp_path / "probe"
+    env = {**os.environ, "WAIT_PROBE_OUT": str(out), "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.wait_probe",
+                           "test_sleeps.py", "test_computes.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = wait_probe.summarize(str(out))
+    rows = {line.split()[-1]: [float(v) for v in line.split()[1:8:3]] for line in text.splitlines()[1:]}
+    sleeps, computes = rows["test_sleeps.py"], rows["test_computes.py"]  # [waiting, wall, CPU]
+    assert sleeps[0] >= 0.4 and sleeps[2] < 0.3, f"the sleeping test: {sleeps}\n{text}"
+    assert computes[2] >= 0.45 and computes[0] < computes[2], f"the computing test: {computes}\n{text}"
+    assert text.startswith("2 tests:"), text
