@@ -17,6 +17,12 @@ def adapter_calls() -> int:
     return _calls["adapter"]
 
 
+def credit(calls: int) -> None:
+    """Count for the running case ``calls`` adapter calls that a batch run once for several cases (a module
+    fixture, before any case's call began) made for the operation this case judges."""
+    _calls["adapter"] += calls
+
+
 class RecordedSession:
     """Forwards to the implementation's session and counts the calls (vacuity guard)."""
 

@@ -27,16 +27,18 @@ vote that never comes returns only at the deadline. Every wait is bounded from h
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 import re
 import sys
 import time
+import traceback
 
 import numpy as np
 import pytest
 
-from conformance import check, modes
+from conformance import check, harness, modes
 from conformance.adapter import LoaderConfig, Observed
 from conformance.harness import Worker, open_session
 from conformance.paths import Route
@@ -238,11 +240,14 @@ class Job:
                 raise AssertionError(f"{self.where}: rank {r}'s open() failed: {reply['error']}\n{reply.get('traceback', '')}")
 
     def close(self) -> None:
+        """Hand the group back (or kill it), stop watching the cell, close the trainers; a second call does nothing."""
+        group, watch, route = self.group, self.watch, self.route
+        self.group = self.watch = self.route = None
         try:
-            if self.group is not None:
-                self.pool.give(self.group, self.reusable)  # kept only if every rank is in step (GroupPool)
+            if group is not None:
+                self.pool.give(group, self.reusable)  # kept only if every rank is in step (GroupPool)
         finally:
-            for part in (self.watch, self.route):
+            for part in (watch, route):
                 if part is not None:
                     part.close()
 
@@ -596,65 +601,176 @@ def _cleared_directly(j: Job, version: int) -> None:
     j.publish(version)
 
 
+# The operations MR-DEADLINE and MR-BROKEN-GROUP judge wait: a peer that never comes is waited out to the
+# agreement's deadline, a slow one for SLOW_S. They run together, once per module (``waited``): each job is set
+# up alone (its ranks, the first load, the clear before an update), then every operation starts at once, so the
+# module waits out one deadline, not one per case. A case judges its operation's record: the replies and the cell's
+# history while it ran, read before any later operation on the job, so its verdict is the same whatever ran before.
+DEADLINE_CASES = modes.params("MR-DEADLINE", requires=lambda c: [*NEEDS, "snapshot.parts"])
+BROKEN_CASES = modes.params("MR-BROKEN-GROUP", requires=lambda c: [*NEEDS, "snapshot.parts"])
+
+
+def _waiting(combo) -> tuple[str, int, str] | None:
+    """The waiting operation a case judges: (the operation, the rank that never calls it or calls it late,
+    "absent" or "slow"); None where nothing waits (a peer that died before the operation)."""
+    if combo.get("cause") == "dead":
+        return None
+    return combo["op"], 0 if combo["rank"] == "rank0" else 1, combo.get("peer", "absent")
+
+
+class Waited:
+    """One waiting operation of the module's batch: its job, every reply, the cell's history from its start until
+    every operation of the batch returned, the adapter calls its ranks made; ``error``: what failed while its job
+    was set up (the cases judging it fail with it)."""
+
+    def __init__(self, key: tuple[str, int, str]):
+        self.op, self.other, self.peer = key
+        self.job: Job | None = None
+        self.replies: dict[int, dict] = {}
+        self.history: list = []
+        self.calls = 0
+        self.error: str | None = None
+
+    @property
+    def absent(self) -> bool:
+        return self.peer == "absent"
+
+    def ranks(self) -> list[int]:
+        """The ranks that call the operation: the survivor alone where the peer never comes."""
+        return [1 - self.other] if self.absent else [0, 1]
+
+    def judged(self) -> Job:
+        """The job, for a case that judges this record (its ranks' adapter calls counted for it)."""
+        if self.error is not None:
+            raise AssertionError(self.error)
+        harness.credit(self.calls)
+        return self.job
+
+
+def _selected_waits(session) -> list[tuple[str, int, str]]:
+    """The waiting operations of this module's selected cases."""
+    here = sys.modules[__name__]
+    names = (test_no_rank_waits_past_its_deadline_for_a_peer.__name__,
+             test_a_broken_group_fails_the_next_operation_at_once.__name__)
+    keys = {_waiting(item.callspec.params["combo"]) for item in session.items
+            if getattr(item, "module", None) is here and getattr(item, "originalname", None) in names}
+    return sorted(k for k in keys if k is not None)
+
+
+@pytest.fixture(scope="module")
+def waited(request, rank_groups, tmp_path_factory):
+    """``{(op, other, peer): Waited}``: every waiting operation of the module's selected MR-DEADLINE and
+    MR-BROKEN-GROUP cases, run together (a slow peer's rank started ``SLOW_S`` after the others); each job on its
+    own cell, model directory and ranks. The jobs of a peer that never came stay open for the cases that go on
+    with them (MR-BROKEN-GROUP's next operations); every job is closed at the module's end."""
+    from conformance.plugin import ADAPTER_KEY
+
+    adapter = request.config.stash[ADAPTER_KEY]
+    out = {key: Waited(key) for key in _selected_waits(request.session)}
+    if not {*NEEDS, "snapshot.parts"} <= set(adapter.capabilities):
+        yield {}  # every case is not_applicable: its test never asks
+        return
+    with contextlib.ExitStack() as stack, pytest.MonkeyPatch.context() as mp:
+        for w in out.values():
+            try:
+                cell = stack.enter_context(C.Cell(C.NORMAL))
+                loader = harness.Loader(adapter, tmp_path_factory.mktemp("waited"), mp)
+                stack.callback(loader.close_all)
+                j = Job.__new__(Job)
+                j.group = j.route = j.watch = None
+                stack.callback(j.close)
+                j.__init__(rank_groups, loader, cell, "parts", 2, deadline_s=ABSENT_S if w.absent else PROMPT_S,
+                           reusable=not w.absent)
+                j.load(1)
+                if w.op == "update":
+                    _cleared_directly(j, 2)
+                w.job = j
+            except Exception as e:  # noqa: BLE001 (the cases judging this operation report it)
+                w.error = (f"parts, 2 ranks: setting up the {w.op} with rank {w.other} {w.peer} failed: "
+                           f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        ready = [w for w in out.values() if w.error is None]
+        for w in ready:
+            w.t0 = time.time()
+            for r in w.ranks():
+                if not (w.peer == "slow" and r == w.other):
+                    w.job.group.start(r, w.op)
+        if any(w.peer == "slow" for w in ready):
+            time.sleep(SLOW_S)
+            for w in ready:
+                if w.peer == "slow":
+                    w.job.group.start(w.other, w.op)
+        for w in ready:
+            before = harness.adapter_calls()
+            w.replies = w.job.group.wait(w.ranks(), w.job.bound_s)
+            w.calls = harness.adapter_calls() - before
+            if w.op == "update":
+                w.job.settle(w.ranks())
+        time.sleep(0.02)  # a late write to the cell still shows in its history
+        for w in ready:
+            w.job.watch.note()
+            w.history = [NAMES.get(v, str(v)) for _, v in w.job.watch.since(w.t0)]
+            if not w.absent:
+                w.job.close()  # (done: its group goes back to the pool, its cell is no longer watched)
+        yield out
+
+
 @pytest.mark.rule("MR-DEADLINE")
-@pytest.mark.parametrize("combo", modes.params("MR-DEADLINE", requires=lambda c: [*NEEDS, "snapshot.parts"]))
-def test_no_rank_waits_past_its_deadline_for_a_peer(job, combo):
+@pytest.mark.parametrize("combo", DEADLINE_CASES)
+def test_no_rank_waits_past_its_deadline_for_a_peer(waited, combo):
     """Rank ``other`` never calls the operation (``absent``: the others give up at the agreement's deadline and
-    report the failure, nothing done), or calls it ``SLOW_S`` late (``slow``: every rank succeeds)."""
-    op, other = combo["op"], 0 if combo["rank"] == "rank0" else 1
-    absent = combo["peer"] == "absent"
-    j = job("parts", deadline_s=ABSENT_S if absent else PROMPT_S, reusable=not absent)
-    j.load(1)
-    if op == "update":
-        _cleared_directly(j, 2)
-    t0 = time.time()
-    if absent:
+    report the failure, nothing done), or calls it ``SLOW_S`` late (``slow``: every rank succeeds). Judged from
+    the module's batch of waiting operations (``waited``)."""
+    w = waited[_waiting(combo)]
+    j = w.judged()
+    op, other = w.op, w.other
+    if w.absent:
         survivor = 1 - other
-        replies = j.direct(op, [survivor])
         where = f"{op} with rank {other} never calling it (the agreement's deadline {ABSENT_S:g}s)"
-        got = j.value(replies[survivor])
+        got = j.value(w.replies[survivor])
         check.that(got["raised"] is not None, f"{j.where}: {where}: rank {survivor}'s {op} returned "
                    f"{got.get('result')!r} (status {got['state']['status']}) without rank {other}")
-        check.that(replies[survivor]["seconds"] < ABSENT_S + WORK_S,
-                   f"{j.where}: {where}: rank {survivor} gave up after {replies[survivor]['seconds']:.1f}s, past the "
-                   f"{ABSENT_S:g}s deadline and the {WORK_S:g}s its own work may take")
+        check.that(w.replies[survivor]["seconds"] < ABSENT_S + WORK_S,
+                   f"{j.where}: {where}: rank {survivor} gave up after {w.replies[survivor]['seconds']:.1f}s, past "
+                   f"the {ABSENT_S:g}s deadline and the {WORK_S:g}s its own work may take")
         done = {"update": "NORMAL", "clear": "CLEARED"}[op]
         if "status" in j.caps:
             check.that(got["state"]["status"] != done, f"{j.where}: {where}: rank {survivor} status {got['state']['status']}")
-        j.watch.note()
-        history = [NAMES.get(v, str(v)) for t, v in j.watch.since(t0)]
-        check.that(done not in history[1:], f"{j.where}: {where}: the cell read {history}")
+        check.that(done not in w.history[1:], f"{j.where}: {where}: the cell read {w.history}")
         return
     where = f"{op} with rank {other} calling it {SLOW_S:g}s after the other (the agreement's deadline {PROMPT_S:g}s)"
-    replies = j.direct(op, range(j.n), late=other, late_s=SLOW_S)
-    j.healthy(replies, where, 2 if op == "update" else None, None, status=False)  # (the status: MR-AGREE-BEFORE-NORMAL)
+    j.healthy(w.replies, where, 2 if op == "update" else None, None, status=False)  # (the status: MR-AGREE-BEFORE-NORMAL)
 
 
 # -- MR-BROKEN-GROUP ---------------------------------------------------------------------------------------------
 @pytest.mark.rule("MR-BROKEN-GROUP")
-@pytest.mark.parametrize("combo", modes.params("MR-BROKEN-GROUP", requires=lambda c: [*NEEDS, "snapshot.parts"]))
-def test_a_broken_group_fails_the_next_operation_at_once(job, combo):
-    """The group breaks in ``op``: rank ``other`` never calls it (the agreement's deadline passes) or died before
-    it. The surviving rank's next operations (its own ``clear()``, then its loop's iteration on the API's
-    CLEARING) each fail at once, well within the deadline, naming the group, and report nothing done."""
+@pytest.mark.parametrize("combo", BROKEN_CASES)
+def test_a_broken_group_fails_the_next_operation_at_once(request, job, combo):
+    """The group breaks in ``op``: rank ``other`` never calls it (the agreement's deadline passes: the module's
+    batch of waiting operations, ``waited``) or died before it. The surviving rank's next operations (its own
+    ``clear()``, then its loop's iteration on the API's CLEARING) each fail at once, well within the deadline,
+    naming the group, and report nothing done."""
     op, other = combo["op"], 0 if combo["rank"] == "rank0" else 1
     survivor = 1 - other
-    j = job("parts", deadline_s=ABSENT_S, reusable=False)
-    j.load(1)
-    if op == "update":
-        _cleared_directly(j, 2)
     if combo["cause"] == "dead":
+        j = job("parts", deadline_s=ABSENT_S, reusable=False)
+        j.load(1)
+        if op == "update":
+            _cleared_directly(j, 2)
         j.group.kill(other)
-    t_op = time.time()
-    replies = j.direct(op, [survivor])
+        t_op = time.time()
+        replies = j.direct(op, [survivor])
+        j.watch.note()
+        history = [NAMES.get(v, str(v)) for _, v in j.watch.since(t_op)]
+    else:
+        w = request.getfixturevalue("waited")[_waiting(combo)]
+        j, replies, history = w.judged(), w.replies, w.history
+        request.addfinalizer(j.close)  # (this case is the last to use it)
     cause = "never called it" if combo["cause"] == "deadline" else "died"
     where = f"after {op} broke the group (rank {other} {cause}; the agreement's deadline {ABSENT_S:g}s)"
     check.that(j.value(replies[survivor])["raised"] is not None,
                f"{j.where}: {op} on rank {survivor} returned although rank {other} {cause}")
     done = {"update": "NORMAL", "clear": "CLEARED"}[op]
-    j.watch.note()
-    check.that(done not in [NAMES.get(v, str(v)) for _, v in j.watch.since(t_op)][1:],
-               f"{j.where}: the cell read {done} after {op} although the group broke: {j.watch.since(t_op)}")
+    check.that(done not in history[1:], f"{j.where}: the cell read {done} after {op} although the group broke: {history}")
     steps = []
     for what, run in (("its clear()", lambda: j.direct("clear", [survivor])),
                       ("its loop's iteration on CLEARING", lambda: steps.append(j.step(C.CLEARING, ranks=[survivor]))
