@@ -225,11 +225,22 @@ class RankGroup:
         self.joined: dict[int, dict] = {}
 
     # -- the group ------------------------------------------------------------------------------------
+    def launch(self) -> "RankGroup":
+        """Fork the ranks and return at once; entering the group then waits for them to join (a spare group's
+        ranks join while its pool's caller runs a case: joining is mostly waiting on the rendezvous)."""
+        try:
+            self._fork()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
     def __enter__(self) -> "RankGroup":
         failures = []
         for attempt in range(1, JOIN_ATTEMPTS + 1):
             try:
-                self._fork()
+                if not self.children:  # (forked by launch(), or not yet; a failed start is closed below)
+                    self._fork()
                 replies = self.wait(range(self.ranks), JOIN_TIMEOUT_S)
                 bad = {r: (p.get("error") or "no answer") for r, p in replies.items() if not p["ok"]}
                 if not bad:
@@ -393,13 +404,19 @@ class GroupPool:
     def __init__(self, actions: Mapping[str, Callable], adapter):
         self.actions, self.adapter = actions, adapter
         self.idle: dict[int, list[RankGroup]] = {}
+        self.spare: dict[int, RankGroup] = {}  # size -> a group forked ahead, its ranks joining meanwhile
         self._tokens = iter(range(1, 1 << 30, 2))
 
     def take(self, ranks: int, fresh: bool = False) -> RankGroup:
+        """A kept group of ``ranks`` (unless ``fresh``), else a new one: the spare forked at the last new one of
+        this size (joined now), and a spare forked for the next."""
         kept = self.idle.get(ranks) or []
         if kept and not fresh:
             return kept.pop()
-        return RankGroup(ranks, self.actions, adapter=self.adapter).__enter__()
+        spare = self.spare.pop(ranks, None)
+        group = (spare or RankGroup(ranks, self.actions, adapter=self.adapter)).__enter__()
+        self.spare[ranks] = RankGroup(ranks, self.actions, adapter=self.adapter).launch()
+        return group
 
     def give(self, group: RankGroup, reusable: bool) -> None:
         try:
@@ -413,7 +430,7 @@ class GroupPool:
             group.close()
 
     def close(self) -> None:
-        for groups in self.idle.values():
-            for group in groups:
-                group.close()
+        for group in [g for groups in self.idle.values() for g in groups] + list(self.spare.values()):
+            group.close()
         self.idle.clear()
+        self.spare.clear()
