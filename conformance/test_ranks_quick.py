@@ -275,6 +275,11 @@ class Job:
         C.write_version(self.loader.model_dir, version)
         C.write_version(self.loader.shared_dir, version)
 
+    def history(self, since: float) -> list[str]:
+        """The cell's values from ``since`` on (its value then first), its current value noted first."""
+        self.watch.note()
+        return [NAMES.get(v, str(v)) for _, v in self.watch.since(since)]
+
     def settle(self, ranks=None) -> None:
         for r in range(self.n) if ranks is None else ranks:
             try:
@@ -628,6 +633,7 @@ class Waited:
         self.job: Job | None = None
         self.replies: dict[int, dict] = {}
         self.history: list = []
+        self.t0 = 0.0  # when the batch started its operation
         self.calls = 0
         self.error: str | None = None
 
@@ -707,8 +713,7 @@ def waited(request, rank_groups, tmp_path_factory):
                 w.job.settle(w.ranks())
         time.sleep(0.02)  # a late write to the cell still shows in its history
         for w in ready:
-            w.job.watch.note()
-            w.history = [NAMES.get(v, str(v)) for _, v in w.job.watch.since(w.t0)]
+            w.history = w.job.history(w.t0)
             if not w.absent:
                 w.job.close()  # (done: its group goes back to the pool, its cell is no longer watched)
         yield out
@@ -759,8 +764,7 @@ def test_a_broken_group_fails_the_next_operation_at_once(request, job, combo):
         j.group.kill(other)
         t_op = time.time()
         replies = j.direct(op, [survivor])
-        j.watch.note()
-        history = [NAMES.get(v, str(v)) for _, v in j.watch.since(t_op)]
+        history = j.history(t_op)
     else:
         w = request.getfixturevalue("waited")[_waiting(combo)]
         j, replies, history = w.judged(), w.replies, w.history
