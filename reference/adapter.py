@@ -1,13 +1,46 @@
-"""Conformance adapter for the reference (``--impl=reference``)."""
+"""Conformance adapter for the reference (``--impl=reference``).
+
+The reference itself (and Paddle with it) is imported when the first session or control is opened, not with the
+adapter: a pytest-xdist controller resolves the adapter only for the run's header and report, so it starts its
+workers without importing Paddle first (about 1.7 s) and ends without tearing it down (docs/suite-run-time.md).
+The names of ``_LAZY`` are still this module's own attributes, so that a test can replace them
+(``reference.adapter.WeightManager``: tests/mutants); a replacement made before the first session stands.
+"""
 from __future__ import annotations
+
+import importlib
 
 from conformance.adapter import LoaderConfig, LoadEvent, Observed, observe_paddle
 
-from . import __version__, worker_loop
-from . import digest as _digest
-from .control import WeightControl
-from .control_v1 import Control, RoutedControl
-from .manager import WeightManager
+from . import __version__
+
+_LAZY = {  # name -> (module, attribute; None: the module itself)
+    "WeightManager": (".manager", "WeightManager"),
+    "Control": (".control_v1", "Control"),
+    "RoutedControl": (".control_v1", "RoutedControl"),
+    "WeightControl": (".control", "WeightControl"),
+    "worker_loop": (".worker_loop", None),
+    "_digest": (".digest", None),
+}
+
+
+def _resolve(name: str):
+    module, attr = _LAZY[name]
+    loaded = importlib.import_module(module, __package__)
+    return globals().setdefault(name, loaded if attr is None else getattr(loaded, attr))
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _resolve(name)
+
+
+def _load() -> None:
+    """Every name of ``_LAZY`` bound in this module (one replaced already is kept)."""
+    for name in _LAZY:
+        if name not in globals():
+            _resolve(name)
 
 
 class ReferenceSession:
@@ -81,7 +114,7 @@ class ReferenceSession:
     def update_weights(self, version=None, verify_checksum: bool = False) -> dict:
         return self.control.update_weights(version, verify_checksum)
 
-    def routed_control(self) -> RoutedControl:
+    def routed_control(self):
         return RoutedControl(self.control)
 
     def worker_iteration(self, run_model, *, block: bool, sync=None, runner=None) -> str:
@@ -132,10 +165,12 @@ class ReferenceAdapter:
         }
     )
     session_class = ReferenceSession
-    control_class = WeightControl
+    control_class = None  # reference.control.WeightControl, unless a subclass names another
 
     def open(self, models, config: LoaderConfig) -> ReferenceSession:
+        _load()
         return self.session_class(models, config)
 
-    def control(self, cell_name: str) -> WeightControl:
-        return self.control_class(cell_name)
+    def control(self, cell_name: str):
+        _load()
+        return (self.control_class or WeightControl)(cell_name)

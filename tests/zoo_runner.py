@@ -29,7 +29,9 @@ def warm_imports() -> None:
     import pytest  # noqa: F401
 
     import conformance.plugin  # noqa: F401
-    import reference.adapter  # noqa: F401
+    import reference.adapter
+
+    reference.adapter._load()  # (the adapter imports the reference on its first session: here, once for every child)
 
     import hypothesis  # noqa: F401  (its pytest plugin imports it at terminal summary: ~1 s)
 

@@ -1,15 +1,21 @@
-"""What the quick run's cheaper fixtures keep of the contract they replace (docs/suite-run-time.md):
-``fixtures.models.weights`` keeps small tensors' values, and the suite's ``tmp_path`` skips pytest's link."""
+"""What the quick run's cheaper parts keep of the contract they replace (docs/suite-run-time.md):
+``fixtures.models.weights`` keeps small tensors' values, the suite's ``tmp_path`` skips pytest's link, and the
+reference's adapter imports the reference (and Paddle) on its first session."""
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import types
 
 import numpy as np
 
 import conformance.conftest as suite_conftest
+import reference.adapter as reference_adapter
+from conformance.adapter import LoaderConfig
 from fixtures import models as M
+from tests.conftest import REPO
 
 SMALL = M.ParamSpec("layers.0.w", "bfloat16", (3, 5))
 LARGE = M.ParamSpec("embed.w", "float32", (512, 513))  # just over 1 MiB: drawn each time
@@ -60,3 +66,37 @@ def test_suite_tmp_path_is_new_empty_private_and_named_after_the_case(tmp_path):
         assert path.is_dir() and not any(path.iterdir()), path
         assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0, oct(os.stat(path).st_mode)
     assert not [p for p in tmp_path.iterdir() if p.is_symlink()], sorted(tmp_path.iterdir())
+
+
+def test_resolving_the_reference_adapter_imports_no_paddle():
+    code = ("import sys; from conformance.registry import resolve; adapter, _ = resolve('reference', {}); "
+            "print(adapter.name, len(adapter.capabilities), sorted(m for m in ('paddle', 'reference.manager') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["reference", "30", "[]"], out.stdout
+
+
+def test_a_replacement_made_before_the_first_session_stands(monkeypatch, tmp_path):
+    """A test (tests/mutants) replaces ``reference.adapter.WeightManager`` and ``Control`` before the adapter
+    imported them: the first session is built with the replacements, and the other names are the reference's."""
+    made = []
+
+    class Manager:
+        def __init__(self, models, **kw):
+            made.append(("manager", kw["model_dir"]))
+
+    class Control:
+        def __init__(self, manager, options):
+            made.append(("control", type(manager).__name__))
+
+    for name in ("WeightManager", "Control", "RoutedControl"):
+        monkeypatch.delitem(reference_adapter.__dict__, name, raising=False)  # as if never imported
+    monkeypatch.setattr(reference_adapter, "WeightManager", Manager, raising=False)
+    monkeypatch.setattr(reference_adapter, "Control", Control, raising=False)
+    config = LoaderConfig(load_strategy="ipc_snapshot", model_dir=str(tmp_path), shared_dir=str(tmp_path), options={})
+    session = reference_adapter.ReferenceAdapter().open([], config)
+    assert made == [("manager", str(tmp_path)), ("control", "Manager")], made
+    assert isinstance(session.manager, Manager)
+    from reference.control_v1 import RoutedControl
+
+    assert reference_adapter.RoutedControl is RoutedControl
