@@ -3,7 +3,8 @@
     WAIT_PROBE_OUT=/tmp/probe .venv/bin/python -m pytest conformance --impl=reference -n 2 -p benchmarks.wait_probe
     .venv/bin/python -m benchmarks.wait_probe /tmp/probe
 
-Each process (each xdist worker) writes ``OUT.<pid>.json``: per test its node id, the wall seconds of its whole
+Each process (each xdist worker) writes ``OUT.<pid>.json`` (an earlier run's files of the same ``OUT`` are removed
+as the run starts, so that the summary is this run's alone): per test its node id, the wall seconds of its whole
 protocol (setup, call, teardown) and the CPU seconds (``getrusage`` of the process, its threads, and the children
 it reaped) in them. The summary prints, per module, the wall time that was not the process's CPU: a deadline
 waited out, a peer held late, a forked rank's work (the pool's ranks are not reaped per case, so it counts here).
@@ -34,6 +35,14 @@ def pytest_runtest_protocol(item, nextitem):
     wall, cpu = time.monotonic(), _cpu()
     yield
     _rows.append((item.nodeid, time.monotonic() - wall, _cpu() - cpu))
+
+
+def pytest_sessionstart(session):
+    """In the process that starts the run (the xdist controller, or the only process), before any worker writes."""
+    out = os.environ.get("WAIT_PROBE_OUT")
+    if out and not hasattr(session.config, "workerinput"):
+        for path in glob.glob(f"{out}.*.json"):
+            os.remove(path)
 
 
 def pytest_sessionfinish(session):

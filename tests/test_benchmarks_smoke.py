@@ -112,7 +112,8 @@ def test_fresh_memory_benchmark_smoke(tmp_path):
 
 
 def test_wait_probe_tells_waiting_from_cpu(tmp_path):
-    """benchmarks/wait_probe.py: a test that sleeps is counted as waiting, one that computes is not."""
+    """benchmarks/wait_probe.py: a test that sleeps is counted as waiting, one that computes is not; an earlier run's
+    file of the same name is not summed with this run's."""
     from benchmarks import wait_probe
 
     (tmp_path / "test_sleeps.py").write_text("import time\ndef test_sleeps():\n    time.sleep(0.5)\n")
@@ -120,6 +121,7 @@ def test_wait_probe_tells_waiting_from_cpu(tmp_path):
         "import time\ndef test_computes():\n    end = time.process_time() + 0.5\n    while time.process_time() < end:\n"
         "        pass\n")
     out = tmp_path / "probe"
+    (tmp_path / "probe.1.json").write_text(json.dumps([["test_earlier_run.py::test_x", 9.0, 1.0]]))  # an earlier run's
     env = {**os.environ, "WAIT_PROBE_OUT": str(out), "PYTHONPATH": REPO}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.wait_probe",
                            "test_sleeps.py", "test_computes.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
