@@ -166,6 +166,9 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--impl {name!r}: serves_on must be 'cpu' or 'gpu', got {serves_on!r}")
     adapter._conformance_where = where
     config.stash[ADAPTER_KEY] = adapter
+    from weightsync.fixtures import models
+
+    models.keep_drawn_values()  # the cases draw the same small tensors again and again (never in a trainer)
 
 
 def _adapter(config):

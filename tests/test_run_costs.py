@@ -10,12 +10,22 @@ import sys
 import types
 
 import numpy as np
+import pytest
 
 import conformance.conftest as suite_conftest
 import reference.adapter as reference_adapter
 from conformance.adapter import LoaderConfig
 from fixtures import models as M
 from tests.conftest import REPO
+
+@pytest.fixture(autouse=True)
+def kept():
+    """As in the suite's test process (conformance.plugin turns keeping on); as it was afterwards."""
+    was = M._KEEP[0]
+    M.keep_drawn_values()
+    yield
+    M.keep_drawn_values(was)
+
 
 SMALL = M.ParamSpec("layers.0.w", "bfloat16", (3, 5))
 LARGE = M.ParamSpec("embed.w", "float32", (512, 513))  # just over 1 MiB: drawn each time
@@ -48,6 +58,15 @@ def test_versions_seeds_and_names_still_differ():
 def test_the_kept_values_are_the_drawn_ones():
     assert LARGE.nbytes > M._MEMO_MAX_BYTES >= SMALL.nbytes
     assert M.weights(SMALL, version=5).tobytes() == M._draw(SMALL, 0, 5).tobytes()
+
+
+def test_a_process_that_did_not_ask_keeps_nothing():
+    """A trainer's process (whose memory across cycles CYCLE-NO-LEAK judges) draws each version anew."""
+    code = ("from fixtures import models as M; p = M.ParamSpec('w', 'float32', (4, 4)); "
+            "[M.weights(p, version=v) for v in range(1, 21)]; print(M._memo.cache_info().currsize)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0"], out.stdout
 
 
 def _suite_tmp_path(node_name: str, base):
