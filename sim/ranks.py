@@ -160,11 +160,8 @@ class CellWatch:
 
 # -- trainers --------------------------------------------------------------------------------------
 def _trainer_entry(config: dict) -> None:
-    from weightsync.fixtures import models
-
     from .rank_trainer import serve
 
-    models.keep_drawn_values(False)  # forked from a test process that keeps them: CYCLE-NO-LEAK judges this one's memory
     serve(config)
 
 

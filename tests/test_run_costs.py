@@ -69,6 +69,28 @@ def test_a_process_that_did_not_ask_keeps_nothing():
     assert out.stdout.split() == ["0"], out.stdout
 
 
+def test_a_child_forked_from_a_process_that_keeps_keeps_nothing_new():
+    """Every forked child (a trainer, a loop driver, a memory case's child) draws each version anew, whatever
+    forked it: the setting is turned off at the fork, not by each child's entry point."""
+    M.weights(SMALL)  # the parent keeps at least one
+    before = M._memo.cache_info().currsize
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: draw twenty versions of a new tensor, say what is kept
+        try:
+            p = M.ParamSpec("forked.w", "float32", (4, 4))
+            [M.weights(p, version=v) for v in range(1, 21)]
+            os.write(write, f"{M._KEEP[0]} {M._memo.cache_info().currsize}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as r:
+        said = r.read()
+    os.waitpid(pid, 0)
+    assert said == f"False {before}", f"forked child: keeping and kept values {said!r}, want 'False {before}'"
+    assert M._KEEP[0], "the parent stopped keeping after the fork"
+
+
 def _suite_tmp_path(node_name: str, base):
     request = types.SimpleNamespace(node=types.SimpleNamespace(name=node_name))
     factory = types.SimpleNamespace(getbasetemp=lambda: base)
@@ -93,6 +115,28 @@ def test_resolving_the_reference_adapter_imports_no_paddle():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["reference", "30", "[]"], out.stdout
+
+
+def test_the_first_session_binds_every_lazy_name_in_the_module_itself():
+    """``_load`` (called by ``open()`` and ``control()``) binds each name of ``_LAZY`` in the module's own
+    namespace, where the adapter's functions look their globals up (a module ``__getattr__`` serves attribute
+    access from outside only): in a fresh process, before anything asked for a name."""
+    code = ("import reference.adapter as A; assert not set(A._LAZY) & set(vars(A)), sorted(vars(A)); A._load(); "
+            "import reference.manager as M, reference.control as C; "
+            "print(sorted(n for n in A._LAZY if n in vars(A)), vars(A)['WeightManager'] is M.WeightManager, "
+            "vars(A)['WeightControl'] is C.WeightControl, vars(A)['worker_loop'].__name__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    bound, rest = out.stdout.rsplit("]", 1)
+    assert bound + "]" == str(sorted(reference_adapter._LAZY)), f"names bound by _load: {bound}], want {sorted(reference_adapter._LAZY)}"
+    assert rest.split() == ["True", "True", "reference.worker_loop"], f"what they are bound to: {rest.split()}"
+
+
+def test_an_unknown_name_is_an_attribute_error_naming_it():
+    """As a module without ``__getattr__`` would: ``hasattr`` is False, the error names the module and the name."""
+    assert not hasattr(reference_adapter, "NoSuchThing")
+    with pytest.raises(AttributeError, match=r"^module 'reference\.adapter' has no attribute 'NoSuchThing'$"):
+        reference_adapter.NoSuchThing
 
 
 def test_a_replacement_made_before_the_first_session_stands(monkeypatch, tmp_path):
