@@ -122,6 +122,9 @@ WHERE: dict[str, Where] = {
     "--loader device": in_test("tests/test_prefetch_benchmark_smoke.py::test_prefetch_benchmark_smoke"),
     ".venv/bin/python -m benchmarks.rank_cycle --model-mib 1024 --cycles 5": in_test(
         "tests/test_rank_cycle_smoke.py::test_rank_cycle_benchmark_smoke"),
+    # docs/suite-run-time.md
+    ".venv/bin/python -m benchmarks.quick_run_budget --against 3d02fa1 --rounds 5": in_test(
+        "tests/test_quick_run_budget_smoke.py::test_quick_run_budget_smoke"),
     # docs/history.md
     ".venv/bin/python -m conformance.history --repo ~/FastDeploy --path fastdeploy/rl/dynamic_weight_manager.py "
     "-o fd-history --rule PART --jobs 2": in_test(*HISTORY),
