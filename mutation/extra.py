@@ -51,9 +51,9 @@ JUSTIFIED = os.path.join(REPO, "mutation", "extra_justified.toml")
 REPORT = os.path.join(REPO, "mutation", "EXTRA.md")
 KINDS = ("equivalent", "out-of-scope")
 TIMEOUT_S = 900
-# What judges a mutant: mutmut's selection (pyproject [tool.mutmut]), run whole with -x.
-TESTS = ["conformance", "tests/test_agreement.py", "tests/test_reference_messages.py", "tests/test_reference_units.py",
-         "tests/test_snapshot_plan.py", "tests/test_run_costs.py"]
+# What judges a mutant: mutmut's selection (pyproject [tool.mutmut], read from there), run whole with -x.
+with open(os.path.join(REPO, "pyproject.toml"), "rb") as _f:
+    TESTS = tomllib.load(_f)["tool"]["mutmut"]["pytest_add_cli_args_test_selection"]
 PYTEST_ARGS = ["--impl=reference", "--project-tests-count", "-p", "no:cacheprovider", "-q", "-x",
                "-m", "restart or not (multirank or cycles or huge)"]
 # Constants that are not behaviour: the package's version string and export list, the logger names.
