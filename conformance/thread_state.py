@@ -28,6 +28,7 @@ STATUS-BLOCK-WAITS on a loaded machine, the reference's and FastDeploy's alike).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import sys
@@ -56,12 +57,48 @@ class Sample:
     cpu_ns: int  # time on a CPU so far
 
 
-def _read(path: str) -> str | None:
+def _libc():
+    """libc's open, read and close called through ``ctypes.PyDLL``: the calls keep the GIL (module docstring of
+    ``sample``); None where there is no such libc."""
     try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read()
-    except OSError:
+        libc = ctypes.PyDLL(None, use_errno=True)
+        libc.open.argtypes, libc.open.restype = [ctypes.c_char_p, ctypes.c_int], ctypes.c_int
+        libc.read.argtypes, libc.read.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_ssize_t
+        libc.close.argtypes, libc.close.restype = [ctypes.c_int], ctypes.c_int
+        return libc
+    except (OSError, AttributeError):
         return None
+
+
+_LIBC = _libc()
+_CHUNK = 4096
+
+
+def _read(path: str, keep_gil: bool = False) -> str | None:
+    """The file's text, or None where it cannot be read. ``keep_gil``: read without letting go of the GIL (where
+    libc can be called so; ``/proc`` files are made when read and never block): ``sample``'s reads. A thread of this
+    process that wants the GIL meanwhile is seen blocked on it (a futex: not a wait of ``WAIT_SYSCALLS``, but a
+    sleep to ``others_asleep``, whose reads let go of it)."""
+    if _LIBC is None or not keep_gil:
+        try:
+            with open(path, encoding="ascii", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return None
+    fd = _LIBC.open(os.fsencode(path), os.O_RDONLY | os.O_CLOEXEC)
+    if fd < 0:
+        return None
+    try:
+        buf, chunks = ctypes.create_string_buffer(_CHUNK), []
+        while True:
+            n = _LIBC.read(fd, buf, _CHUNK)
+            if n < 0:
+                return None
+            if n == 0:
+                return b"".join(chunks).decode("ascii", errors="replace")
+            chunks.append(buf.raw[:n])
+    finally:
+        _LIBC.close(fd)
 
 
 def task_dir(pid: int, tid: int | None = None) -> str:
@@ -70,16 +107,16 @@ def task_dir(pid: int, tid: int | None = None) -> str:
 
 
 def _waiting(folder: str) -> bool | None:
-    syscall = _read(f"{folder}/syscall")
+    syscall = _read(f"{folder}/syscall", keep_gil=True)
     if syscall is not None and WAIT_SYSCALLS:
         first = syscall.split(maxsplit=1)[0] if syscall.strip() else ""
         if first.lstrip("-").isdigit():
             return int(first) in WAIT_SYSCALLS
         return False  # "running"
-    channel = (_read(f"{folder}/wchan") or "").strip()
+    channel = (_read(f"{folder}/wchan", keep_gil=True) or "").strip()
     if channel and channel != "0":
         return any(name in channel for name in WAIT_CHANNELS)
-    stat = _read(f"{folder}/stat")
+    stat = _read(f"{folder}/stat", keep_gil=True)
     if stat is None:
         return None
     return stat.rpartition(")")[2].split()[0] == "S"  # the state after the command name
@@ -91,12 +128,15 @@ def _switches(status: str) -> int:
 
 
 def sample(folder: str) -> Sample | None:
-    """The thread's state now, or None once it has ended."""
-    status = _read(f"{folder}/status")
+    """The thread's state now, or None once it has ended. Its reads keep the GIL (``_read``): a read that let go
+    of it waited for it again behind the process's busy threads, tens of milliseconds between two reads of the
+    same thread's status on an idle machine with four of them, longer than a poller's 10 ms sleep, so that nearly
+    every sample saw a new wait between its reads and was not one (``looked_again`` ran out of its 20 s)."""
+    status = _read(f"{folder}/status", keep_gil=True)
     if status is None:
         return None
     waiting = _waiting(folder)
-    again = _read(f"{folder}/status")
+    again = _read(f"{folder}/status", keep_gil=True)
     if waiting is None or again is None:
         return None
     switches = _switches(status)
@@ -105,11 +145,11 @@ def sample(folder: str) -> Sample | None:
         # count from its lock wait before it read the cell, with the sleep after the read: one look counted
         # twice, seen on a loaded machine). Not a sample of one wait; the next one is.
         waiting = False
-    schedstat = _read(f"{folder}/schedstat")
+    schedstat = _read(f"{folder}/schedstat", keep_gil=True)
     if schedstat:
         cpu_ns = int(schedstat.split()[0])
     else:
-        fields = (_read(f"{folder}/stat") or ")").rpartition(")")[2].split()
+        fields = (_read(f"{folder}/stat", keep_gil=True) or ")").rpartition(")")[2].split()
         ticks = int(fields[11]) + int(fields[12]) if len(fields) > 12 else 0
         cpu_ns = ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
     return Sample(waiting, switches, cpu_ns)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -227,7 +229,51 @@ def test_a_sample_whose_count_moved_between_its_reads_is_not_a_wait(monkeypatch)
     for counts, waiting in (((7, 8), False), ((8, 8), True)):
         statuses = iter(f"voluntary_ctxt_switches:\t{n}\n" for n in counts)
         files = {"syscall": f"{nanosleep} 0x0 0x0\n", "schedstat": "12345 0 0\n"}
-        monkeypatch.setattr(T, "_read", lambda path: next(statuses) if path.endswith("/status")
-                            else files[path.rsplit("/", 1)[1]])
+        held = []
+
+        def read(path, keep_gil=False):
+            held.append(keep_gil)
+            return next(statuses) if path.endswith("/status") else files[path.rsplit("/", 1)[1]]
+
+        monkeypatch.setattr(T, "_read", read)
         got = T.sample("/proc/0/task/0")
         assert got is not None and got.waiting is waiting and got.switches == counts[0], (counts, got)
+        assert held and all(held), f"a sample's reads must keep the GIL (test_a_read_that_keeps_the_gil...): {held}"
+
+
+def test_a_read_that_keeps_the_gil_is_the_file_and_lets_no_thread_of_this_process_run(tmp_path):
+    """``_read(keep_gil=True)`` gives the file's text as a plain read does (a file of several chunks included;
+    None for one that is not there), and no other thread of this process runs while it reads: reading a FIFO
+    whose writer (another process) comes 0.3 s later, a thread counting meanwhile counts a small fraction of what
+    it counts while a plain read of the same waits."""
+    assert T._LIBC is not None, "no libc to call with the GIL kept on this Linux"
+    big = tmp_path / "big"
+    big.write_text("".join(f"line {i}\n" for i in range(3 * T._CHUNK // 5)))
+    for path in (str(big), "/proc/self/cmdline"):
+        assert T._read(path, keep_gil=True) == T._read(path) is not None, path
+    assert T._read(str(tmp_path / "absent"), keep_gil=True) is None
+
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    counted, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            counted[0] += 1
+
+    counter = threading.Thread(target=count, daemon=True)
+    counter.start()
+    meanwhile = {}
+    try:
+        for keep_gil in (True, False):
+            writer = subprocess.Popen([sys.executable, "-c",
+                                       f"import time; time.sleep(0.3); open({fifo!r}, 'w').write('hello')"])
+            before = counted[0]
+            text = T._read(fifo, keep_gil=keep_gil)
+            meanwhile[keep_gil] = counted[0] - before
+            writer.wait(30)
+            assert text == "hello", (keep_gil, text)
+    finally:
+        stop.set()
+        counter.join(5)
+    assert meanwhile[True] * 5 < meanwhile[False], f"counted while a read kept the GIL / let it go: {meanwhile}"
