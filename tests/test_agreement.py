@@ -20,6 +20,18 @@ DEADLINE_S = 1.0  # the deadline the cases that wait one out wait
 HEALTHY_S = 10.0  # the deadline of collectives that must complete (two ranks just joined, on a loaded machine)
 
 
+@pytest.fixture(params=["gloo's own deadline", "counted first"])
+def counting(request, monkeypatch):
+    """Each two-rank case twice: as its deadline (within gloo's own 30 s) has it, each collective straight into
+    gloo; and with every rank counted at the collective first (``weightsync.wire.arrival``, which a deadline past
+    gloo's runs: here gloo's own is taken as 0 s, in the forked ranks too), the same verdicts."""
+    from weightsync.wire import arrival
+
+    if request.param == "counted first":
+        monkeypatch.setattr(arrival, "GLOO_TIMEOUT_S", 0.0)
+    return request.param
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -203,7 +215,7 @@ def _exchange(rank, agreement):
     return out
 
 
-def test_two_ranks_agree_and_each_names_the_failure():
+def test_two_ranks_agree_and_each_names_the_failure(counting):
     zero, one = two_ranks(_exchange)
     assert zero["world"] == one["world"] == 2
     assert zero["broadcast"] == one["broadcast"] == -1, "the broadcast is rank 0's value on every rank"
@@ -235,12 +247,36 @@ def _deadline(rank, agreement):
     return out
 
 
-def test_a_peer_that_never_votes_breaks_the_group_at_the_deadline():
+def test_a_peer_that_never_votes_breaks_the_group_at_the_deadline(counting):
     zero, _ = two_ranks(_deadline, deadline_s=DEADLINE_S)
     assert zero["raised"] and "did not complete within 1s" in zero["raised"] and "vote on update" in zero["raised"]
     assert DEADLINE_S <= zero["waited"] < DEADLINE_S + 2.0, zero
     assert zero["broken"] == "vote on update (epoch 1) missed its 1s deadline"
     assert "unusable since vote on update (epoch 1)" in zero["again"] and zero["again_s"] < 0.5, zero
+
+
+def _late(rank, agreement):
+    """Rank 1 votes half a deadline after rank 0's deadline has passed."""
+    if rank == 1:
+        time.sleep(1.5 * DEADLINE_S)
+    start = time.monotonic()
+    try:
+        return {"votes": [v.ok for v in agreement.vote("update", True)], "waited": time.monotonic() - start}
+    except A.AgreementError as e:
+        out = {"raised": str(e), "waited": time.monotonic() - start, "broken": agreement.broken}
+        time.sleep(1.5 * DEADLINE_S)  # alive while rank 1 comes (the group's store and the pending collective are here)
+        return out
+
+
+def test_a_peer_past_the_deadline_fails_the_waiting_rank_then_meets_its_collective(counting):
+    """Rank 0 fails at its deadline, not later (its collective is left pending, the group broken); rank 1,
+    coming half a deadline after, meets that pending collective within gloo's own time and gets both votes, as
+    gloo's pairing gives them (the count changes neither side)."""
+    zero, one = two_ranks(_late, deadline_s=DEADLINE_S)
+    assert "raised" in zero and "did not complete within 1s" in zero["raised"], zero
+    assert DEADLINE_S <= zero["waited"] < 1.5 * DEADLINE_S, zero
+    assert zero["broken"] == "vote on update (epoch 1) missed its 1s deadline", zero
+    assert one.get("votes") == [True, True], one
 
 
 def _peer_dies(rank, agreement):
@@ -257,7 +293,7 @@ def _peer_dies(rank, agreement):
         return {"raised": str(e), "waited": time.monotonic() - start, "broken": agreement.broken}
 
 
-def test_a_dead_peer_fails_the_vote_at_once():
+def test_a_dead_peer_fails_the_vote_at_once(counting):
     zero, _ = two_ranks(_peer_dies)
     assert zero["raised"] and zero["raised"].startswith("rank 0: vote on clear (epoch 1) failed: "), zero
     assert zero["waited"] < HEALTHY_S / 2 and zero["broken"].startswith("vote on clear (epoch 1) failed: "), zero

@@ -125,27 +125,54 @@ def test_a_peer_that_comes_during_the_wait_ends_it(counting):
     import threading
 
     store = Store()
-    threading.Timer(0.2, store.mark, ("k", 0, 1)).start()
     started = time.monotonic()
+    threading.Timer(0.2, store.mark, ("k", 0, 1)).start()
     assert arrival.arrive("k", 30.0, group=(store, 0, 2)) is True
     assert 0.2 <= time.monotonic() - started < 10.0
 
 
-@pytest.mark.parametrize("where", ["this host, gone", "this host, alive", "another host", "never named"])
+@pytest.mark.parametrize("where", ["this host, gone", "this host, exited, not reaped", "this host, alive",
+                                   "another host", "never named"])
 def test_a_missing_peer_whose_process_is_gone_ends_the_wait(counting, where):
-    """A missing peer on this host whose process has exited ends the wait at once (True: the collective then fails
-    as gloo's does on a closed connection); alive, on another host, or never named, it is waited for."""
-    store = Store()
+    """A missing peer on this host whose process has exited (reaped or still a zombie: the forked ranks' parent
+    reaps them only at the end) ends the wait at once (True: the collective then fails as gloo's does on a closed
+    connection); alive, on another host, or never named, it is waited for."""
+    store, zombie = Store(), None
+    if where == "this host, exited, not reaped":
+        zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+        while not os.path.exists(f"/proc/{zombie.pid}") or open(f"/proc/{zombie.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+            time.sleep(0.01)
+        pid = zombie.pid
+    else:
+        pid = _dead_pid() if where == "this host, gone" else os.getpid()
     if where != "never named":
-        host = "elsewhere.invalid" if where == "another host" else socket.gethostname()
-        store.name(1, host, _dead_pid() if where == "this host, gone" else os.getpid())
+        store.name(1, "elsewhere.invalid" if where == "another host" else socket.gethostname(), pid)
     started = time.monotonic()
     came = arrival.arrive("k", 2.0, group=(store, 0, 2))
     waited = time.monotonic() - started
-    if where == "this host, gone":
-        assert came is True and waited < 1.0, (came, waited)
+    if zombie is not None:
+        zombie.wait()
+    if where.startswith("this host, e") or where == "this host, gone":
+        assert came is True and waited < 1.0, (where, came, waited)
     else:
-        assert came is False and waited >= 2.0, (came, waited)
+        assert came is False and waited >= 2.0, (where, came, waited)
+
+
+@pytest.mark.parametrize("fails_at", [1, 2, 5])
+def test_a_store_that_stops_answering_is_a_peer_gone(counting, fails_at):
+    """The store lives in rank 0's process: when it stops answering (Paddle raises "TCP send error"), at this
+    rank's first call, its own mark or while it waits, the wait ends (True) and the collective fails as gloo's
+    does; it never raises out of ``arrive``."""
+
+    class Gone(Store):
+        def add(self, key, n):
+            if self.calls + 1 >= fails_at:
+                raise ValueError("(InvalidArgument) TCP send error. Details: Broken pipe.")
+            return super().add(key, n)
+
+    started = time.monotonic()
+    assert arrival.arrive("k", 5.0, group=(Gone(), 0, 2)) is True
+    assert time.monotonic() - started < 2.0
 
 
 def test_a_rank_names_itself_once_per_store(counting):

@@ -16,6 +16,7 @@ deadline. The collective then starts with every rank present, and gloo's 30 s ne
   the collective then fails at once, as gloo's does on a closed connection).
 * Each rank numbers the collectives of a kind in the order it calls them (one counter per process and kind):
   ranks that call the same collectives in the same order meet at the same key, as gloo pairs them by order too.
+* The store lives in rank 0's process: a store that no longer answers is a peer gone (True, as above).
 * Nothing to count (True at once): a deadline within gloo's own, a group of one, no store, a backend not gloo.
 """
 from __future__ import annotations
@@ -61,15 +62,18 @@ def _who(store, rank: int) -> tuple[str, int] | None:
 
 
 def _gone(host_pid: tuple[str, int] | None) -> bool:
+    """The process has exited (a zombie its parent has not reaped yet included); False for a peer on another
+    machine, where only the deadline tells."""
+    import psutil
+
     if host_pid is None or host_pid[0] != socket.gethostname():
-        return False  # (a peer on another machine: only the deadline tells)
+        return False
     try:
-        os.kill(host_pid[1], 0)
-    except ProcessLookupError:
+        return psutil.Process(host_pid[1]).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
         return True
-    except PermissionError:
-        pass
-    return False
+    except psutil.Error:
+        return False
 
 
 def arrive(kind: str, timeout_s: float, *, group=None) -> bool:
@@ -82,12 +86,19 @@ def arrive(kind: str, timeout_s: float, *, group=None) -> bool:
     if group is None:
         return True
     store, rank, world = group
+    key = f"{PREFIX}/{kind}/{next(_next[kind])}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        return _wait(store, rank, world, key, deadline)
+    except Exception:  # noqa: BLE001 (the store's process, rank 0's, is gone: the collective fails as gloo's does)
+        return True
+
+
+def _wait(store, rank: int, world: int, key: str, deadline: float) -> bool:
     if id(store) not in _named:
         store.set(f"{PREFIX}/who/{rank}", f"{socket.gethostname()} {os.getpid()}".encode())
         store.add(f"{PREFIX}/named/{rank}", 1)
         _named.add(id(store))
-    key = f"{PREFIX}/{kind}/{next(_next[kind])}"
-    deadline = time.monotonic() + timeout_s
     store.add(f"{key}/{rank}", 1)
     missing = [r for r in range(world) if r != rank]
     pause, looked = _FIRST_PAUSE_S, time.monotonic()
