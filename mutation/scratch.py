@@ -17,8 +17,10 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # weightsync/: the suite imports reference, fixtures and wire as weightsync.*, resolved beside weightsync/__init__.py
-# (without it, the copy's imports would reach the tree an editable install points at).
-ALSO = ["weightsync/", "conformance/", "fixtures/", "sim/", "wire/", "tests/", "conftest.py", "SPEC.md"]
+# (without it, the copy's imports would reach the tree an editable install points at). reference/: the rest of the
+# package beside a mutated file of it (tests/test_agreement.py drives reference.manager); mutmut copies these first
+# and writes the mutated files over them.
+ALSO = ["weightsync/", "reference/", "conformance/", "fixtures/", "sim/", "wire/", "tests/", "conftest.py", "SPEC.md"]
 
 
 def _toml_list(items) -> str:
