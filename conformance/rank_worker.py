@@ -167,10 +167,7 @@ class Collective:
         import paddle
         import paddle.distributed as dist
 
-        from weightsync.wire import arrival
-
         box = paddle.to_tensor(np.array([word], np.int32))
-        came = arrival.arrive("harness", self.timeout_s)  # (gloo's own 30 s would cut the deadline short)
         result: dict = {}
 
         def run():
@@ -182,7 +179,7 @@ class Collective:
 
         thread = threading.Thread(target=run, name="harness-broadcast", daemon=True)
         thread.start()
-        thread.join(self.timeout_s if came else 0.0)
+        thread.join(self.timeout_s)
         if "value" not in result:
             raise TimeoutError(f"harness broadcast: {result.get('error') or f'no answer within {self.timeout_s:g}s'}")
         return result["value"]

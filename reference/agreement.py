@@ -5,11 +5,10 @@ A barrier says nothing about *what* each rank did, so here every rank contribute
 operation, ok, error) through one ``all_gather`` of the default group, and a rank whose peer failed
 raises ``RankFailure`` naming it. Votes are msgpack in a fixed-size uint8 tensor: nothing is pickled.
 
-Gloo's own deadline is a fixed 30 s, not the agreement's: so every rank is first counted at the collective
-(``weightsync.wire.arrival``, within the agreement's timeout), and the collective then runs in a thread joined
-with the timeout. A collective that misses its deadline or fails (a peer died) leaves the group in an unknown
-state: the agreement is then broken, every later collective raises at once, and the rank is expected to report
-and leave the job (its peers see the connection drop, never a hang).
+Gloo collectives have no deadline of their own, so each one runs in a thread joined with the
+agreement's timeout. A collective that misses its deadline or fails (a peer died) leaves the group in
+an unknown state: the agreement is then broken, every later collective raises at once, and the rank
+is expected to report and leave the job (its peers see the connection drop, never a hang).
 Without an initialized group of two or more ranks every operation is local.
 """
 from __future__ import annotations
@@ -20,8 +19,6 @@ from dataclasses import dataclass
 
 import msgpack
 import numpy as np
-
-from weightsync.wire import arrival
 
 VOTE_BYTES = 1024
 ERROR_CHARS = 600  # of a failing rank's error, carried in its vote
@@ -119,10 +116,9 @@ class Agreement:
             except BaseException as e:  # noqa: BLE001 (handed to the caller)
                 box["error"] = e
 
-        came = arrival.arrive("agreement", self.timeout_s)
         thread = threading.Thread(target=run, name=f"agreement-{what}", daemon=True)
         thread.start()
-        thread.join(self.timeout_s if came else 0.0)  # (not every rank came: the collective is left pending)
+        thread.join(self.timeout_s)
         if thread.is_alive():
             self.broken = f"{what} (epoch {self.epoch}) missed its {self.timeout_s:g}s deadline"
             raise AgreementTimeout(f"rank {self.rank()}: {what} (epoch {self.epoch}) did not complete within "

@@ -20,18 +20,6 @@ DEADLINE_S = 1.0  # the deadline the cases that wait one out wait
 HEALTHY_S = 10.0  # the deadline of collectives that must complete (two ranks just joined, on a loaded machine)
 
 
-@pytest.fixture(params=["gloo's own deadline", "counted first"])
-def counting(request, monkeypatch):
-    """Each two-rank case twice: as its deadline (within gloo's own 30 s) has it, each collective straight into
-    gloo; and with every rank counted at the collective first (``weightsync.wire.arrival``, which a deadline past
-    gloo's runs: here gloo's own is taken as 0 s, in the forked ranks too), the same verdicts."""
-    from weightsync.wire import arrival
-
-    if request.param == "counted first":
-        monkeypatch.setattr(arrival, "GLOO_TIMEOUT_S", 0.0)
-    return request.param
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -215,7 +203,7 @@ def _exchange(rank, agreement):
     return out
 
 
-def test_two_ranks_agree_and_each_names_the_failure(counting):
+def test_two_ranks_agree_and_each_names_the_failure():
     zero, one = two_ranks(_exchange)
     assert zero["world"] == one["world"] == 2
     assert zero["broadcast"] == one["broadcast"] == -1, "the broadcast is rank 0's value on every rank"
@@ -247,7 +235,7 @@ def _deadline(rank, agreement):
     return out
 
 
-def test_a_peer_that_never_votes_breaks_the_group_at_the_deadline(counting):
+def test_a_peer_that_never_votes_breaks_the_group_at_the_deadline():
     zero, _ = two_ranks(_deadline, deadline_s=DEADLINE_S)
     assert zero["raised"] and "did not complete within 1s" in zero["raised"] and "vote on update" in zero["raised"]
     assert DEADLINE_S <= zero["waited"] < DEADLINE_S + 2.0, zero
@@ -268,10 +256,10 @@ def _late(rank, agreement):
         return out
 
 
-def test_a_peer_past_the_deadline_fails_the_waiting_rank_then_meets_its_collective(counting):
+def test_a_peer_past_the_deadline_fails_the_waiting_rank_then_meets_its_collective():
     """Rank 0 fails at its deadline, not later (its collective is left pending, the group broken); rank 1,
-    coming half a deadline after, meets that pending collective within gloo's own time and gets both votes, as
-    gloo's pairing gives them (the count changes neither side)."""
+    coming half a deadline after, meets that pending collective within gloo's own time (30 s) and gets both
+    votes, as gloo's pairing gives them."""
     zero, one = two_ranks(_late, deadline_s=DEADLINE_S)
     assert "raised" in zero and "did not complete within 1s" in zero["raised"], zero
     assert DEADLINE_S <= zero["waited"] < 1.5 * DEADLINE_S, zero
@@ -293,7 +281,7 @@ def _peer_dies(rank, agreement):
         return {"raised": str(e), "waited": time.monotonic() - start, "broken": agreement.broken}
 
 
-def test_a_dead_peer_fails_the_vote_at_once(counting):
+def test_a_dead_peer_fails_the_vote_at_once():
     zero, _ = two_ranks(_peer_dies)
     assert zero["raised"] and zero["raised"].startswith("rank 0: vote on clear (epoch 1) failed: "), zero
     assert zero["waited"] < HEALTHY_S / 2 and zero["broken"].startswith("vote on clear (epoch 1) failed: "), zero

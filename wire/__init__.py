@@ -3,8 +3,7 @@
 ``wire.protocol``: the ``ipc_bucket`` wire format (message schema and builders, the msgpack codec,
 bucket layout planning, the constants). ``wire.handles``: the CPU form of an IPC handle (64 bytes
 naming a shared-memory segment), the segment it names, the 7-field meta's fields and dtype codes, and
-the rule that a handle opens only on the opener's current device. ``wire.arrival``: every rank counted at a
-collective on the group's store before it starts, so that the caller's deadline holds beyond gloo's fixed 30 s.
+the rule that a handle opens only on the opener's current device.
 
 The receiver's logic lives in ``reference/`` (parsing and validating what arrives, copying, applying);
 the trainers and the rest of the device stand-in live in ``sim/``. Both import this package; it

@@ -15,9 +15,8 @@
   arrived. On real ranks (the ``multirank`` tier: ``paddle.distributed`` initialized, world size above 1,
   the tensor-parallel group the whole world; the session says so, ``real_ranks``) it is the default group's
   real barrier, with the process group's timeout the engine configures: ``group_timeout_s`` (the job's
-  ``agree_timeout_s``), counted from the first rank's arrival as NCCL's is, however far beyond gloo's own 30 s
-  (``bounded``). A barrier that times out raises ``TimeoutError`` in FastDeploy's call, as a gloo or NCCL
-  timeout does.
+  ``agree_timeout_s``). A barrier
+  that times out raises ``TimeoutError`` in FastDeploy's call, as a gloo or NCCL timeout does.
 * Loads. ``load_hook(path, configs, real_load)`` sees every ``paddle.load`` (after mapping) and decides
   what it returns; ``watch(how, path)`` is told of every lookup (``exists``, ``glob``, ``load``).
 * Communication groups. ``paddle.distributed.shutdown_process_group`` and ``restart_process_group`` (the
@@ -223,15 +222,11 @@ def real_group() -> bool:
 
 
 def bounded(call, timeout_s: float, what: str):
-    """``call()`` on the default group within ``timeout_s`` (the process group's timeout): every rank counted
-    at it first (``weightsync.wire.arrival``: gloo's own 30 s would cut a longer deadline short), then the
-    collective runs on a daemon thread, and a timeout raises ``TimeoutError`` naming it. A collective left pending
+    """``call()`` on the default group within ``timeout_s`` (the process group's timeout): the collective
+    runs on a daemon thread, and a timeout raises ``TimeoutError`` naming it. A collective left pending
     breaks the group, as a real timeout does: the ranks' harness then sees its own collectives fail."""
     import threading
 
-    from weightsync.wire import arrival
-
-    came = arrival.arrive("fastdeploy", timeout_s)
     result: dict = {}
 
     def run():
@@ -242,7 +237,7 @@ def bounded(call, timeout_s: float, what: str):
 
     thread = threading.Thread(target=run, name=f"fastdeploy-{what}", daemon=True)
     thread.start()
-    thread.join(timeout_s if came else 0.0)  # (not every rank came: the collective is left pending, as gloo's is)
+    thread.join(timeout_s)
     if thread.is_alive():
         raise TimeoutError(f"{what}: the other ranks did not arrive within {timeout_s:g}s (the process group's timeout)")
     if "error" in result:
