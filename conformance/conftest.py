@@ -2,10 +2,12 @@
 session, only when a selected test needs it (its tier named by -m, its capabilities claimed)."""
 import itertools
 import re
+import shutil
 
 import pytest
 
 from conformance import multirank_plan
+from conformance.harness import removes_case_dir
 from sim.hosts import Unavailable
 
 
@@ -78,6 +80,14 @@ def read_capper(read_cap_library):
 
 
 _NEXT_NUMBER: dict = {}
+_PASSED = pytest.StashKey[dict]()  # item -> {phase: passed}, for the case's own directory (tmp_path below)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    item.stash.setdefault(_PASSED, {})[report.when] = report.passed
 
 
 @pytest.fixture
@@ -85,7 +95,8 @@ def tmp_path(request, tmp_path_factory):
     """A new, empty directory for the case (mode 0700), as pytest's own: under the run's base temporary directory,
     named after the case (its first 30 characters) and a number. Unlike pytest's, it leaves no ``<name>current``
     link beside it: making that link costs an unlink and a symlink per case, about 1 ms on the project's machine,
-    against 0.15 ms for the directory (docs/suite-run-time.md)."""
+    against 0.15 ms for the directory (docs/suite-run-time.md). As it ends, the case's directory is removed as
+    pytest's ``tmp_path_retention_policy`` says (``harness.removes_case_dir``; the project's own runs: "failed")."""
     name = re.sub(r"[\W]", "_", request.node.name)[:30]
     base = tmp_path_factory.getbasetemp()
     numbers = _NEXT_NUMBER.setdefault((str(base), name), itertools.count())
@@ -95,4 +106,8 @@ def tmp_path(request, tmp_path_factory):
             path.mkdir(mode=0o700)
         except FileExistsError:  # made by tmp_path_factory.mktemp(name) or an earlier run's case: the next number
             continue
-        return path
+        break
+    yield path
+    phases = request.node.stash.get(_PASSED, {})
+    if removes_case_dir(request.config, bool(phases.get("call")) and all(phases.values())):
+        shutil.rmtree(path, ignore_errors=True)

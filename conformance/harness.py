@@ -76,6 +76,13 @@ def _set_device(selected) -> None:
         ipc_handles.set_current_device(None)
 
 
+def removes_case_dir(config, passed: bool) -> bool:
+    """Whether a case's directory goes as the case ends, by pytest's ``tmp_path_retention_policy``: "all" (its
+    default) keeps every one, "failed" removes those of the cases that passed, "none" removes every one."""
+    policy = config.getini("tmp_path_retention_policy")
+    return policy == "none" or (policy == "failed" and passed)
+
+
 def open_session(adapter, model_spec, config: LoaderConfig, worker: Worker) -> RecordedSession:
     """A session of ``adapter`` on fresh models of ``model_spec``, opened as ``worker``: its identity put in this
     process's environment (Paddle's cached parallel env dropped), its CUDA ordinal the current device. The

@@ -15,12 +15,13 @@ import gc
 import json
 import os
 import select
+import shutil
 import time
 
 import numpy as np
 import pytest
 
-from conformance import check, heap
+from conformance import check, harness, heap
 from weightsync.fixtures import models as M
 from weightsync.fixtures import snapshot as S
 
@@ -58,8 +59,9 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def snapshots(tmp_path_factory):
-    """layout -> model_dir, written on first use."""
+def snapshots(request, tmp_path_factory):
+    """layout -> model_dir, written on first use; removed with the module as a passed case's directory is
+    (``harness.removes_case_dir``): they are zeros, which any run writes again."""
     root = tmp_path_factory.mktemp("mem")
     made = {}
 
@@ -78,7 +80,13 @@ def snapshots(tmp_path_factory):
             made[key] = str(d)
         return made[key]
 
-    return get
+    yield get
+    _remove(request, root)
+
+
+def _remove(request, root) -> None:
+    if harness.removes_case_dir(request.config, passed=True):
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _status_kib(field: str) -> int:
@@ -187,9 +195,10 @@ KNOWN_TENSORS = 2
 
 
 @pytest.fixture(scope="module")
-def snapshots_with_unknown(tmp_path_factory):
+def snapshots_with_unknown(request, tmp_path_factory):
     """(layout, k, unknown) -> (model_dir, shared_dir, largest file's tensor bytes), written on first use:
-    the model's tensors and ``unknown`` tensors of 16 MiB it lacks, known and unknown alternating in file order."""
+    the model's tensors and ``unknown`` tensors of 16 MiB it lacks, known and unknown alternating in file order;
+    removed with the module, as ``snapshots``."""
     root = tmp_path_factory.mktemp("mem-unknown")
     made = {}
 
@@ -216,7 +225,8 @@ def snapshots_with_unknown(tmp_path_factory):
             made[key] = (str(model_dir), str(shared_dir), max(sum(a.nbytes for a in f.values()) for f in files))
         return made[key]
 
-    return get
+    yield get
+    _remove(request, root)
 
 
 @pytest.mark.rule("MEM-SNAPSHOT-PEAK")

@@ -94,7 +94,7 @@ def test_a_child_forked_from_a_process_that_keeps_keeps_nothing_new():
 def _suite_tmp_path(node_name: str, base):
     request = types.SimpleNamespace(node=types.SimpleNamespace(name=node_name))
     factory = types.SimpleNamespace(getbasetemp=lambda: base)
-    return suite_conftest.tmp_path._get_wrapped_function()(request, factory)
+    return next(suite_conftest.tmp_path._get_wrapped_function()(request, factory))
 
 
 def test_suite_tmp_path_is_new_empty_private_and_named_after_the_case(tmp_path):
@@ -163,3 +163,32 @@ def test_a_replacement_made_before_the_first_session_stands(monkeypatch, tmp_pat
     from reference.control_v1 import RoutedControl
 
     assert reference_adapter.RoutedControl is RoutedControl
+
+
+@pytest.mark.parametrize("policy, phases, kept", [
+    ("all", {"setup": True, "call": True, "teardown": True}, True),
+    ("failed", {"setup": True, "call": True}, False),
+    ("failed", {"setup": True, "call": False}, True),
+    ("failed", {"setup": False}, True),  # no call: the case never ran, nothing says it passed
+    ("none", {"setup": True, "call": False}, False),
+])
+def test_a_case_directory_goes_as_pytests_retention_policy_says(tmp_path, policy, phases, kept):
+    """The suite's ``tmp_path`` keeps or removes the case's directory as it ends, with what it holds, as
+    ``tmp_path_retention_policy`` says ("failed": the project's own runs) of the case's phases so far."""
+    config = types.SimpleNamespace(getini={"tmp_path_retention_policy": policy}.__getitem__)
+    node = types.SimpleNamespace(name="test_case[x]", stash={suite_conftest._PASSED: phases})
+    steps = suite_conftest.tmp_path._get_wrapped_function()(types.SimpleNamespace(node=node, config=config),
+                                                            types.SimpleNamespace(getbasetemp=lambda: tmp_path))
+    path = next(steps)
+    (path / "sub").mkdir()
+    (path / "sub" / "model.safetensors").write_bytes(b"x" * 100)
+    with pytest.raises(StopIteration):
+        next(steps)
+    assert path.exists() is kept, (policy, phases, sorted(tmp_path.iterdir()))
+
+
+def test_the_projects_runs_keep_only_the_directories_of_cases_that_did_not_pass():
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["tool"]["pytest"]["ini_options"]["tmp_path_retention_policy"] == "failed"
