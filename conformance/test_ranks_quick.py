@@ -32,14 +32,13 @@ import hashlib
 import os
 import re
 import sys
-import tempfile
 import time
 import traceback
 
 import numpy as np
 import pytest
 
-from conformance import arrival, check, harness, modes
+from conformance import check, harness, modes
 from conformance.adapter import LoaderConfig, Observed
 from conformance.harness import Worker, open_session
 from conformance.paths import Route
@@ -59,9 +58,8 @@ PROMPT_S = 10.0
 ABSENT_S = 2.0  # the agreement's deadline where a peer never comes: the cases wait it out once
 # The agreement's deadline where no rank fails and nothing is judged against it (MR-OWN-SHARD): only a rank that
 # never comes would wait it out. A healthy rank's first load in a new group may be slow on a busy machine (one such
-# first load kept its peer at the barrier past 10 s, another past gloo's own deadline, a fixed 30 s: Paddle's
-# ProcessGroupGloo takes none). An adapter whose ranks meet before gloo (conformance.arrival, in the job's own
-# directory: the FastDeploy adapter's barriers and broadcast) honours this one; straight into gloo, 30 s.
+# first load kept its peer at the barrier past 10 s). Gloo's own deadline, a fixed 30 s (Paddle's ProcessGroupGloo
+# takes none), still ends a collective whose peer is later than that, whatever this says.
 HEALTHY_S = 60.0
 WORK_S = 10.0  # what a rank may spend on its own part of an operation (loading a tiny shard) before it waits
 SLOW_S = 1.0  # a slow but healthy peer starts this late (with a deadline of PROMPT_S)
@@ -123,13 +121,10 @@ def _act(ctx, call, **extra) -> dict:
     return out
 
 
-def a_open(ctx, strategy: str, model_dir: str, shared_dir: str, options: dict, visible: str, local_rank: int,
-           arrival_dir: str) -> dict:
+def a_open(ctx, strategy: str, model_dir: str, shared_dir: str, options: dict, visible: str, local_rank: int) -> dict:
     """Open the rank's session as the launcher starts a worker: global rank ``ctx.rank``, ``PADDLE_LOCAL_RANK`` its
-    rank on its host, which is also its CUDA ordinal among ``visible`` (its host's ``CUDA_VISIBLE_DEVICES``);
-    the job's directory where an adapter's collectives may meet before gloo's (``conformance.arrival``)."""
+    rank on its host, which is also its CUDA ordinal among ``visible`` (its host's ``CUDA_VISIBLE_DEVICES``)."""
     os.environ["PADDLE_LOCAL_RANK"] = str(local_rank)
-    os.environ[arrival.ENV] = arrival_dir
     worker = Worker(ctx.rank, visible, str(local_rank))
     ctx.state["session"] = open_session(ctx.adapter, SPEC, LoaderConfig(strategy, model_dir, shared_dir, options), worker)
     return {"gpu": worker.gpu_id}
@@ -210,13 +205,6 @@ def sha(observed_: dict[str, Observed]) -> dict[str, str | None]:
     return {n: None if o.data is None else hashlib.sha256(o.data).hexdigest()[:12] for n, o in observed_.items()}
 
 
-def timing(replies: dict) -> str:
-    """When each rank started its action (from the first to start) and how long it took."""
-    first = min(reply.get("t0", 0.0) for reply in replies.values())
-    return "; ".join(f"rank {r} started at +{reply.get('t0', first) - first:.2f}s, took {reply.get('seconds', 0.0):.2f}s"
-                     for r, reply in sorted(replies.items()))
-
-
 def names(rank: int, text: str | None) -> bool:
     return bool(text) and re.search(rf"\brank {rank}\b", text) is not None
 
@@ -245,10 +233,9 @@ class Job:
         gpus = ",".join(str(w.gpu_id) for w in self.workers.values())
         self.where = f"{path}, {ranks} ranks" + (f" on {hosts} hosts" if hosts > 1 else "") + f" (physical GPUs {gpus})"
         extra = {"staged": True} if staged else {}
-        meeting = tempfile.mkdtemp(prefix="arrival.", dir=os.path.dirname(loader.model_dir))
         per_rank = {r: {"strategy": self.route.path.strategy, "model_dir": loader.model_dir,
                         "shared_dir": loader.shared_dir, "visible": self.workers[r].visible,
-                        "local_rank": int(self.workers[r].selected), "arrival_dir": meeting,
+                        "local_rank": int(self.workers[r].selected),
                         "options": {**self.feed.options(r), "status_cell": cell.name, "agree_timeout_s": deadline_s,
                                     **extra, **(options or {})}}
                     for r in range(ranks)}
@@ -367,7 +354,7 @@ class Job:
         for r, reply in sorted(replies.items()):
             at = f"{self.where}: {where}, rank {r} (physical GPU {self.workers[r].gpu_id})"
             got = self.value(reply)
-            check.that(got["raised"] is None, f"{at}: raised {got['raised']} ({timing(replies)})")
+            check.that(got["raised"] is None, f"{at}: raised {got['raised']}")
             if result is not None:
                 check.equal(got["result"], result, f"{at}: what its worker loop's iteration returned")
             obs = observed(got["state"])

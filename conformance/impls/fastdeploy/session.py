@@ -62,12 +62,11 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 
 from conformance.adapter import LoaderConfig, LoadEvent, Observed, observe_paddle
-from conformance.arrival import Arrival
 
 from . import loop
 from .generation import Generation, constructor_kwargs
 from .stubs import CLEARED, CLEARING, NORMAL, UPDATING
-from .world import WORKER_ENV, bounded, fd_config, rank_and_size, real_group, worker_world
+from .world import WORKER_ENV, bounded, fd_config, real_group, worker_world
 
 STATUS_NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", CLEARING: "CLEARING", CLEARED: "CLEARED"}
 _pids = itertools.count(1)
@@ -166,7 +165,6 @@ class FastDeploySession:
         # on the real group, bounded by the process group's timeout (world.py).
         self.real_ranks = real_group()
         self.group_timeout_s = _group_timeout(options)
-        self.arrival = Arrival.from_env(*rank_and_size()) if self.real_ranks else None
         if options.get("status_cell") is not None:
             self.pid = loop.cell_suffix(options["status_cell"])
             self.cell_name = options["status_cell"]
@@ -214,8 +212,7 @@ class FastDeploySession:
 
         stack = contextlib.ExitStack()
         stack.enter_context(worker_world(self.env, self.config.shared_dir, load_hook=load, groups=groups,
-                                         real_ranks=self.real_ranks, group_timeout_s=self.group_timeout_s,
-                                         arrival=self.arrival))
+                                         real_ranks=self.real_ranks, group_timeout_s=self.group_timeout_s))
         stack.enter_context(observe_applied(getattr(sys.modules.get(self._cls.__module__), "logger", None), applied))
         return stack
 
@@ -331,8 +328,7 @@ class FastDeploySession:
         import paddle.distributed as dist
 
         box = paddle.to_tensor(np.array([value], np.int32))
-        bounded(lambda: dist.broadcast(box, src=0), self.group_timeout_s, "paddle.distributed.broadcast",
-                self.arrival)
+        bounded(lambda: dist.broadcast(box, src=0), self.group_timeout_s, "paddle.distributed.broadcast")
         return int(box.numpy()[0])
 
     def observe(self) -> dict[str, Observed]:

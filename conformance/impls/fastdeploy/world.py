@@ -16,9 +16,7 @@
   the tensor-parallel group the whole world; the session says so, ``real_ranks``) it is the default group's
   real barrier, with the process group's timeout the engine configures: ``group_timeout_s`` (the job's
   ``agree_timeout_s``). A barrier
-  that times out raises ``TimeoutError`` in FastDeploy's call, as a gloo or NCCL timeout does. Gloo's own
-  timeout is a fixed 30 s: for a longer one the ranks first wait for each other outside gloo
-  (``conformance.arrival``, where the harness names a directory the ranks share).
+  that times out raises ``TimeoutError`` in FastDeploy's call, as a gloo or NCCL timeout does.
 * Loads. ``load_hook(path, configs, real_load)`` sees every ``paddle.load`` (after mapping) and decides
   what it returns; ``watch(how, path)`` is told of every lookup (``exists``, ``glob``, ``load``).
 * Communication groups. ``paddle.distributed.shutdown_process_group`` and ``restart_process_group`` (the
@@ -36,10 +34,7 @@ import re
 import threading
 import types
 
-from conformance.arrival import GLOO_TIMEOUT_S
-
 SHARED_IPC_DIR = "/shared_ipc_meta"
-COLLECTIVE_S = 5.0  # a collective every rank has arrived at: milliseconds on an idle machine
 WORKER_ENV = ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "CUDA_VISIBLE_DEVICES", "FLAGS_selected_gpus")
 
 
@@ -84,10 +79,9 @@ def _apply_env(values: dict) -> None:
 class _World:
     """One ``worker_world`` block's configuration, as the patched functions consult it."""
 
-    def __init__(self, env, shared_dir, load_hook, watch, groups, real_ranks, group_timeout_s, arrival=None):
+    def __init__(self, env, shared_dir, load_hook, watch, groups, real_ranks, group_timeout_s):
         self.env, self.shared_dir, self.load_hook, self.watch = env, shared_dir, load_hook, watch
         self.groups, self.real_ranks, self.group_timeout_s = groups, real_ranks, group_timeout_s
-        self.arrival = arrival
         self.loading: list = []  # non-empty while paddle.load runs: its own lookups are not FastDeploy's
 
 
@@ -152,7 +146,7 @@ def _note(world: _World, how: str, path) -> None:
 def _barrier(*args, **kwargs):
     world = _world()
     if world.real_ranks:  # the default group: the tensor-parallel group is the whole world (module docstring)
-        bounded(_real("barrier"), world.group_timeout_s, "paddle.distributed.barrier", world.arrival)
+        bounded(_real("barrier"), world.group_timeout_s, "paddle.distributed.barrier")
     return None
 
 
@@ -194,10 +188,10 @@ def _uninstall() -> None:
 
 @contextlib.contextmanager
 def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None, groups=None, real_ranks: bool = False,
-                 group_timeout_s: float = 30.0, arrival=None):
+                 group_timeout_s: float = 30.0):
     """Patch the process for one call into FastDeploy (see the module docstring); undo it after the last block
-    (of any thread) has left. ``arrival``: the session's ``conformance.arrival.Arrival``, if any."""
-    world = _World(env, shared_dir, load_hook, watch, groups, real_ranks, group_timeout_s, arrival)
+    (of any thread) has left."""
+    world = _World(env, shared_dir, load_hook, watch, groups, real_ranks, group_timeout_s)
     with _worlds_lock:
         if not _worlds["active"]:
             _install()
@@ -227,24 +221,12 @@ def real_group() -> bool:
     return bool(dist.is_initialized()) and dist.get_world_size() > 1
 
 
-def rank_and_size() -> tuple[int, int]:
-    """This rank and the world's size, on the default group."""
-    import paddle.distributed as dist
-
-    return dist.get_rank(), dist.get_world_size()
-
-
-def bounded(call, timeout_s: float, what: str, arrival=None):
+def bounded(call, timeout_s: float, what: str):
     """``call()`` on the default group within ``timeout_s`` (the process group's timeout): the collective
     runs on a daemon thread, and a timeout raises ``TimeoutError`` naming it. A collective left pending
-    breaks the group, as a real timeout does: the ranks' harness then sees its own collectives fail.
-    A timeout longer than gloo's own, with an ``arrival``: every rank arrives first (the ranks that never
-    came are named at the deadline, and no collective is left pending); the collective then gets what is
-    left of the timeout, and at least ``COLLECTIVE_S``."""
+    breaks the group, as a real timeout does: the ranks' harness then sees its own collectives fail."""
     import threading
 
-    if arrival is not None and timeout_s > GLOO_TIMEOUT_S:
-        timeout_s = max(arrival.wait(timeout_s, what), COLLECTIVE_S)
     result: dict = {}
 
     def run():
