@@ -205,6 +205,13 @@ def sha(observed_: dict[str, Observed]) -> dict[str, str | None]:
     return {n: None if o.data is None else hashlib.sha256(o.data).hexdigest()[:12] for n, o in observed_.items()}
 
 
+def timing(replies: dict) -> str:
+    """When each rank started its action (from the first to start) and how long it took."""
+    first = min(reply.get("t0", 0.0) for reply in replies.values())
+    return "; ".join(f"rank {r} started at +{reply.get('t0', first) - first:.2f}s, took {reply.get('seconds', 0.0):.2f}s"
+                     for r, reply in sorted(replies.items()))
+
+
 def names(rank: int, text: str | None) -> bool:
     return bool(text) and re.search(rf"\brank {rank}\b", text) is not None
 
@@ -354,7 +361,7 @@ class Job:
         for r, reply in sorted(replies.items()):
             at = f"{self.where}: {where}, rank {r} (physical GPU {self.workers[r].gpu_id})"
             got = self.value(reply)
-            check.that(got["raised"] is None, f"{at}: raised {got['raised']}")
+            check.that(got["raised"] is None, f"{at}: raised {got['raised']} ({timing(replies)})")
             if result is not None:
                 check.equal(got["result"], result, f"{at}: what its worker loop's iteration returned")
             obs = observed(got["state"])

@@ -80,7 +80,7 @@ def _kwargs(method, **candidates) -> dict:
 
 # -- the shared world of concurrent sessions ---------------------------------------------------------
 _lock = threading.Lock()
-_shared = {"users": 0, "env": None, "stack": None}
+_shared = {"users": 0, "env": None, "stack": None, "owner": None, "cuda": None}  # owner: the thread that entered
 
 
 def _identity_cuda(self, *args, **kwargs):
@@ -102,7 +102,7 @@ def stream_world(env: dict, shared_dir: str):
             real = paddle.Tensor.cuda
             paddle.Tensor.cuda = _identity_cuda
             stack.callback(setattr, paddle.Tensor, "cuda", real)
-            _shared.update(env=dict(env), stack=stack)
+            _shared.update(env=dict(env), stack=stack, owner=threading.get_ident(), cuda=real)
         _shared["users"] += 1
     try:
         yield
@@ -110,8 +110,26 @@ def stream_world(env: dict, shared_dir: str):
         with _lock:
             _shared["users"] -= 1
             if not _shared["users"]:
-                stack, _shared["stack"], _shared["env"] = _shared["stack"], None, None
+                stack = _shared["stack"]
+                _shared.update(stack=None, env=None, owner=None, cuda=None)
                 stack.close()
+
+
+def _forget_other_threads() -> None:
+    """In the child of a fork (world.py's own, for the world itself): a shared world another thread entered is
+    gone with that thread (its block was dropped), so the child starts with none, ``Tensor.cuda`` its own again;
+    the lock is made anew."""
+    global _lock
+    _lock = threading.Lock()
+    if _shared["users"] and _shared["owner"] != threading.get_ident():
+        if _shared["cuda"] is not None:
+            import paddle
+
+            paddle.Tensor.cuda = _shared["cuda"]
+        _shared.update(users=0, env=None, stack=None, owner=None, cuda=None)
+
+
+os.register_at_fork(after_in_child=_forget_other_threads)
 
 
 # -- the engine's configuration of the path ----------------------------------------------------------

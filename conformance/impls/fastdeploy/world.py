@@ -90,7 +90,8 @@ class _World:
 # block that saved the functions it found, the second saving the first's patches, and, when the first left
 # first, the second restored them: paddle.load stayed patched for the rest of the run and failed every stream's
 # paddle.load(BytesIO) after it, in whichever case came next. Each thread's calls follow its own innermost block;
-# a thread in none (FastDeploy's own threads, started in a call) follows the block entered last.
+# a thread in none (FastDeploy's own threads, started in a call) follows the block entered last. A forked child
+# keeps only the blocks of the thread that forked (_forget_other_threads).
 _worlds_lock = threading.Lock()
 _worlds: dict = {"active": [], "real": None, "env": None}
 _mine = threading.local()
@@ -212,6 +213,30 @@ def worker_world(env: dict, shared_dir: str, load_hook=None, watch=None, groups=
                 _uninstall()
             else:
                 _apply_env(_worlds["active"][-1].env)
+
+
+def _forget_other_threads() -> None:
+    """In the child of a fork, which has only the thread that forked: the blocks other threads were inside (a
+    streamed call still blocked in FastDeploy, a concurrent call) are not the child's, and go with their
+    identity. Kept, the next block to end in the child put that identity back into the child's environment (a
+    rank forked while a call of an earlier case was still blocked in the test process got that call's
+    ``PADDLE_TRAINERS_NUM``, 1, after its own first call, and its next session took itself for a lone worker,
+    skipping every barrier its peers waited in). The forking thread's own blocks stay, and end in the child as
+    they would have in the parent. The lock is made anew: another thread may have held it."""
+    global _worlds_lock
+    _worlds_lock = threading.Lock()
+    own = getattr(_mine, "stack", [])
+    kept = [w for w in _worlds["active"] if any(w is o for o in own)]
+    if len(kept) == len(_worlds["active"]):
+        return
+    _worlds["active"] = kept
+    if kept:
+        _apply_env(kept[-1].env)
+    else:
+        _uninstall()
+
+
+os.register_at_fork(after_in_child=_forget_other_threads)
 
 
 def real_group() -> bool:
