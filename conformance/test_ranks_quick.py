@@ -57,9 +57,8 @@ NEEDS = ("multirank", "status.cell")
 PROMPT_S = 10.0
 ABSENT_S = 2.0  # the agreement's deadline where a peer never comes: the cases wait it out once
 # The agreement's deadline where no rank fails and nothing is judged against it (MR-OWN-SHARD): only a rank that
-# never comes would wait it out. A healthy rank's first load in a new group may be slow on a busy machine (one such
-# first load kept its peer at the barrier past 10 s). Gloo's own deadline, a fixed 30 s (Paddle's ProcessGroupGloo
-# takes none), still ends a collective whose peer is later than that, whatever this says.
+# never comes would wait it out. Gloo's own deadline, a fixed 30 s (Paddle's ProcessGroupGloo takes none), still
+# ends a collective whose peer is later than that, whatever this says.
 HEALTHY_S = 60.0
 WORK_S = 10.0  # what a rank may spend on its own part of an operation (loading a tiny shard) before it waits
 SLOW_S = 1.0  # a slow but healthy peer starts this late (with a deadline of PROMPT_S)
