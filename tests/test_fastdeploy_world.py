@@ -152,3 +152,45 @@ def test_a_child_forked_during_another_threads_streamed_call_starts_with_no_shar
         thread.join(10)
     assert got == {"users": 0, "stack": False, "cuda_is_real": True}, got
     assert paddle.Tensor.cuda is real_cuda and streams._shared["users"] == 0
+
+
+def test_a_child_forked_during_another_threads_construction_has_the_flag_of_its_own(tmp_path, monkeypatch):
+    """The GDR flag a real ``fastdeploy.envs`` reads (streams.engine_config: set in the process environment for
+    the constructions inside the block) while another thread constructs: the child has the process's own value,
+    and a construction of its own that wants the other value goes ahead at once instead of waiting for a thread
+    that is not there. Forked while the other thread also holds the condition's lock, the child's own
+    construction does not wait on that lock."""
+    import time
+    import types
+
+    from conformance.impls.fastdeploy import streams, stubs
+
+    monkeypatch.setenv(stubs.GDR_FLAG, "process")
+    real = types.SimpleNamespace(envs=types.SimpleNamespace())  # not a conformance stub: the process env
+    inside, release = threading.Event(), threading.Event()
+
+    def construct():
+        with streams.engine_config(real, True):
+            with streams._flag:  # the condition's lock held at the fork as well
+                inside.set()
+                release.wait(30)
+
+    def child():
+        before = os.environ.get(stubs.GDR_FLAG)
+        start = time.monotonic()
+        with streams.engine_config(real, False):
+            own = os.environ.get(stubs.GDR_FLAG)
+        return {"before": before, "own": own, "after": os.environ.get(stubs.GDR_FLAG),
+                "waited": time.monotonic() - start > 5}
+
+    thread = threading.Thread(target=construct, daemon=True)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        assert os.environ[stubs.GDR_FLAG] == "1"
+        got = harness.in_child(child, timeout_s=30)
+    finally:
+        release.set()
+        thread.join(10)
+    assert got == {"before": "process", "own": "0", "after": "process", "waited": False}, got
+    assert os.environ[stubs.GDR_FLAG] == "process" and streams._flag_in_force["owners"] == []

@@ -134,7 +134,7 @@ os.register_at_fork(after_in_child=_forget_other_threads)
 
 # -- the engine's configuration of the path ----------------------------------------------------------
 _flag = threading.Condition()
-_flag_in_force = {"value": None, "users": 0}
+_flag_in_force = {"value": None, "owners": []}  # owners: the thread of each construction inside the block
 
 
 @contextlib.contextmanager
@@ -153,25 +153,47 @@ def engine_config(module, gdr: bool):
         return
     want = "1" if gdr else "0"
     with _flag:
-        _flag.wait_for(lambda: not _flag_in_force["users"] or _flag_in_force["value"] == want)
-        if not _flag_in_force["users"]:
+        _flag.wait_for(lambda: not _flag_in_force["owners"] or _flag_in_force["value"] == want)
+        if not _flag_in_force["owners"]:
             _flag_in_force["saved"] = os.environ.get(GDR_FLAG)
             os.environ[GDR_FLAG] = want
         _flag_in_force["value"] = want
-        _flag_in_force["users"] += 1
+        _flag_in_force["owners"].append(threading.get_ident())
     try:
         yield
     finally:
         with _flag:
-            _flag_in_force["users"] -= 1
-            if not _flag_in_force["users"]:
-                saved = _flag_in_force.pop("saved")
-                if saved is None:
-                    os.environ.pop(GDR_FLAG, None)
-                else:
-                    os.environ[GDR_FLAG] = saved
-                _flag_in_force["value"] = None
+            _flag_in_force["owners"].remove(threading.get_ident())
+            if not _flag_in_force["owners"]:
+                _restore_flag()
                 _flag.notify_all()
+
+
+def _restore_flag() -> None:
+    """The process's own value of the flag again, once no construction is inside the block."""
+    saved = _flag_in_force.pop("saved", None)
+    if saved is None:
+        os.environ.pop(GDR_FLAG, None)
+    else:
+        os.environ[GDR_FLAG] = saved
+    _flag_in_force["value"] = None
+
+
+def _forget_other_constructions() -> None:
+    """In the child of a fork: the constructions other threads had inside the block are gone with those threads
+    (a child that constructs a streamed manager would otherwise wait for them for ever, or take their value of
+    the flag); with none of its own left, the process's value is back. The condition is made anew (another
+    thread may have held its lock at the fork)."""
+    global _flag
+    _flag = threading.Condition()
+    mine = [t for t in _flag_in_force["owners"] if t == threading.get_ident()]
+    if mine != _flag_in_force["owners"]:
+        _flag_in_force["owners"] = mine
+        if not mine:
+            _restore_flag()
+
+
+os.register_at_fork(after_in_child=_forget_other_constructions)
 
 
 class StreamSession(FastDeploySession):
