@@ -99,15 +99,42 @@ CHUNK_ORDER = ["model.layers.0.a", "model.layers.2.a", "model.layers.1.b", "mtp_
 ROUTED = [(1, "model.layers.2.a"), (3, "mtp_block.c"), (4, "model.layers.2.b"), (6, "mtp_block.d")]
 
 
-def _chunks(size: int) -> tuple[list, list]:
+def _chunks(size: int, routed=ROUTED, total: int = len(CHUNK_ORDER)) -> tuple[list, list]:
     """The chunks of ``size`` and when each is flushed: once the main loader has taken the item after its
     last one (a full chunk), or when it is done (the rest)."""
     chunks, at = [], []
-    for start in range(0, len(ROUTED), size):
-        part = ROUTED[start:start + size]
+    for start in range(0, len(routed), size):
+        part = routed[start:start + size]
         chunks.append([n for _, n in part])
-        at.append(part[-1][0] + 1 if len(part) == size else len(CHUNK_ORDER))
+        at.append(part[-1][0] + 1 if len(part) == size else total)
     return chunks, at
+
+
+def _default_size_stream(routed: int):
+    """(spec, order, routed positions) for the absent size's boundary: ``routed`` items (16: a chunk of exactly the
+    default size; 17: one past it) for one MTP model, the last of them after a main item, a main item last."""
+    mtp = [(f"mtp_block.w{i:02d}", "float32", (2,)) for i in range(routed)]
+    main = [(f"model.layers.0.m{i}", "float32", (2,)) for i in range(3)]
+    order = [main[0][0], *(n for n, _, _ in mtp[:-1]), main[1][0], mtp[-1][0], main[2][0]]
+    return M.spec(*main, mtp=[mtp]), order, [(order.index(n), n) for n, _, _ in mtp]
+
+
+def _chunked(loader, ct_trainer, strategy, spec, order, in_place, extra):
+    """A session of ``spec`` (with its first load of version 1 when ``in_place``) and the update of the stream
+    ``order`` that the case judges: (session, record, state, result, wall, MTP chunks before it, main items before)."""
+    state = M.state(spec, version=2 if in_place else 1)
+    session, record = _gdr(loader, ct_trainer, spec, strategy, worker=Worker(rank=2, visible="4,6", selected="1"),
+                           **extra)
+    before, base = {m: 0 for m in range(1, len(spec.mtp) + 1)}, 0
+    if in_place:
+        ct_trainer.serve(S.stream_of(M.state(spec, version=1)))
+        session.update()
+        before = {m: len(record.names(m)) for m in before}  # the chunks of the first load, left out below
+        base = record.main_taken  # the items the main model took in the first load
+    ct_trainer.serve(S.stream_of({n: state[n] for n in order}))
+    started = time.perf_counter()
+    result = session.update() or {}
+    return session, record, state, result, time.perf_counter() - started, before, base
 
 
 @pytest.mark.rule("GDR-MTP-CHUNKS")
@@ -115,34 +142,28 @@ def _chunks(size: int) -> tuple[list, list]:
                                       *both_gdr(modes={"start": "loaded"}, suffix="-in-place")])
 def test_gdr_mtp_items_flushed_in_chunks(loader, ct_trainer, strategy, request):
     """One session per gdr_mtp_chunk_size (absent: 16; 0 or less: 1), two MTP models each handed every chunk;
-    update() returns the items the main model took (7) and those routed to the MTP models (4). On the first load
+    update() returns the items the main model took (7) and those routed to the MTP models (4). The absent size at
+    its boundary: 16 and 17 items routed to one MTP model (a chunk of exactly 16; one past it). On the first load
     into cleared parameters, or on an update in place after it (the chunks of that update alone)."""
     in_place = request.node.callspec.id.endswith("in-place")
     sizes = ((None, 16), (1, 1), (2, 2), (3, 3), (4, 4), (0, 1), (-3, 1)) if not in_place else ((None, 16), (2, 2), (0, 1))
-    for size, effective in sizes:
-        state = M.state(CHUNK_SPEC, version=2 if in_place else 1)
+    cases = [(CHUNK_SPEC, CHUNK_ORDER, ROUTED, size, effective) for size, effective in sizes]
+    cases += [(*_default_size_stream(n), None, 16) for n in (16, 17)]
+    for spec, order, routed, size, effective in cases:
         extra = {} if size is None else {"gdr_mtp_chunk_size": size}
-        session, record = _gdr(loader, ct_trainer, CHUNK_SPEC, strategy, worker=Worker(rank=2, visible="4,6", selected="1"),
-                               **extra)
-        before, base = {1: 0, 2: 0}, 0
-        if in_place:
-            ct_trainer.serve(S.stream_of(M.state(CHUNK_SPEC, version=1)))
-            session.update()
-            before = {m: len(record.names(m)) for m in (1, 2)}  # the chunks of the first load, left out below
-            base = record.main_taken  # the items the main model took in the first load
-        ct_trainer.serve(S.stream_of({n: state[n] for n in CHUNK_ORDER}))
-        started = time.perf_counter()
-        result = session.update() or {}
-        wall = time.perf_counter() - started
-        where = f"{strategy} gdr_mtp_chunk_size {size!r} ({'in place' if in_place else 'first load'})"
+        session, record, state, result, wall, before, base = _chunked(loader, ct_trainer, strategy, spec, order,
+                                                                      in_place, extra)
+        where = (f"{strategy} gdr_mtp_chunk_size {size!r}, {len(routed)} of {len(order)} items routed "
+                 f"({'in place' if in_place else 'first load'})")
         check.params_equal(session.observe(), state, where)
         counts = {k: result.get(k) for k in ("update_count", "mtp_cache_count", "version", "rank")}
-        check.equal(counts, {"update_count": 7, "mtp_cache_count": 4, "version": "1", "rank": 1}, f"{where}: update()'s result")
+        check.equal(counts, {"update_count": len(order), "mtp_cache_count": len(routed), "version": "1", "rank": 1},
+                    f"{where}: update()'s result")
         costs = [result.get(k) for k in ("update_cost", "total_cost")]
         check.that(all(isinstance(c, float) and 0 <= c <= wall for c in costs),
                    f"{where}: update_cost and total_cost {costs} are seconds within the call's own {wall:.4f}s")
-        want, at = _chunks(effective)
-        for model in (1, 2):
+        want, at = _chunks(effective, routed, len(order))
+        for model in before:
             check.equal(record.names(model)[before[model]:], want, f"{where}: chunks handed to MTP model {model}")
             check.equal([a - base for a in record.started_at(model)[before[model]:]], at,
                         f"{where}: items the main model had taken when each chunk was flushed")

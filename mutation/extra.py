@@ -1,8 +1,9 @@
 """Mutation of what mutmut leaves alone in ``reference/``: module-level constants and decorated functions.
 
     python -m mutation.extra --list                        # today's mutants, one line each
-    python -m mutation.extra --run [--only GLOB] [--jobs N]  # judge them, then mutation/EXTRA.md
+    python -m mutation.extra --run [--only GLOB] [--workers N | --jobs N]  # judge them, then mutation/EXTRA.md
     python -m mutation.extra --check                       # every justification matches a mutant of today's code
+    python -m mutation.extra --justify LINES_FILE          # append entries: NAME<TAB>KIND<TAB>REASON per line
 
 mutmut 3 mutates the bodies of undecorated functions only: a timeout, the version file's size limit, a message
 SPEC.md pins or a regular expression at module level, and the body of a ``@property``, ``@classmethod`` or
@@ -11,6 +12,9 @@ those mutants itself (``ast``: one change each) and judges each the way mutmut d
 scratch folder (the files git tracks), the mutated module written there, and the conformance suite (with the
 ``restart`` tier, as ``[tool.mutmut]`` selects) and the project test files of mutmut's selection run in a child
 with ``-x``; exit 0 is a survivor, exit 1 a kill, a timeout a kill (``timeout``), anything else an error.
+``--workers N`` runs each mutant's tests on N pytest-xdist workers (one mutant at a time: a survivor's whole
+selection takes about 50 s with 2, against about 280 s serially); ``--jobs N`` judges N mutants at once instead,
+each serially.
 
 The mutants:
 - a number constant: ``n + 1``, ``n - 1`` (not below 0 for a positive one), ``n * 2`` and ``n / 2`` for a float;
@@ -38,6 +42,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -54,6 +59,8 @@ TIMEOUT_S = 900
 # What judges a mutant: mutmut's selection (pyproject [tool.mutmut], read from there), run whole with -x.
 with open(os.path.join(REPO, "pyproject.toml"), "rb") as _f:
     TESTS = tomllib.load(_f)["tool"]["mutmut"]["pytest_add_cli_args_test_selection"]
+# The project's unit tests first: they take seconds, and a mutant they kill stops the run (-x) before the suite.
+TESTS = sorted(TESTS, key=lambda t: not t.startswith("tests/"))
 PYTEST_ARGS = ["--impl=reference", "--project-tests-count", "-p", "no:cacheprovider", "-q", "-x",
                "-m", "restart or not (multirank or cycles or huge)"]
 # Constants that are not behaviour: the package's version string and export list, the logger names.
@@ -323,6 +330,49 @@ def justification(entries: list[dict], mutant: Mutant) -> dict | None:
     return next((e for e in entries if _matches(e, mutant)), None)
 
 
+def _toml_string(text: str) -> str:
+    return '"""\n' + text.replace("\\", "\\\\").replace('"""', '\\"""') + '\n"""'
+
+
+def justify(lines_path: str, path: str = JUSTIFIED) -> int:
+    """Append an entry for each line ``NAME<TAB>KIND<TAB>REASON`` of ``lines_path`` (a mutant of today's code, by
+    its ``--list`` name); a mutant already justified is skipped. Exit 2 on an unknown name or kind."""
+    mutants = {m.name: m for m, _, _ in generate()}
+    entries = load_justified(path)
+    out, bad = [], []
+    with open(lines_path, encoding="utf-8") as f:
+        for line in filter(str.strip, f):
+            name, kind, reason = (line.rstrip("\n").split("\t") + ["", ""])[:3]
+            mutant = mutants.get(name)
+            if mutant is None or kind not in KINDS or not reason.strip():
+                bad.append(line.strip())
+                continue
+            if justification(entries, mutant) is None:
+                out.append(f"\n[[mutant]]  # {name}\ntarget = {json.dumps(mutant.key)}\n"
+                           f"change = {_toml_string(mutant.change)}\ncontext = {json.dumps(mutant.context)}\n"
+                           f"kind = {json.dumps(kind)}\nreason = {json.dumps(reason.strip())}\n")
+    if bad:
+        print("not a mutant of today's code, or a bad kind or reason:\n" + "\n".join(bad), file=sys.stderr)
+        return 2
+    added = len(out)
+    if not os.path.exists(path):
+        out.insert(0, HEADER)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(out))
+    print(f"{added} entries added to {path}")
+    return 0
+
+
+HEADER = """# Surviving mutants of mutation/extra.py (module-level constants and decorated functions of reference/), each with
+# its reason. Matched on the target (module:name), the change, and `context`, the hash of the target's unmutated
+# source: an entry goes stale, and fails `python -m mutation.extra --check` and tests/test_mutation_extra.py, as
+# soon as its target changes at all. Written by `python -m mutation.extra --justify LINES_FILE`.
+#
+# kind = "equivalent": an argument a reader can check against the code; "out-of-scope": what the suite does not
+# judge, and why.
+"""
+
+
 # -- running ------------------------------------------------------------------------------------------
 def _scratch(root: str) -> str:
     from .scratch import copy_tree
@@ -331,8 +381,24 @@ def _scratch(root: str) -> str:
     return root
 
 
-def judge(scratch: str, rel: str, source: str, timeout_s: float = TIMEOUT_S) -> tuple[str, float]:
-    """Run the tests with ``rel`` replaced by ``source`` in ``scratch``; restore it. (status, seconds)."""
+# pytest-xdist's end of a -x run that failed, and the summary line's count of failures (or errors)
+_STOPPED = re.compile(r"Interrupted: stopping after \d+ failures")
+_FAILED = re.compile(r"^(?:.*\s)?\d+ (failed|errors?)\b.*\bin [\d.]+s", re.M)
+_COLLECTION_ERROR = re.compile(r"^ERROR [^\s:]+( - .*)?$", re.M)  # a file that did not import, not a test
+
+
+def outcome(returncode: int, output: str) -> str:
+    """A mutant's status from its pytest run: exit 0 survived, 1 killed, anything else an error. pytest-xdist ends a
+    ``-x`` run whose test failed with exit 2 ("stopping after 1 failures"): a kill, unless what failed was a test
+    file's import (a serial run says "error during collection" and exits 2: an error in both)."""
+    if returncode == 2 and _STOPPED.search(output) and _FAILED.search(output) and not _COLLECTION_ERROR.search(output):
+        return "killed"
+    return {0: "survived", 1: "killed"}.get(returncode, f"error (exit {returncode})")
+
+
+def judge(scratch: str, rel: str, source: str, timeout_s: float = TIMEOUT_S, workers: int = 0) -> tuple[str, float]:
+    """Run the tests with ``rel`` replaced by ``source`` in ``scratch`` (on ``workers`` pytest-xdist workers, or
+    serially); restore it. (status, seconds)."""
     path = os.path.join(scratch, rel)
     original = open(path, encoding="utf-8").read()
     with open(path, "w", encoding="utf-8") as f:
@@ -340,9 +406,10 @@ def judge(scratch: str, rel: str, source: str, timeout_s: float = TIMEOUT_S) -> 
     env = {**os.environ, "PYTHONPATH": scratch, "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", *TESTS, *PYTEST_ARGS], cwd=scratch, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout_s)
-        status = {0: "survived", 1: "killed"}.get(proc.returncode, f"error (exit {proc.returncode})")
+        xdist = ["-n", str(workers)] if workers else []
+        proc = subprocess.run([sys.executable, "-m", "pytest", *TESTS, *PYTEST_ARGS, *xdist], cwd=scratch, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
+        status = outcome(proc.returncode, proc.stdout)
     except subprocess.TimeoutExpired:
         status = "timeout"
     finally:
@@ -351,7 +418,7 @@ def judge(scratch: str, rel: str, source: str, timeout_s: float = TIMEOUT_S) -> 
     return status, time.monotonic() - start
 
 
-def run(only: str | None, jobs: int, results_path: str) -> dict[str, str]:
+def run(only: str | None, jobs: int, results_path: str, workers: int = 0) -> dict[str, str]:
     todo = generate(only)
     done: dict[str, str] = {}
     if os.path.exists(results_path):
@@ -366,7 +433,7 @@ def run(only: str | None, jobs: int, results_path: str) -> dict[str, str]:
         mutant, rel, source = item
         scratch = free.pop()
         try:
-            status, seconds = judge(scratch, rel, source)
+            status, seconds = judge(scratch, rel, source, workers=workers)
         finally:
             free.append(scratch)
         done[mutant.name] = status
@@ -420,20 +487,26 @@ def main(argv=None) -> int:
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--only", help="a glob over module:target or module:target:index")
-    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--justify", metavar="LINES_FILE", help="append justifications: NAME<TAB>KIND<TAB>REASON per line")
+    ap.add_argument("--jobs", type=int, default=1, help="mutants judged at once (each serially)")
+    ap.add_argument("--workers", type=int, default=0, help="pytest-xdist workers for each mutant's tests")
     ap.add_argument("--results", default=os.path.join(REPO, "mutation", ".extra-results.json"))
     args = ap.parse_args(argv)
     if args.list:
         for m, rel, _ in generate(args.only):
             print(f"{m.name}\t{m.change!r}")
         return 0
+    if args.justify:
+        return justify(args.justify)
     if args.check:
         gone = stale(load_justified(), [m for m, _, _ in generate()])
         for e in gone:
             print(f"stale: {e['target']}: {e['change'].strip()!r}")
         return 1 if gone else 0
     if args.run:
-        results = run(args.only, args.jobs, args.results)
+        if args.workers and args.jobs > 1:
+            ap.error("--workers and --jobs > 1 together would run workers x jobs pytest processes")
+        results = run(args.only, args.jobs, args.results, args.workers)
     else:
         with open(args.results, encoding="utf-8") as f:
             results = json.load(f)

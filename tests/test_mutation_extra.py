@@ -7,6 +7,7 @@ test_mutation_report.py); and each kind of change is made, once per site, into s
 from __future__ import annotations
 
 import ast
+import os
 import textwrap
 
 from mutation import extra
@@ -106,3 +107,43 @@ def test_every_mutant_of_the_reference_compiles_and_changes_its_module():
             originals[rel] = ast.unparse(ast.parse(open(f"{extra.REPO}/{rel}", encoding="utf-8").read()))
         assert source != originals[rel], mutant.name
         compile(source, rel, "exec")
+
+
+def test_a_run_on_xdist_workers_is_read_as_pytest_ended_it(tmp_path):
+    """``--workers``: pytest-xdist ends a ``-x`` run whose test failed with exit 2 (an interruption), which is a kill;
+    a run that passes is a survivor, and one that collects nothing a test can run is an error, as serially."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_one.py").write_text("import os\n\ndef test_it():\n    assert os.environ['MUTANT'] == 'none'\n")
+
+    def judged(mutant, target="test_one.py"):
+        proc = subprocess.run([sys.executable, "-m", "pytest", target, "-q", "-x", "-n", "2", "-p", "no:cacheprovider"],
+                              cwd=tmp_path, env={**os.environ, "MUTANT": mutant}, capture_output=True, text=True,
+                              timeout=120)
+        return extra.outcome(proc.returncode, proc.stdout), proc.returncode
+
+    assert judged("none") == ("survived", 0)
+    assert judged("constant") == ("killed", 2)
+    (tmp_path / "test_broken.py").write_text("import no_such_module\n")
+    status, code = judged("none", "test_broken.py")
+    assert status == f"error (exit {code})" and code not in (0, 1), (status, code)
+
+
+def test_a_justification_is_written_for_a_mutant_of_todays_code_only(tmp_path):
+    """``--justify``: each line names a mutant of today's code by its ``--list`` name; its entry matches that mutant
+    (and no other), a second time adds nothing, and an unknown name or kind is refused without writing."""
+    mutants = [m for m, _, _ in extra.generate()]
+    first, other = mutants[0], next(m for m in mutants if m.key != mutants[0].key)
+    lines, path = tmp_path / "lines.txt", str(tmp_path / "justified.toml")
+    lines.write_text(f"{first.name}\tequivalent\tthe reason\n")
+    assert extra.justify(str(lines), path) == 0
+    assert extra.justify(str(lines), path) == 0  # already there: nothing added
+    entries = extra.load_justified(path)
+    assert len(entries) == 1 and extra.justification(entries, first) == entries[0], entries
+    assert extra.justification(entries, other) is None
+    before = open(path).read()
+    lines.write_text(f"{first.name}\tequivalent\tok\nreference.nowhere:X:1\tequivalent\tno such mutant\n"
+                     f"{other.name}\tharmless\ta kind that is not one\n")
+    assert extra.justify(str(lines), path) == 2
+    assert open(path).read() == before, "a refused file wrote entries"
