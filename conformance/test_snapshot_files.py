@@ -381,6 +381,22 @@ def test_header_exactly_at_the_size_limit_loads(loader, where):
     os.unlink(path)  # 100 MB: not kept until the session's tmp_path is cleaned
 
 
+@pytest.mark.rule("FILE-CORRUPT-HEADER")
+@pytest.mark.parametrize("where", [SINGLE])
+def test_header_one_byte_over_the_size_limit_is_refused(loader, where):
+    """A header of 100 000 001 bytes (one over safetensors' limit), otherwise the valid file of the case above: a
+    ValueError naming the file, status not NORMAL, then a fixed file loads."""
+
+    def over_limit(path, tensors, _pickled):
+        _good(path, tensors, False)
+        header, data = F.split_file(path)
+        body = json.dumps(header, separators=(",", ":")).encode()
+        F.write_raw(path, body + b" " * (HEADER_LIMIT + 1 - len(body)), data)
+        check.equal(F.header_length(path), HEADER_LIMIT + 1, f"fixture precondition: the header length of {path}")
+
+    _rejects_then_recovers(loader, where, over_limit, what=f"a header of {HEADER_LIMIT + 1} bytes (limit {HEADER_LIMIT})")
+
+
 # -- FILE-CORRUPT-HEADER: nesting -------------------------------------------------------------
 # The safetensors library parses a header with serde_json, whose recursion limit (128) refuses arrays and objects
 # nested 128 deep: a header nests at most 127 levels, the header object counting as one and a tensor's entry as
