@@ -190,16 +190,25 @@ def test_failed_update_runs_no_post_load_step(route, path, breakage, staged):
 
 # -- quantised weights -----------------------------------------------------------------------------------
 QUANT_WEIGHT, QUANT_SCALE = "layers.0.attn.o_proj.weight", "layers.0.attn.o_proj.weight_scale"
-QUANT = (cases("float8_e4m3fn", "channel", "scale-first", paths=["parts"], extra=POST, id_suffix=":scale-in-part0")
-         + cases("float8_e4m3fn", "channel", "weight-first", paths=["parts"], extra=POST, id_suffix=":weight-in-part0")
-         + cases("float8_e5m2", "scalar", "weight-first", paths=["single"], extra=POST, id_suffix=":e5m2:0-d-scale")
-         + cases("float8_e4m3fn", "channel", "scale-first", paths=["legacy", "ipc"], extra=POST)
-         + cases("float8_e4m3fn", "channel", "scale-first", paths=["bucket"], extra=POST, id_suffix=":scale-in-bucket0")
-         + cases("float8_e5m2", "scalar", "weight-first", paths=["bucket"], extra=POST,
+QUANT = (cases("float8_e4m3fn", "channel", "scale-first", "float32", paths=["parts"], extra=POST, id_suffix=":scale-in-part0")
+         + cases("float8_e4m3fn", "channel", "weight-first", "float32", paths=["parts"], extra=POST,
+                 id_suffix=":weight-in-part0")
+         + cases("float8_e5m2", "scalar", "weight-first", "float32", paths=["single"], extra=POST, id_suffix=":e5m2:0-d-scale")
+         + cases("float8_e4m3fn", "channel", "scale-first", "float32", paths=["legacy", "ipc"], extra=POST)
+         + cases("float8_e4m3fn", "channel", "scale-first", "float32", paths=["bucket"], extra=POST,
+                 id_suffix=":scale-in-bucket0")
+         + cases("float8_e5m2", "scalar", "weight-first", "float32", paths=["bucket"], extra=POST,
                  id_suffix=":e5m2:0-d-scale:weight-in-bucket0")
-         + cases("float8_e4m3fn", "channel", "scale-first", paths=["rsync"], extra=POST, id_suffix=":scale-first")
+         + cases("float8_e4m3fn", "channel", "scale-first", "float32", paths=["rsync"], extra=POST, id_suffix=":scale-first")
          # GDR applies items as they arrive: the scale last in the stream, after its weight
-         + cases("float8_e5m2", "scalar", "weight-first", paths=["gdr"], extra=POST, id_suffix=":e5m2:0-d-scale:scale-last"))
+         + cases("float8_e5m2", "scalar", "weight-first", "float32", paths=["gdr"], extra=POST,
+                 id_suffix=":e5m2:0-d-scale:scale-last")
+         # every wider float a dequantised buffer may be (float32 above): the weight times its scale in that dtype
+         + cases("float8_e5m2", "scalar", "weight-first", "float16", paths=["parts"], extra=POST,
+                 id_suffix=":e5m2:0-d-scale:float16-buffer")
+         + cases("float8_e4m3fn", "channel", "scale-first", "bfloat16", paths=["ipc"], extra=POST, id_suffix=":bfloat16-buffer")
+         + cases("float8_e4m3fn", "channel", "weight-first", "float64", paths=["bucket"], extra=POST,
+                 id_suffix=":float64-buffer"))
 
 
 def _quant_order(st, order):
@@ -215,13 +224,13 @@ QUANT_STAGED = [pytest.param(*p.values, True, marks=[*p.marks, pytest.mark.requi
 
 
 @pytest.mark.rule("MODEL-QUANT-SCALE")
-@pytest.mark.parametrize("path,fp8,scale,order,staged", [pytest.param(*p.values, False, marks=p.marks, id=p.id)
-                                                          for p in QUANT] + QUANT_STAGED)
-def test_fp8_weight_and_scale_dequantised_once(route, path, fp8, scale, order, staged):
+@pytest.mark.parametrize("path,fp8,scale,order,buffer_dtype,staged", [pytest.param(*p.values, False, marks=p.marks,
+                                                                                    id=p.id) for p in QUANT] + QUANT_STAGED)
+def test_fp8_weight_and_scale_dequantised_once(route, path, fp8, scale, order, buffer_dtype, staged):
     rt = route(path)
     if not rt.fp8:
         pytest.skip(f"{NOT_APPLICABLE}: the {path} file is written with paddle.save for this adapter, which cannot hold fp8")
-    model = _model(rt, fp8=fp8, scalar_scale=scale == "scalar")
+    model = _model(rt, fp8=fp8, scalar_scale=scale == "scalar", dequant_dtype=buffer_dtype)
     session = rt.open(model, options=staged_options(staged))
     buffer = TT.buffer(session.models, "layers.0.attn.o_dq")
     pointer = buffer.data_ptr()
@@ -234,7 +243,8 @@ def test_fp8_weight_and_scale_dequantised_once(route, path, fp8, scale, order, s
         where = _cycle(rt, model, version, tensors=st, layout=layout, clear=version > 1)
         want = TT.served_buffers(model, st)["layers.0.attn.o_dq"]
         check.params_equal(_buffers(session, model), {"layers.0.attn.o_dq": want},
-                           f"{where} ({order}): o_proj x its scale, both of version {version}, applied once")
+                           f"{where} ({order}, a {buffer_dtype} buffer): o_proj x its scale, both of version {version}, "
+                           "applied once")
         check.params_equal(session.observe(), TT.served_params(model, st), f"{where}: the fp8 weight and its scale as sent")
         check.equal(buffer.data_ptr(), pointer, f"{where}: the dequantised buffer is written in place (its storage)")
 

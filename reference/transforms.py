@@ -208,7 +208,14 @@ def fused(step: Fuse) -> paddle.Tensor:
 
 
 def dequantised(step: Dequant) -> paddle.Tensor:
-    return step.weight.astype(step.buffer.dtype) * step.scale.astype(step.buffer.dtype)
+    """The weight times its scale, each converted to the buffer's dtype and multiplied in it. For a 16-bit float the
+    product is taken in float32, where the product of two 16-bit values is exact, and rounded once to the buffer's
+    dtype: the value a multiply in that dtype gives, which Paddle's CPU build has no kernel for (float16)."""
+    dtype = step.buffer.dtype
+    weight, scale = step.weight.astype(dtype), step.scale.astype(dtype)
+    if dtype in (paddle.float16, paddle.bfloat16):
+        return (weight.astype(paddle.float32) * scale.astype(paddle.float32)).astype(dtype)
+    return weight * scale
 
 
 def after_load(post: PostLoad) -> None:
