@@ -32,6 +32,7 @@ from conformance.adapter import LoaderConfig, LoadEvent, UnsupportedLoadPath, ob
 
 log = logging.getLogger("mine")
 MAX_DEPTH = 128  # safetensors (serde_json) refuses a header nested deeper; the header object counts as one
+MAX_HEADER = 100_000_000  # safetensors refuses a longer JSON header (before it reads it)
 
 # safetensors dtype -> (Paddle dtype, numpy dtype of the same item size that carries the bytes).
 # numpy has no bfloat16 or fp8: bf16 bytes travel as uint16, fp8 bytes as uint8, and the Paddle
@@ -153,6 +154,8 @@ def read_header(path: str) -> tuple[list, tuple]:
         n = int.from_bytes(pread_exact(fd, 8, 0, path), "little")
         if 8 + n > size:
             raise ValueError(f"{path}: truncated: the header length {n} expects {8 + n} bytes, file has {size}")
+        if n > MAX_HEADER:
+            raise ValueError(f"{path}: not a valid safetensors file: a header of {n} bytes, over the limit of {MAX_HEADER}")
         raw = pread_exact(fd, n, 8, path)
     finally:
         os.close(fd)

@@ -154,7 +154,7 @@ WHERE: dict[str, Where] = {
         "hashes", "tests/test_mutation_report.py::test_every_justification_was_written_for_todays_code"),
     ".venv/bin/python -m mutation.extra --list": in_test("tests/test_mutation_extra.py::test_the_command_line_lists_and_checks"),
     ".venv/bin/python -m mutation.extra --check": in_test("tests/test_mutation_extra.py::test_the_command_line_lists_and_checks"),
-    ".venv/bin/python -m mutation.extra --run --jobs 2": by_hand(
+    ".venv/bin/python -m mutation.extra --run --workers 2": by_hand(
         "a conformance run per mutant: hours on 2 cores; the project tests check that every mutant compiles and "
         "changes its module",
         "tests/test_mutation_extra.py::test_every_mutant_of_the_reference_compiles_and_changes_its_module"),
