@@ -360,6 +360,14 @@ def test_corrupt_header_is_value_error(loader, where, kind):
 HEADER_LIMIT = 100_000_000
 
 
+def _padded_header(path, tensors, length: int) -> None:
+    """A valid file of ``tensors`` whose JSON header is padded with spaces, as safetensors pads it, to ``length``."""
+    _good(path, tensors, False)
+    header, data = F.split_file(path)
+    body = json.dumps(header, separators=(",", ":")).encode()
+    F.write_raw(path, body + b" " * (length - len(body)), data)
+
+
 @pytest.mark.rule("FILE-CORRUPT-HEADER")
 @pytest.mark.parametrize("where", [SINGLE])
 def test_header_exactly_at_the_size_limit_loads(loader, where):
@@ -367,13 +375,7 @@ def test_header_exactly_at_the_size_limit_loads(loader, where):
     JSON padded with spaces as safetensors pads it, is a valid file: it loads bit for bit."""
     v1 = _state(SPEC, 1)
 
-    def at_limit(path, tensors, _pickled):
-        _good(path, tensors, False)
-        header, data = F.split_file(path)
-        body = json.dumps(header, separators=(",", ":")).encode()
-        F.write_raw(path, body + b" " * (HEADER_LIMIT - len(body)), data)
-
-    path, _, _ = _write(loader, where, v1, at_limit)
+    path, _, _ = _write(loader, where, v1, lambda path, tensors, _pickled: _padded_header(path, tensors, HEADER_LIMIT))
     check.equal(F.header_length(path), HEADER_LIMIT, f"fixture precondition: the header length of {path}")
     session = loader.open(SPEC)
     session.update()
@@ -388,10 +390,7 @@ def test_header_one_byte_over_the_size_limit_is_refused(loader, where):
     ValueError naming the file, status not NORMAL, then a fixed file loads."""
 
     def over_limit(path, tensors, _pickled):
-        _good(path, tensors, False)
-        header, data = F.split_file(path)
-        body = json.dumps(header, separators=(",", ":")).encode()
-        F.write_raw(path, body + b" " * (HEADER_LIMIT + 1 - len(body)), data)
+        _padded_header(path, tensors, HEADER_LIMIT + 1)
         check.equal(F.header_length(path), HEADER_LIMIT + 1, f"fixture precondition: the header length of {path}")
 
     _rejects_then_recovers(loader, where, over_limit, what=f"a header of {HEADER_LIMIT + 1} bytes (limit {HEADER_LIMIT})")

@@ -330,13 +330,11 @@ def justification(entries: list[dict], mutant: Mutant) -> dict | None:
     return next((e for e in entries if _matches(e, mutant)), None)
 
 
-def _toml_string(text: str) -> str:
-    return '"""\n' + text.replace("\\", "\\\\").replace('"""', '\\"""') + '\n"""'
-
-
 def justify(lines_path: str, path: str = JUSTIFIED) -> int:
     """Append an entry for each line ``NAME<TAB>KIND<TAB>REASON`` of ``lines_path`` (a mutant of today's code, by
     its ``--list`` name); a mutant already justified is skipped. Exit 2 on an unknown name or kind."""
+    from .justify import _toml_string  # mutmut's entries are written the same way
+
     mutants = {m.name: m for m, _, _ in generate()}
     entries = load_justified(path)
     out, bad = [], []
