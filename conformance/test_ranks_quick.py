@@ -55,7 +55,7 @@ NEEDS = ("multirank", "status.cell")
 # rank within 0.2 s of the operation's start here (a loaded 2-core machine), 50 times less; a rank that waits for
 # a vote that never comes returns only at the deadline.
 PROMPT_S = 10.0
-ABSENT_S = 2.0  # the agreement's deadline where a peer never comes: the cases wait it out once
+ABSENT_S = 1.0  # the agreement's deadline where a peer never comes: the cases wait it out once
 # The agreement's deadline where no rank fails and nothing is judged against it (MR-OWN-SHARD): only a rank that
 # never comes would wait it out. Gloo's own deadline, a fixed 30 s (Paddle's ProcessGroupGloo takes none), still
 # ends a collective whose peer is later than that, whatever this says.
@@ -63,6 +63,9 @@ HEALTHY_S = 60.0
 WORK_S = 10.0  # what a rank may spend on its own part of an operation (loading a tiny shard) before it waits
 SLOW_S = 1.0  # a slow but healthy peer starts this late (with a deadline of PROMPT_S)
 LATE_S = 0.2  # a rank started late, or held inside its clear, for the agreement rules
+# The bucket path's wait for each message where its trainer is gone (STAGE-ATOMIC): the healthy rank's prompt trainer
+# has all of it per message, as test_ipc_buckets.py's healthy updates have (HEALTHY_WAIT_S).
+BUCKET_WAIT_S = 1.0
 PATHS = ("parts", "ipc", "bucket")
 NAMES = {C.NORMAL: "NORMAL", C.UPDATING: "UPDATING", C.CLEARING: "CLEARING", C.CLEARED: "CLEARED"}
 
@@ -818,7 +821,7 @@ def test_failure_on_one_rank_changes_no_rank(job, path, fault, failing):
     """Staged, 2 ranks: rank ``failing``'s update fails (its shard lacking the last tensor, the last tensor's dtype
     wrong, its source gone before the end); every rank, the healthy one too, keeps every parameter exactly as it
     was (cleared); the next clear and update load every rank bit for bit."""
-    j = job(path, deadline_s=PROMPT_S, staged=True, options={"timeout_s": 2.0} if path == "bucket" else None)
+    j = job(path, deadline_s=PROMPT_S, staged=True, options={"timeout_s": BUCKET_WAIT_S} if path == "bucket" else None)
     j.load(1)
     step = j.step(C.CLEARING)
     j.healthy(step.replies, "the clear before version 2", None, "cleared")

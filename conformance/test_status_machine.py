@@ -7,8 +7,11 @@ the worker's hooks (its broadcast of the value it read, the model run, the end o
 seeded number of microseconds after its CLEARED. Every failure names its seed and schedule;
 ``CONFORMANCE_LOOP_SEED=N`` reruns that seed alone.
 """
+import contextlib
 import hashlib
 import os
+import shutil
+import tempfile
 import threading
 import time
 
@@ -322,6 +325,46 @@ def test_short_cell_and_boundary_options(loader):
                                              "tp_size": 1})
         session.update()
         check.params_equal(session.observe(), M.state(SPEC, version=1), "the smallest valid options (tp_size 1, a 1 ms deadline)")
+
+
+CELL_PATHS = ["traversal", "subdir"]  # how a name with a '/' reaches a real cell
+
+
+@contextlib.contextmanager
+def _cell_reached_through_a_path(shape):
+    """(a real 4-byte cell, a name with a ``/`` whose path under /dev/shm is that cell): ``../shm/{cell}``, or
+    ``{dir}/{cell}`` for a directory made under /dev/shm. Either way the file exists and is a valid cell, so only
+    the name's form is wrong: a loader that checks existence and size alone accepts it."""
+    if shape == "traversal":
+        with C.Cell(C.NORMAL) as cell:
+            yield cell, f"../{os.path.basename(C.SHM_DIR)}/{cell.name}"
+        return
+    folder = tempfile.mkdtemp(prefix="model_weights_status.wscfdir", dir=C.SHM_DIR)
+    try:
+        name = os.path.basename(folder) + "/model_weights_status.inside"
+        with C.Cell(C.NORMAL, name=name) as cell:
+            yield cell, name
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.rule("STATUS-OPTIONS")
+@pytest.mark.parametrize("key", [pytest.param("status_cell", marks=pytest.mark.requires("status.cell", L.ANY_LEVEL)),
+                                 pytest.param("kv_cache_cell", marks=pytest.mark.requires("loop.runner", L.ANY_LEVEL))])
+@pytest.mark.parametrize("shape", CELL_PATHS)
+def test_cell_name_with_a_path_is_refused_even_where_it_reaches_a_cell(loader, key, shape):
+    """A name with a ``/`` whose path under /dev/shm is a valid cell (``../shm/{cell}``; ``{dir}/{cell}``) is
+    refused at open, naming it: a shared-memory name is one component, and a ``/`` reaches outside the engine's
+    cells. The same cell by its plain name opens (the other side: only the name's form is refused)."""
+    L.publish(loader.model_dir, SPEC, 1, L.level_of(loader.adapter))
+    with _cell_reached_through_a_path(shape) as (cell, name):
+        check.that(C.Cell.existing(name).read() == C.NORMAL, f"{name!r}: the fixture's cell is not reachable")
+        with check.raises(ValueError, match=r"\S", names=[name], where=f"open() with options[{key!r}] = {name!r}"):
+            loader.open(SPEC, options={key: name})
+    with C.Cell(C.NORMAL) as plain:
+        session = loader.open(SPEC, options={key: plain.name})
+        session.update()
+        check.params_equal(session.observe(), M.state(SPEC, version=1), f"open() with options[{key!r}] = {plain.name!r}")
 
 
 # -- ranks that do not write the cell -----------------------------------------------------------------

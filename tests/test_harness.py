@@ -200,6 +200,9 @@ def _pytest(args, cwd, paths=(), report=None, timeout=240) -> Run:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), REPO])
     env.pop("CONFORMANCE_FASTDEPLOY_SOURCE", None)
+    # pytest-xdist sets COLUMNS=80 in its workers: the inner run prints as to a log (NATURAL_WIDTH) however the
+    # outer run was started, so that its table reads the same under `pytest tests` and `pytest tests -n 2`.
+    env.pop("COLUMNS", None)
     args = ["-q", "-p", "no:cacheprovider", *args]
     if report:
         args.append(f"--conformance-report={report}")
