@@ -1,5 +1,8 @@
 """The multi-rank job shared by the MR and CYCLE tiers (test_multirank.py, test_cycles.py): run once per
-session, only when a selected test needs it (its tier named by -m, its capabilities claimed)."""
+session, only when a selected test needs it (its tier named by -m, its capabilities claimed); each case's own
+temporary directory; and the suite's processes' exit."""
+import atexit
+import gc
 import itertools
 import re
 import shutil
@@ -81,6 +84,22 @@ def read_capper(read_cap_library):
 
 _NEXT_NUMBER: dict = {}
 _PASSED = pytest.StashKey[dict]()  # item -> {phase: passed}, for the case's own directory (tmp_path below)
+
+
+def _leave_the_heap() -> None:
+    """At exit, after pytest has finished (its last collections for unraisable exceptions included): no more
+    garbage collection. The interpreter's exit otherwise collects what is still alive, and a pytest-xdist worker
+    holds the Paddle layers, sessions and modules of every case it ran: 0.7 s before its controller, which waits
+    for it, may end (docs/suite-run-time.md). Objects still alive at exit are freed by their reference counts as
+    the interpreter clears its modules; Python never promised to finalize the rest (the language reference,
+    ``object.__del__``)."""
+    gc.disable()
+    gc.freeze()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    atexit.register(_leave_the_heap)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -625,6 +625,17 @@ USAGE_ERROR_KEY = pytest.StashKey[str]()
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """(pytest-xdist, in the controller) a conformance run under the default ``--dist load`` hands out the suite's
+    units (``conformance.xdist_units``); any other run, or another ``--dist``, is pytest-xdist's own."""
+    if _adapter(config) is None or config.getvalue("dist") != "load":
+        return None
+    from .xdist_units import Units
+
+    return Units(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     """(pytest-xdist, in the controller) a worker's usage error (a stale expectations entry) is the run's."""
     message = (getattr(node, "workeroutput", None) or {}).get(USAGE_ERROR_OUTPUT)

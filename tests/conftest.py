@@ -17,6 +17,17 @@ def sigint_at_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def probe_collection(probe: str, out) -> object:
+    """The suite collected against the reference (``--collect-only``, through the fork server) with the probe
+    plugin ``probe`` (a module of tests/), which writes JSON to the path in ``PROBE_OUT``: what it wrote."""
+    env = {**os.environ, "PROBE_OUT": str(out)}
+    proc = pytest_server.run(["conformance", "--impl=reference", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              "-p", probe], REPO, timeout=300, env=env)
+    assert proc.returncode == 0 and os.path.exists(out), (proc.stdout + proc.stderr)[-3000:]
+    with open(out) as f:
+        return json.load(f)
+
+
 def run_conformance(impl_args: list[str], report_path, extra: list[str] = (), timeout: int = 1500, in_job=False):
     """Run the conformance suite as a subprocess would (forked from tests/pytest_server.py); return (exit code,
     report dict, output). ``in_job``: from a background job (tests/early.py: the jobs' environment and priority,

@@ -1,6 +1,6 @@
 """A pytest plugin for ``--collect-only`` runs (tests/test_modes_coverage.py): writes, per rule that declares its
 modes in SPEC.md, the modes of every collected case (``conformance.modes.item_modes``) as JSON to the file named by
-``MODES_PROBE_OUT``."""
+``PROBE_OUT``."""
 from __future__ import annotations
 
 import json
@@ -16,5 +16,5 @@ def pytest_collection_finish(session):
         for mark in item.iter_markers("rule"):
             if mark.args and mark.args[0] in declared:
                 cases[mark.args[0]].append({"nodeid": item.nodeid, "modes": modes.item_modes(item)})
-    with open(os.environ["MODES_PROBE_OUT"], "w") as f:
+    with open(os.environ["PROBE_OUT"], "w") as f:
         json.dump(cases, f)

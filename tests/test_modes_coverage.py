@@ -4,24 +4,16 @@ pairs aside; and the generator's own rows cover what they claim. The suite is co
 reference (``--collect-only``; tests/modes_probe.py writes what was collected)."""
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 
 from conformance import modes
-from tests import pytest_server
-from tests.conftest import REPO
+from tests.conftest import probe_collection
 
 
 @pytest.fixture(scope="module")
 def collected(tmp_path_factory):
-    out = tmp_path_factory.mktemp("modes") / "cases.json"
-    env = {**os.environ, "MODES_PROBE_OUT": str(out)}
-    proc = pytest_server.run(["conformance", "--impl=reference", "--collect-only", "-q", "-p", "no:cacheprovider",
-                              "-p", "tests.modes_probe"], REPO, timeout=300, env=env)
-    assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-3000:]
-    return json.loads(out.read_text())
+    return probe_collection("tests.modes_probe", tmp_path_factory.mktemp("modes") / "cases.json")
 
 
 DECLARED = sorted(rule for rule, decl in modes.declarations().items() if decl is not None)

@@ -3,6 +3,7 @@
 reference's adapter imports the reference (and Paddle) on its first session."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -192,3 +193,30 @@ def test_the_projects_runs_keep_only_the_directories_of_cases_that_did_not_pass(
 
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         assert tomllib.load(f)["tool"]["pytest"]["ini_options"]["tmp_path_retention_policy"] == "failed"
+
+
+EXIT_PROBE = '''
+import atexit, gc, json, os
+
+
+def pytest_configure(config):
+    def report():  # registered before the suite's own handler, so it runs after it (atexit is last in, first out)
+        with open(os.environ["EXIT_PROBE_OUT"], "w") as f:
+            json.dump({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}, f)
+    atexit.register(report)
+'''
+
+
+def test_a_suite_process_ends_without_collecting_its_heap(tmp_path):
+    """At exit, once pytest is done, the suite's process no longer collects garbage (``conformance.conftest``:
+    a pytest-xdist worker's final collections kept its controller waiting 0.7 s), and the exit handlers registered
+    before it still run."""
+    (tmp_path / "exit_probe.py").write_text(EXIT_PROBE)
+    out = tmp_path / "exit.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO]), "EXIT_PROBE_OUT": str(out)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "conformance/test_counts.py", "--impl=reference", "-q",
+                           "-p", "no:cacheprovider", "-p", "exit_probe", "-k", "parts-main"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got = json.loads(out.read_text())
+    assert got["enabled"] is False and got["frozen"] > 0, got
