@@ -7,9 +7,10 @@ out one deadline for all of them (test_stream_timing.py, test_ipc_buckets.py's d
 waiting operations), its pool of forked ranks, test_memory.py's snapshots, the read-capping library prepared
 for test_snapshot_files.py, test_snapshot_huge.py and test_versions.py. Under ``--dist load`` each worker that got
 any case of such a module built the whole batch again (test_stream_timing.py's 24 sessions: 1.7 s a worker).
-The other modules' cases go out in runs of ``CHUNK``, in the order collected: a worker's cases stay together
-by module, and the last units are short, so the workers finish close together. The whole modules go first
-(they hold the long cases), largest first, whatever ``--loadscopereorder`` says.
+Every other case is a unit of its own, handed out in the order collected, after the whole modules (they hold
+the long cases; largest first, whatever ``--loadscopereorder`` says): the last units are single cases, so the
+workers finish close together (runs of eight cases left one worker 1.3 s alone with test_worker_loop.py's last
+eight).
 
 ``tests/test_xdist_units.py`` keeps ``WHOLE`` equal to the modules whose cases use a fixture of module (or
 package, or class) scope, and checks that each runs on one worker.
@@ -24,7 +25,6 @@ WHOLE = frozenset({
     "test_ipc_buckets.py", "test_ipc_meta.py", "test_memory.py", "test_ranks_quick.py", "test_snapshot_files.py",
     "test_snapshot_huge.py", "test_stream_timing.py", "test_versions.py",
 })
-CHUNK = 8  # cases per unit of a module that is not whole
 
 
 def module_of(nodeid: str) -> str:
@@ -40,23 +40,9 @@ def is_whole(module: str) -> bool:
 class Units(LoadScopeScheduling):
     """pytest-xdist's scope scheduling with the suite's units (above) as its scopes."""
 
-    def __init__(self, config, log=None):
-        super().__init__(config, log)
-        self._unit_of: dict[str, str] = {}
-        self._seen: collections.Counter = collections.Counter()
-
     def _split_scope(self, nodeid: str) -> str:
-        # First asked in collection order (schedule()), then again for each finished case: the map holds.
-        unit = self._unit_of.get(nodeid)
-        if unit is None:
-            module = module_of(nodeid)
-            if is_whole(module):
-                unit = module
-            else:
-                unit = f"{module}::#{self._seen[module] // CHUNK}"
-                self._seen[module] += 1
-            self._unit_of[nodeid] = unit
-        return unit
+        module = module_of(nodeid)
+        return module if is_whole(module) else nodeid
 
     def schedule(self) -> None:
         if self.collection is None and self.collection_is_completed:

@@ -1,6 +1,6 @@
 """How a conformance run under pytest-xdist hands out its cases (``conformance.xdist_units``): the modules whose
-cases share a fixture wider than one case run whole on one worker, every other module goes out in runs of
-``CHUNK``, the whole modules first; ``WHOLE`` is exactly the modules that need it (the suite collected once
+cases share a fixture wider than one case run whole on one worker, every other case goes out on its own, the
+whole modules first; ``WHOLE`` is exactly the modules that need it (the suite collected once
 against the reference; tests/scope_probe.py writes which shared fixtures each module's cases use); and a real
 ``-n 2`` run uses it, with the verdicts of a serial run.
 """
@@ -13,7 +13,7 @@ import types
 import pytest
 
 from conformance import xdist_units
-from conformance.xdist_units import CHUNK, WHOLE, Units
+from conformance.xdist_units import WHOLE, Units
 from tests import pytest_server
 from tests.conftest import REPO, probe_collection
 
@@ -52,10 +52,10 @@ class _Node:
 def _collection() -> list[str]:
     """Node ids in collection order: two whole modules (a small one first, then a large one) between three that
     are not."""
-    out = [f"conformance/test_a.py::test_a[{i}]" for i in range(2 * CHUNK + 3)]
+    out = [f"conformance/test_a.py::test_a[{i}]" for i in range(3)]
     out += [f"conformance/test_memory.py::test_m[{i}]" for i in range(3)]
-    out += [f"conformance/test_b.py::test_b[{i}]" for i in range(CHUNK)]
-    out += [f"conformance/test_ipc_buckets.py::test_i[{i}]" for i in range(5 * CHUNK)]
+    out += [f"conformance/test_b.py::test_b[{i}]" for i in range(2)]
+    out += [f"conformance/test_ipc_buckets.py::test_i[{i}]" for i in range(9)]
     out += ["conformance/test_c.py::test_c[0]"]
     return out
 
@@ -97,19 +97,12 @@ def test_every_case_runs_once_and_a_whole_module_on_one_worker(nodes, order_by_s
     for module in ("conformance/test_memory.py", "conformance/test_ipc_buckets.py"):
         workers = {w for w, cases in ran.items() if any(c.startswith(module + "::") for c in cases)}
         assert len(workers) == 1, f"{module}: run on workers {sorted(workers)}; it must run whole on one"
-    # whole modules first, largest first; then the others in runs of CHUNK, in the order collected
+    # whole modules first, largest first; then every other case on its own, in the order collected
     assert handed == ["conformance/test_ipc_buckets.py", "conformance/test_memory.py",
-                      "conformance/test_a.py::#0", "conformance/test_a.py::#1", "conformance/test_a.py::#2",
-                      "conformance/test_b.py::#0", "conformance/test_c.py::#0"], handed
+                      *[c for c in _collection() if c.startswith(("conformance/test_a.py", "conformance/test_b.py",
+                                                                  "conformance/test_c.py"))]], handed
     if nodes > 1:
         assert all(ran.values()), f"a worker ran nothing: {ran}"
-
-
-def test_units_of_a_module_that_is_not_whole_are_runs_of_chunk_cases():
-    unit = _units(2)._split_scope
-    sizes = collections.Counter(unit(c) for c in _collection() if c.startswith("conformance/test_a.py::"))
-    assert sizes == {"conformance/test_a.py::#0": CHUNK, "conformance/test_a.py::#1": CHUNK,
-                     "conformance/test_a.py::#2": 3}, sizes
 
 
 def test_a_module_is_whole_by_its_file_name_wherever_pytest_names_it_from():
