@@ -184,9 +184,10 @@ def candidate(tests: list[dict], entries: list[Expectation], source: str | None)
     temporary paths blanked. Race-dependent tests are never pinned one by one (another run may fail
     a different subset): when one of them failed, the whole rule (or, beside tests of the rule that
     are not racy, the whole test function, as a ``glob``) is written as ``flaky``, so the file gates
-    every run of the same implementation."""
+    every run of the same implementation. Entries follow the tests' ids, whatever order the run ended them in
+    (a pytest-xdist run's results come as its workers end them), so that a run gives the file a serial run gives."""
     by_rule: dict[str, list[dict]] = {}
-    for t in tests:
+    for t in sorted(tests, key=lambda t: t["nodeid"]):
         by_rule.setdefault(t["rule"], []).append(t)
     lines = ["# Candidate expectations written by --update-expectations"
              + (f" (previous file: {source})" if source else "") + ".",

@@ -82,10 +82,11 @@ _NO_CAUSE = re.compile(r"DID NOT RAISE")
 
 def root_causes(results: dict, min_rules: int = 2) -> list[dict]:
     """Causes shared by failures of at least ``min_rules`` rules, largest first: the cause (its
-    normalized message), one real message, the rules it explains and how many tests it failed. A
-    failure because nothing was raised is never a shared cause."""
+    normalized message), one real message (the failing test's first by id, so that a pytest-xdist run, whose
+    results come in the order its workers end them, gives the serial run's), the rules it explains and how many
+    tests it failed. A failure because nothing was raised is never a shared cause."""
     groups: dict[str, list[dict]] = defaultdict(list)
-    for r in results.values():
+    for _, r in sorted(results.items(), key=lambda item: item[0]):
         if _NO_CAUSE.search(r["message"] or ""):
             continue
         if r["actual"] in ("failed", "error") and r["status"] != "expected_failure":

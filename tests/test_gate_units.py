@@ -110,6 +110,7 @@ def test_candidate_keeps_kind_reason_and_link_and_splits_partial_rules():
         ("id", "t.py::b4", "notimpl", "kept by id", None),
         ("id", "t.py::b5", "bug", "REVIEW:", None),  # (an empty message)
     ], text
+    assert expect.candidate(tests[::-1], old, "old.toml") == text, "a run that ended its tests in another order"
     fresh = expect.candidate([{"nodeid": "t.py::l", "rule": "A-ONE", "actual": "failed", "message": "L" * 300}], [], None)
     assert fresh.startswith("# Candidate expectations written by --update-expectations.\n"), fresh
     (entry,) = expect.parse(fresh, "fresh.toml", KNOWN)
@@ -209,6 +210,8 @@ def test_cause_key_blanks_paths_numbers_and_addresses_only():
     causes = rep.root_causes(results)
     assert [(c["rules"], c["tests"]) for c in causes] == [(["A-ONE", "A-TWO"], 2)], causes
     assert causes[0]["example"] == "FileNotFoundError: /tmp/pytest-of-root/pytest-1/a/model_state.tp0.0.pdparams"
+    ended_otherwise = dict(reversed(results.items()))  # a pytest-xdist run's results, in the order its workers end
+    assert rep.root_causes(ended_otherwise) == causes, "the example is the first failing test by id, in any order"
     assert rep.root_causes(results, min_rules=3) == []
     long = "E: " + "x" * 700
     assert len(rep.cause_key(long)) == 300
