@@ -3,6 +3,7 @@ the kernel's view of the thread, never from a delay."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import subprocess
 import sys
@@ -160,10 +161,11 @@ def test_a_forked_child_waiting_in_a_pipe_read_is_seen_waiting():
 def test_before_a_fork_it_waits_for_a_busy_thread_and_not_for_a_sleeping_one():
     sleeper = Poller(0.05)
     stop = threading.Event()
+    block = bytes(8 << 20)
 
-    def spin():
+    def spin():  # busy outside the GIL, as a native thread finishing its exit is: hashing releases it
         while not stop.is_set():
-            pass
+            hashlib.sha256(block).digest()
 
     try:
         assert T.others_asleep(timeout_s=10.0), "only threads asleep: no wait"
