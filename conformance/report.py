@@ -86,7 +86,7 @@ def root_causes(results: dict, min_rules: int = 2) -> list[dict]:
     results come in the order its workers end them, gives the serial run's), the rules it explains and how many
     tests it failed. A failure because nothing was raised is never a shared cause."""
     groups: dict[str, list[dict]] = defaultdict(list)
-    for _, r in sorted(results.items(), key=lambda item: item[0]):
+    for r in (results[key] for key in sorted(results)):
         if _NO_CAUSE.search(r["message"] or ""):
             continue
         if r["actual"] in ("failed", "error") and r["status"] != "expected_failure":
