@@ -336,6 +336,9 @@ def in_child(fn, *args, timeout_s: float = 60.0, watch=None, watch_interval_s: f
             except ProcessLookupError:
                 pass
             wait_status = _reap(pid)
+        from sim.leftovers import sweep_pid
+
+        sweep_pid(pid)  # what the child created and could not unlink, killed (a trainer's segments, a cell)
     if timed_out:
         seconds = time.monotonic() - started
         raise ChildTimedOut(f"in_child({name}): the child ran past {timeout_s}s and was killed"
@@ -351,6 +354,15 @@ def in_child(fn, *args, timeout_s: float = 60.0, watch=None, watch_interval_s: f
         raise ChildFailed(f"in the forked child: {payload['error']}\n{payload['traceback']}", payload["error"],
                           payload["traceback"])
     return payload["value"]
+
+
+def rss_mib(pid: int) -> int | None:
+    """Process ``pid``'s resident set size now (``VmRSS``), in MiB; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            return next(int(line.split()[1]) >> 10 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def peak_rss_kib() -> int:

@@ -9,7 +9,7 @@ models (whether each holds data), and can hold a chosen step until the test rele
 sleep or a resume lands in that step. Every wait is bounded (``BOUND_S``): a call that never returns fails its
 case naming it. Cases come from each rule's ``Modes:`` line (``conformance.modes.params``), each requiring the
 capabilities its modes need. The multi-rank cases run two ranks in forked processes joined in one gloo group
-(``two_ranks``): two in the quick run, every case with ``-m multirank``.
+(``two_ranks``): three in the quick run, every case with ``-m multirank``.
 """
 from __future__ import annotations
 
@@ -989,6 +989,28 @@ def _sha(state) -> dict:
     return {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in state.items()}
 
 
+@contextlib.contextmanager
+def _rank_rig(impl, tmp_path, rank: int, path: str):
+    """In rank ``rank``'s process: its rig on ``path``, every rank's shard in one model directory, the rest of its
+    files its own; its sessions, trainers and environment undone on the way out."""
+    from _pytest.monkeypatch import MonkeyPatch
+
+    from conformance.harness import Loader
+
+    patch = MonkeyPatch()
+    os.makedirs(tmp_path / f"rank{rank}", exist_ok=True)
+    loader = Loader(impl, tmp_path / f"rank{rank}", patch)
+    loader.model_dir = str(tmp_path / "model")  # every rank's shard in one directory
+    os.makedirs(loader.model_dir, exist_ok=True)
+    rig = Rig(loader, lambda p: Route(loader, p), path=path, rank=rank)
+    try:
+        yield rig
+    finally:
+        loader.close_all()
+        rig.route.close()
+        patch.undo()
+
+
 @pytest.mark.rule("CTL-EVERY-RANK")
 @pytest.mark.parametrize("combo", _rank_params())
 def test_every_rank_fails_together(impl, tmp_path, combo):
@@ -1001,29 +1023,19 @@ def test_every_rank_fails_together(impl, tmp_path, combo):
     path = "rsync" if op == "update" else "parts"
 
     def script(rank):
-        from _pytest.monkeypatch import MonkeyPatch
+        with _rank_rig(impl, tmp_path, rank, path) as rig:
+            pause = "control.pause" in caps
+            events = []
 
-        from conformance.harness import Loader
+            def record(what, fn):
+                try:
+                    fn()
+                    error = None
+                except Exception as e:  # noqa: BLE001 (reported)
+                    error = f"{type(e).__name__}: {e}"
+                events.append({"what": what, "error": error, "digests": _digests(rig.session),
+                               "paused": rig.session.is_paused() if pause else None})
 
-        patch = MonkeyPatch()
-        os.makedirs(tmp_path / f"rank{rank}", exist_ok=True)
-        loader = Loader(impl, tmp_path / f"rank{rank}", patch)
-        loader.model_dir = str(tmp_path / "model")  # every rank's shard in one directory
-        os.makedirs(loader.model_dir, exist_ok=True)
-        rig = Rig(loader, lambda p: Route(loader, p), path=path, rank=rank)
-        pause = "control.pause" in caps
-        events = []
-
-        def record(what, fn):
-            try:
-                fn()
-                error = None
-            except Exception as e:  # noqa: BLE001 (reported)
-                error = f"{type(e).__name__}: {e}"
-            events.append({"what": what, "error": error, "digests": _digests(rig.session),
-                           "paused": rig.session.is_paused() if pause else None})
-
-        try:
             version = 1
             for cycle in range(cycles):
                 fail_here = cycle == cycles - 1 and rank == failing
@@ -1056,10 +1068,6 @@ def test_every_rank_fails_together(impl, tmp_path, combo):
                 record("sleep (healthy)", lambda: rig.session.sleep(["kv_cache"]))
             return {"events": events, "kv": rig.engine.kv, "want": _sha(rig.state(version)),
                     "kept": _sha(rig.state(version - 1))}
-        finally:
-            loader.close_all()
-            rig.route.close()
-            patch.undo()
 
     harness._calls["adapter"] += 1  # the ranks drive the implementation in their own processes
     results = two_ranks(script)
@@ -1083,3 +1091,82 @@ def test_every_rank_fails_together(impl, tmp_path, combo):
             check.equal(healthy["digests"], rep["want"], f"{at}: sha256 of every parameter after the healthy call")
         if op == "sleep":
             check.equal(rep["kv"], E.RELEASED, f"{at}: the KV cache after the healthy sleep")
+
+
+# The KV cache of the rank whose own part succeeded while its peer failed: one sleep and one wakeup of the tag
+# kv_cache in one group of two ranks, each failing on one rank (the sleep on the first named, the wakeup on the
+# second), each followed by the healthy call. Both ranks are judged in each role.
+KV_UNDO_CASES = (("follower", "rank0"), ("rank0", "follower"))
+
+
+def _kv_undo_params():
+    out = []
+    for i, (sleep_fails, wakeup_fails) in enumerate(KV_UNDO_CASES):
+        tier = [] if i == 0 else [pytest.mark.multirank]  # the first in the quick run
+        out.append(pytest.param(sleep_fails, wakeup_fails, id=f"sleep-fails-on-{sleep_fails}-wakeup-on-{wakeup_fails}",
+                                marks=[pytest.mark.requires("multirank", "control.sleep", "control.kv_cache",
+                                                            "snapshot.parts"), *tier]))
+    return out
+
+
+@pytest.mark.rule("CTL-EVERY-RANK")
+@pytest.mark.modes(operation=("sleep", "wakeup"), call="first")
+@pytest.mark.parametrize("sleep_fails, wakeup_fails", _kv_undo_params())
+def test_kv_cache_as_recorded_after_a_peer_failed(impl, tmp_path, sleep_fails, wakeup_fails):
+    """Two ranks, each with the engine the suite plays: ``sleep(["kv_cache"])`` with one rank's release refusing,
+    the healthy sleep, ``wakeup(["kv_cache"])`` with one rank's rebuild refusing, the healthy wakeup. Every rank's
+    engine, after each failed call, holds the KV cache as it was before it (the rank's tag did not change state), and
+    each healthy call then releases (rebuilds) it exactly once; no call ever releases a released cache or rebuilds
+    an allocated one."""
+    failing = {"sleep": 0 if sleep_fails == "rank0" else 1, "wakeup": 0 if wakeup_fails == "rank0" else 1}
+
+    def script(rank):
+        with _rank_rig(impl, tmp_path, rank, "parts") as rig:
+            steps = []
+
+            def step(what, fn):
+                first = len(rig.engine.calls)
+                try:
+                    fn()
+                    error = None
+                except Exception as e:  # noqa: BLE001 (reported)
+                    error = f"{type(e).__name__}: {e}"
+                steps.append({"what": what, "error": error, "kv": rig.engine.kv,
+                              "calls": [[c.name, c.kv_before] for c in rig.engine.calls[first:]]})
+
+            if rank == failing["sleep"]:
+                rig.engine.fail("release_kv_cache", RuntimeError(f"rank {rank}'s KV cache refuses to be released"))
+            step(f"sleep(['kv_cache']) failing on rank {failing['sleep']}", lambda: rig.session.sleep(["kv_cache"]))
+            step("the healthy sleep(['kv_cache'])", lambda: rig.session.sleep(["kv_cache"]))
+            if rank == failing["wakeup"]:
+                rig.engine.fail("rebuild_kv_cache", RuntimeError(f"rank {rank}'s KV cache cannot be rebuilt"))
+            step(f"wakeup(['kv_cache']) failing on rank {failing['wakeup']}", lambda: rig.session.wakeup(["kv_cache"]))
+            step("the healthy wakeup(['kv_cache'])", lambda: rig.session.wakeup(["kv_cache"]))
+            return steps
+
+    harness._calls["adapter"] += 1  # the ranks drive the implementation in their own processes
+    results = two_ranks(script)
+    where = f"kv_cache: the sleep failing on rank {failing['sleep']}, the wakeup on rank {failing['wakeup']}"
+    for rank, r in enumerate(results):
+        check.that(r["ok"], f"{where}: rank {rank} did not report: {r.get('error')}")
+    # After each step: the KV cache as the rank records it, and the healthy step's one engine call (None: the
+    # failed step, whose calls may be none, or a release and its undo) with the KV cache before it.
+    want = [(E.ALLOCATED, None), (E.RELEASED, ["release_kv_cache", E.ALLOCATED]),
+            (E.RELEASED, None), (E.ALLOCATED, ["rebuild_kv_cache", E.RELEASED])]
+    sound = {"release_kv_cache": E.ALLOCATED, "rebuild_kv_cache": E.RELEASED}  # the cache each call acts on
+    for rank, r in enumerate(results):
+        for (kv, call), st in zip(want, r["value"]):
+            op = "sleep" if "sleep" in st["what"] else "wakeup"
+            role = "healthy" if call is not None else "the failing rank" if rank == failing[op] else "its own part succeeded"
+            at = f"{where}: rank {rank} ({role}), {st['what']} (engine calls: {st['calls']})"
+            double = [c for c in st["calls"] if c[1] != sound[c[0]]]
+            check.that(not double, f"{at}: a release of a released KV cache or a rebuild of an allocated one: {double}")
+            if call is None:
+                undone = "released is rebuilt" if op == "sleep" else "rebuilt is released again"
+                check.that(st["error"] is not None, f"{at}: returned normally although rank {failing[op]} failed it")
+                check.equal(st["kv"], kv, f"{at}: the engine's KV cache after the failed {op} (as before it: the rank "
+                                          f"records the tag as it was, so the KV cache it {undone})")
+            else:
+                check.that(st["error"] is None, f"{at}: the healthy call raised {st['error']}")
+                check.equal((st["calls"], st["kv"]), ([call], kv),
+                            f"{at}: the healthy {op}'s engine calls (exactly one) and the KV cache after it")

@@ -39,12 +39,13 @@ import numpy as np
 import pytest
 
 from conformance import check, harness, modes
-from conformance.adapter import LoaderConfig, Observed
+from conformance.adapter import LoaderConfig, Observed, observe_paddle
 from conformance.harness import Worker, open_session
 from conformance.paths import Route
 from conformance.rank_group import VISIBLE, GroupPool
 from weightsync.fixtures import models as M
 from weightsync.fixtures import status_cell as C
+from weightsync.fixtures import tiny_transformer as TT
 from sim.ranks import CellWatch
 
 SPEC = M.spec(("embed.weight", "float32", (8, 4)), ("layers.0.mlp.weight", "bfloat16", (4, 4)),
@@ -94,6 +95,17 @@ def _caps(ctx) -> frozenset:
     return frozenset(ctx.adapter.capabilities)
 
 
+def tiny(rank: int) -> TT.TinyTransformer:
+    """Rank ``rank``'s model where a case needs post-load steps (``model="tiny"``): the tensor-parallel tiny
+    transformer (transposed weights, fused buffers; float32 throughout, as every path of this module carries it)."""
+    return TT.TinyTransformer(rank=rank, fp8=None)
+
+
+def _observed_bytes(observed_: dict) -> dict:
+    return {n: [o.dtype, list(o.shape), None if o.data is None else base64.b64encode(o.data).decode()]
+            for n, o in observed_.items()}
+
+
 def _state(ctx) -> dict:
     """What the rank's session holds now: status and version where claimed, every parameter's bytes."""
     session, caps = ctx.state["session"], _caps(ctx)
@@ -104,8 +116,10 @@ def _state(ctx) -> dict:
                 out[key] = getattr(session, read)()
             except Exception as e:  # noqa: BLE001 (reported: a status that is not one fails whoever judges it)
                 out[key] = f"unreadable ({type(e).__name__}: {e})"
-    for name, o in session.observe().items():
-        out["params"][name] = [o.dtype, list(o.shape), None if o.data is None else base64.b64encode(o.data).decode()]
+    out["params"] = _observed_bytes(session.observe())
+    model = ctx.state.get("tiny")
+    if model is not None:  # the derived buffers, read from the rank's layers as the engine's kernels read them
+        out["buffers"] = _observed_bytes(observe_paddle({b: TT.buffer(session.models, b) for b in model.buffer_specs()}))
     return out
 
 
@@ -123,12 +137,16 @@ def _act(ctx, call, **extra) -> dict:
     return out
 
 
-def a_open(ctx, strategy: str, model_dir: str, shared_dir: str, options: dict, visible: str, local_rank: int) -> dict:
+def a_open(ctx, strategy: str, model_dir: str, shared_dir: str, options: dict, visible: str, local_rank: int,
+           model: str = "plain") -> dict:
     """Open the rank's session as the launcher starts a worker: global rank ``ctx.rank``, ``PADDLE_LOCAL_RANK`` its
-    rank on its host, which is also its CUDA ordinal among ``visible`` (its host's ``CUDA_VISIBLE_DEVICES``)."""
+    rank on its host, which is also its CUDA ordinal among ``visible`` (its host's ``CUDA_VISIBLE_DEVICES``);
+    ``model`` "plain" (``SPEC``) or "tiny" (``tiny(rank)``, with its post-load steps)."""
     os.environ["PADDLE_LOCAL_RANK"] = str(local_rank)
     worker = Worker(ctx.rank, visible, str(local_rank))
-    ctx.state["session"] = open_session(ctx.adapter, SPEC, LoaderConfig(strategy, model_dir, shared_dir, options), worker)
+    spec = ctx.state["tiny"] = tiny(ctx.rank) if model == "tiny" else None
+    ctx.state["session"] = open_session(ctx.adapter, spec or SPEC, LoaderConfig(strategy, model_dir, shared_dir, options),
+                                        worker)
     return {"gpu": worker.gpu_id}
 
 
@@ -189,14 +207,24 @@ ACTIONS = {"open": a_open, "update": a_update, "clear": a_clear, "iterate": a_it
 
 
 # -- in the test process: the API, the trainers, and the judge -----------------------------------------------
-def shard(rank: int, version: int, fault: str | None = None) -> dict[str, np.ndarray]:
-    """What rank ``rank``'s trainer sends for ``version``: its own shard (seeded by the rank), with ``fault``."""
-    st = dict(sorted(M.state(SPEC, seed=rank, version=version).items()))
+def shard(rank: int, version: int, fault: str | None = None, model: str = "plain") -> dict[str, np.ndarray]:
+    """What rank ``rank``'s trainer sends for ``version``: its own shard (seeded by the rank; the tiny model's
+    tensor-parallel slice), with ``fault`` on its last tensor."""
+    if model == "tiny":
+        st = dict(sorted(TT.sent(tiny(rank), version, rank).items()))
+    else:
+        st = dict(sorted(M.state(SPEC, seed=rank, version=version).items()))
+    last = list(st)[-1]
     if fault == "partial":
-        del st[LAST]
+        del st[last]
     elif fault == "bad-dtype":
-        st[LAST] = st[LAST].astype(np.float64)
+        st[last] = st[last].astype(np.float64)
     return st
+
+
+def served(model: str, rank: int, sent: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What rank ``rank``'s parameters hold once ``sent`` committed (the tiny model's transposes applied)."""
+    return TT.served_params(tiny(rank), sent) if model == "tiny" else sent
 
 
 def observed(state: dict) -> dict[str, Observed]:
@@ -222,8 +250,10 @@ class Job:
     """One case's job: ``ranks`` forked ranks on ``path`` against the cell, their trainers, the cell's history."""
 
     def __init__(self, pool: GroupPool, loader, cell: C.Cell, path: str, ranks: int, *, deadline_s: float,
-                 staged: bool = False, options: dict | None = None, reusable: bool = True, hosts: int = 1):
+                 staged: bool = False, options: dict | None = None, reusable: bool = True, hosts: int = 1,
+                 model: str = "plain"):
         self.pool, self.loader, self.cell, self.path, self.n = pool, loader, cell, path, ranks
+        self.model = model
         self.deadline_s = deadline_s
         self.bound_s = deadline_s + 25.0  # the test's own bound on one step (a healthy one takes about a second)
         self.caps = frozenset(loader.adapter.capabilities)
@@ -244,7 +274,7 @@ class Job:
         extra = {"staged": True} if staged else {}
         per_rank = {r: {"strategy": self.route.path.strategy, "model_dir": loader.model_dir,
                         "shared_dir": loader.shared_dir, "visible": self.workers[r].visible,
-                        "local_rank": int(self.workers[r].selected),
+                        "local_rank": int(self.workers[r].selected), "model": model,
                         "options": {**self.feed.options(r), "status_cell": cell.name, "agree_timeout_s": deadline_s,
                                     **extra, **(options or {})}}
                     for r in range(ranks)}
@@ -266,13 +296,14 @@ class Job:
                     part.close()
 
     # -- the trainers ---------------------------------------------------------------------------------
-    def publish(self, version: int, faults: dict[int, str] | None = None, skip=()) -> None:
+    def publish(self, version: int, faults: dict[int, str] | None = None, skip=(), *, version_file: bool = True) -> None:
         """Every rank's trainer publishes ``version`` (rank r's with ``faults[r]``); ranks in ``skip`` will not
-        ask (a bucket trainer then serves nothing). ``version.yaml`` beside the snapshot and the metas."""
+        ask (a bucket trainer then serves nothing). ``version.yaml`` beside the snapshot and the metas (none with
+        ``version_file`` False: the last one removed)."""
         faults = faults or {}
         self.sent[version] = {}
         for r in range(self.n):
-            st = shard(r, version, faults.get(r))
+            st = shard(r, version, faults.get(r), self.model)
             self.sent[version][r] = st
             if r in skip and self.path == "bucket":
                 continue
@@ -285,9 +316,12 @@ class Job:
                 last = self.feed.written[r][-1]
                 os.truncate(last, os.path.getsize(last) // 2)
             elif faults.get(r) == "gone" and self.path == "ipc":
-                self.feed.exports[r].free(LAST)
-        C.write_version(self.loader.model_dir, version)
-        C.write_version(self.loader.shared_dir, version)
+                self.feed.exports[r].free(list(st)[-1])
+        for directory in (self.loader.model_dir, self.loader.shared_dir):
+            if version_file:
+                C.write_version(directory, version)
+            elif os.path.exists(os.path.join(directory, "version.yaml")):
+                os.remove(os.path.join(directory, "version.yaml"))
 
     def history(self, since: float) -> list[str]:
         """The cell's values from ``since`` on (its value then first), its current value noted first."""
@@ -373,9 +407,9 @@ class Job:
                 if status and "status" in self.caps:
                     check.equal(got["state"]["status"], "CLEARED", f"{at}: status()")
                 continue
-            check.params_equal(obs, self.sent[version][r], f"{at}: its own trainer's shard of version {version}")
+            check.params_equal(obs, served(self.model, r, self.sent[version][r]), f"{at}: its own trainer's shard of version {version}")
             others = [o for o in range(self.n) if o != r]
-            check.that(all(sha(obs) != sha(observed_of(self.sent[version][o])) for o in others),
+            check.that(all(sha(obs) != sha(observed_of(served(self.model, o, self.sent[version][o]))) for o in others),
                        f"{at}: it holds another rank's shard")
             if status and "status" in self.caps:
                 check.equal(got["state"]["status"], "NORMAL", f"{at}: status()")
@@ -836,3 +870,99 @@ def test_failure_on_one_rank_changes_no_rank(job, path, fault, failing):
         check.unchanged(before[r], observed(got["state"]), at)
     if not (path == "bucket" and fault == "gone"):  # the dead trainer's endpoint is gone: recovery is BKT-RECOVERY's
         _recover(j, 3, where)
+
+
+# -- the window between a rank's own check and the ranks' vote ----------------------------------------------------
+# A rank whose own part of an update passed every check waits for its peers' votes, and a peer's failure reaches it
+# there. By then nothing of the update may have reached what the rank serves or reports: no post-load step run
+# (MODEL-TRANSFORM-FAILED), no staged tensor adopted (STAGE-ATOMIC), no version kept for a later update to stamp
+# (VER-FAILED-KEEPS). The ranks call their sessions' own clear() and update() here, outside the worker loop, so that
+# what the failed update left is seen before anything releases it (the loop releases every parameter after a
+# failed update, STATUS-FAILED-NOT-NORMAL, which would hide an adoption).
+def _peer_fails(j: Job, failing: int, version: int = 2) -> dict:
+    """Version 1 loaded and cleared on every rank; rank ``failing``'s shard of ``version`` lacks its last tensor and
+    every rank calls update(): each must raise naming it (its own check found nothing wrong on the others)."""
+    j.load(1)
+    j.healthy(j.direct("clear", range(j.n)), "the clear before version 2", None, None)
+    j.publish(version, {failing: "partial"})
+    replies = j.direct("update", range(j.n))
+    j.failed_everywhere(replies, "update", {failing}, f"update to version {version} whose rank {failing} shard lacks "
+                        "its last tensor", within_s=PROMPT_S)
+    return replies
+
+
+def _recovered(j: Job, version: int, where: str) -> dict:
+    """Every rank's clear() and an update of ``version`` from healthy trainers, each rank bit for bit."""
+    j.healthy(j.direct("clear", range(j.n)), f"{where}: the recovery's clear", None, None)
+    j.publish(version)
+    replies = j.direct("update", range(j.n))
+    j.healthy(replies, f"{where}: the recovery's update to version {version}", version, None)
+    j.committed = version
+    return replies
+
+
+def _buffers_of(reply_value: dict) -> dict[str, Observed]:
+    return observed({"params": reply_value["state"].get("buffers", {})})
+
+
+VOTE_CASES = [("parts", 1, False), ("ipc", 0, False), ("bucket", 1, True)]
+
+
+@pytest.mark.rule("MODEL-TRANSFORM-FAILED")
+@pytest.mark.parametrize("path,failing,staged", [
+    pytest.param(p, f, s, marks=_requires(_path_caps(p), "model.post_load", "mtp", *(["staged"] if s else [])),
+                 id=f"{p}:rank{f}-fails" + (":staged" if s else "")) for p, f, s in VOTE_CASES])
+def test_a_peers_failure_runs_no_post_load_step(job, path, failing, staged):
+    """Two ranks of the tiny transformer; rank ``failing``'s shard of version 2 lacks its last tensor: the healthy
+    rank's own check passes and its peer's failure reaches it at the vote. Every rank's derived buffers still hold
+    version 1's values; the recovery to version 3 transforms every rank once."""
+    j = job(path, deadline_s=PROMPT_S, staged=staged, model="tiny")
+    replies = _peer_fails(j, failing)
+    for r, reply in sorted(replies.items()):
+        check.params_equal(_buffers_of(j.value(reply)), TT.served_buffers(tiny(r), j.sent[1][r]),
+                           f"{j.where}: rank {r}'s derived buffers after rank {failing} failed version 2 (no post-load "
+                           "step may have run: they hold version 1's)")
+    where = f"after rank {failing} failed version 2"
+    replies = _recovered(j, 3, where)
+    for r, reply in sorted(replies.items()):
+        check.params_equal(_buffers_of(j.value(reply)), TT.served_buffers(tiny(r), j.sent[3][r]),
+                           f"{j.where}: {where}: rank {r}'s derived buffers after the recovery to version 3")
+
+
+@pytest.mark.rule("STAGE-ATOMIC")
+@pytest.mark.parametrize("path,failing", [
+    pytest.param(p, f, marks=[_requires(_path_caps(p), "staged"), pytest.mark.modes(fault="missing", ranks="two")],
+                 id=f"{p}:rank{f}-fails:at-the-vote") for p, f in (("parts", 0), ("ipc", 1), ("bucket", 0))])
+def test_a_peers_failure_adopts_nothing_on_a_healthy_rank(job, path, failing):
+    """Staged, two ranks: rank ``failing``'s shard lacks its last tensor; the healthy rank's own check passes and the
+    failure reaches it at the vote. Right after its update() raised, before anything is released, every rank's
+    parameters are exactly as they were (cleared): the healthy rank adopted none of its staged tensors."""
+    j = job(path, deadline_s=PROMPT_S, staged=True, options={"timeout_s": BUCKET_WAIT_S} if path == "bucket" else None)
+    replies = _peer_fails(j, failing)
+    for r, reply in sorted(replies.items()):
+        state = j.value(reply)["state"]
+        held = sorted(n for n, o in observed(state).items() if o.data)
+        check.that(not held, f"{j.where}: rank {r} after rank {failing} failed the staged version 2 at the vote: it holds "
+                             f"parameters {held} (cleared before the update: a staged update that fails adopts nothing)")
+    _recovered(j, 3, f"after rank {failing} failed the staged version 2")
+
+
+@pytest.mark.rule("VER-FAILED-KEEPS")
+@pytest.mark.parametrize("path,failing,staged", [
+    pytest.param(p, f, s, marks=_requires(_path_caps(p), "version", *(["staged"] if s else [])),
+                 id=f"{p}:rank{f}-fails" + (":staged" if s else "")) for p, f, s in (("parts", 1, True), ("ipc", 0, False))])
+def test_a_version_failed_at_the_vote_is_never_stamped(job, path, failing, staged):
+    """Two ranks; version 2 fails at the vote (rank ``failing``'s shard lacks its last tensor; the other rank's own
+    check passed); after a clear, version 3 comes with no version.yaml: every rank loads it and still reports
+    version 1, the last committed one, never the failed update's 2."""
+    j = job(path, deadline_s=PROMPT_S, staged=staged)
+    _peer_fails(j, failing)
+    j.healthy(j.direct("clear", range(j.n)), "the clear after the failed version 2", None, None)
+    j.publish(3, version_file=False)
+    replies = j.direct("update", range(j.n))
+    for r, reply in sorted(replies.items()):
+        got = j.value(reply)
+        at = f"{j.where}: rank {r}, the update after rank {failing} failed version 2 at the vote, with no version.yaml"
+        check.that(got["raised"] is None, f"{at}: raised {got['raised']}")
+        check.params_equal(observed(got["state"]), j.sent[3][r], f"{at}: its shard of the update")
+        check.equal(got["state"]["version"], 1, f"{at}: version() (the last committed update's, never the failed one's)")

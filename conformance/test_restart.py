@@ -24,6 +24,7 @@ import pytest
 from conformance import check, harness, modes
 from conformance.loop_driver import LoopThread
 from conformance.paths import PATHS, Route, worker
+from conformance.thread_state import looked_again
 from weightsync.fixtures import models as M
 from weightsync.fixtures import status_cell as C
 
@@ -376,7 +377,7 @@ def _cases():
             quick = (path_id, left, phase) in QUICK
             race = {"update-during-restart": "before-read", "update-while-recovering": "at-read"}.get(phase, "none")
             marks = [pytest.mark.requires("status.cell", "control", *path.capabilities, *extra),
-                     pytest.mark.modes(left=left, race=race)]
+                     pytest.mark.modes(left=left, race=race, rank="rank0")]
             if not quick:
                 marks.append(pytest.mark.restart)
             out.append(pytest.param(path_id, left, phase, marks=marks, id=f"{path_id}:{left}:{phase}"))
@@ -491,8 +492,29 @@ def _api_writes(control, cell, request: str, value: int) -> Api:
     return api
 
 
+def _rank0_params() -> list:
+    """Rank 0's cases: every pair of path, value left and race (the rule's other axes; a follower's cases are
+    ``test_restarted_follower_in_one_process``'s), each marked rank0."""
+    axes = {axis: values for axis, values in modes.declaration(INPROCESS).axes.items() if axis != "rank"}
+    return [pytest.param(*p.values, marks=[*p.marks, pytest.mark.modes(rank="rank0")], id=p.id)
+            for p in modes.params(INPROCESS, axes=axes, requires=_inprocess_requires)]
+
+
+def _restarted(loader, route, path_id: str, cell, rank: int):
+    """The new worker's session as rank ``rank``, on ``cell`` (its startup load not yet made); on rsync every load a
+    bootstrap load (version.yaml), so that one fills cleared weights."""
+    options = {**route.feed.options(rank), "status_cell": cell.name}
+    if path_id == "rsync":
+        options.pop("version", None)
+        with open(os.path.join(loader.model_dir, "version.yaml"), "w", encoding="utf-8") as f:
+            f.write("step: 1\n")
+    session = loader.open(SPEC, strategy=route.path.strategy, worker=worker(rank), options=options)
+    route.feed.opened(session)
+    return session
+
+
 @pytest.mark.rule("STATUS-RESTART-RECOVERS")
-@pytest.mark.parametrize("combo", modes.params(INPROCESS, requires=_inprocess_requires))
+@pytest.mark.parametrize("combo", _rank0_params())
 def test_restart_in_one_process(loader, impl, combo):
     path_id, left, race = combo["path"], combo["left"], combo["race"]
     k = K_POINTS[list(PATHS).index(path_id) % len(K_POINTS)]
@@ -528,13 +550,7 @@ def test_restart_in_one_process(loader, impl, combo):
                 asked["api"] = _api_writes(control, cell, request, value)
 
             at = _At(k, ask) if race in ("in-load", "in-pass") else None
-            options = {**route.feed.options(0), "status_cell": cell.name}
-            if path_id == "rsync":  # every load a bootstrap load (version.yaml): one fills cleared weights
-                options.pop("version", None)
-                with open(os.path.join(loader.model_dir, "version.yaml"), "w", encoding="utf-8") as f:
-                    f.write("step: 1\n")
-            session = loader.open(SPEC, strategy=route.path.strategy, worker=worker(0), options=options)
-            route.feed.opened(session)
+            session = _restarted(loader, route, path_id, cell, 0)
             loaded = _bounded(session.update, f"{where}: the startup load", at.probe if race == "in-load" else None)
             check.that(not isinstance(loaded, BaseException), f"{where}: the startup load raised {loaded!r}")
             route.feed.settle(0)
@@ -614,4 +630,325 @@ def test_restart_in_one_process(loader, impl, combo):
             check.params_equal(session.observe(), M.state(SPEC, version=3), f"{where}: after the next update (version 3)")
             check.equal((session.status(), C.name_of(cell.read())), ("NORMAL", "NORMAL"), f"{where}: the status and the cell")
     finally:
+        route.close()
+
+
+# -- a restarted follower: it acts once on what its first pass finds, then waits for rank 0's answer -------------
+# Tensor-parallel rank 1 of 2 never writes the cell (STATUS-RANK0-WRITES). The suite plays the API and rank 0, the
+# slower: the dead worker's leftover is written into the cell as the engine finds it, a request racing the restart
+# lands at the moments test_restart_in_one_process places the API's (a call event of the startup load or of the
+# first pass, between the load and the first read, at that read), the follower's loop is fed rank 0's broadcast
+# (what the cell reads when the follower syncs; at-read: what it read before the API wrote), and rank 0 answers each
+# request it broadcast (NORMAL after an update, CLEARED after a clear) once, FOLLOWER_RANK0_S (at least three of the
+# follower's startup loads) after the follower's loop read it, having read that the cell still holds it. A follower
+# that acts and returns at once reads the request again in its next pass and acts on it twice (a second update for
+# one request: on a path that needs cleared weights it fails and releases them; rank 0 meanwhile says NORMAL).
+FOLLOWER_RANK0_S = 0.15
+NEXT_RANK0_S = 0.03  # rank 0's answers in the API's next cycle (STATUS-FOLLOWERS-WAIT judges that wait in full)
+FOLLOWER_LOAD_EVENT = 256  # in-load: the API's update at this call event of the startup load (the reference's has
+# about 19 000 on the single file, and reads the cell at about the 20th: the request lands after that read)
+# (value left, race), one per path in PATHS order: every value left, every race and every path once for a follower.
+FOLLOWER_SITUATIONS = (
+    ("UPDATING", "none"),  # parts: the API's update asked before the startup load (issue 19): that load answers it
+    ("CLEARED", "in-load"),  # single: the API's update written while the startup load ran (perhaps a newer version)
+    ("CLEARING", "none"),  # legacy: the clear carried out
+    ("CLEARED", "none"),  # shared: the startup load released; no request, nothing to wait for
+    ("NORMAL", "before-read"),  # ipc: the API's clear between the startup load and the first read
+    ("UPDATING", "none"),  # bucket: issue 19's cell again, where the trainer counts the transfers
+    ("CLEARED", "at-read"),  # rsync: the API's update just after the first read (which acts on CLEARED)
+    ("NORMAL", "in-pass"),  # gdr: the API's clear inside the first pass (which runs the model)
+)
+_VALUE_OF = {"NORMAL": C.NORMAL, "CLEARING": C.CLEARING, "CLEARED": C.CLEARED, "UPDATING": C.UPDATING}
+
+
+def _follower_cases() -> list:
+    return [pytest.param(path_id, left, race, marks=[pytest.mark.requires("status.cell", *path.capabilities),
+                                                     pytest.mark.modes(left=left, race=race, rank="follower")],
+                         id=f"{path_id}-{left}-{race}")
+            for (path_id, path), (left, race) in zip(PATHS.items(), FOLLOWER_SITUATIONS, strict=True)]
+
+
+BLOCKED_S = 1.0  # a request no pass of the follower has synced by then, its loop's thread seen waiting twice since,
+# is read by a loop that stays in its check (blocking at CLEARED: STATUS-NONBLOCK-RETURNS's to judge): rank 0 answers it
+
+
+class _Rank0:
+    """The suite as tensor-parallel rank 0 beside a follower's loop (:meth:`start`). :meth:`ask` writes the API's
+    request into the cell; :meth:`sync` sees what each pass of the follower synced: the first pass that reads an open
+    request starts rank 0's answer, ``delay_s`` later (a loop that stays in its check and syncs nothing: once it is
+    seen waiting, ``BLOCKED_S`` on). ``answers``: one dict per answer (the request, the cell just before rank 0 wrote,
+    the follower's passes returned by then since the one that read it, the number of passes returned when it wrote,
+    when). ``blocked``: a phase ended with the loop inside its check at CLEARED (its clear's pass not returned)."""
+
+    ANSWER = {C.UPDATING: C.NORMAL, C.CLEARING: C.CLEARED}
+
+    def __init__(self, cell, delay_s: float):
+        self.cell, self.delay_s, self.loop = cell, delay_s, None
+        self.open = None  # (request, event set once a pass synced it): written and not yet read by the follower
+        self.asked: list[str] = []
+        self.written: set[str] = set()
+        self.answers: list[dict] = []
+        self.timers: list[threading.Timer] = []
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.blocked = False
+        self.started_at = None
+
+    def start(self, loop: LoopThread) -> None:
+        self.loop, self.started_at = loop, time.monotonic()
+        loop.on_sync = self.sync
+        loop.start()
+        with self.lock:
+            waiting = self.open
+        if waiting is not None:
+            self._unsynced(*waiting)
+
+    def ask(self, request: int) -> None:
+        synced = threading.Event()
+        with self.lock:
+            self.open = (request, synced)
+            self.asked.append(C.name_of(request))
+            self.written.add(C.name_of(request))
+        self.cell.write(request)
+        if self.loop is not None and self.started_at is not None:
+            self._unsynced(request, synced)
+
+    def sync(self, value: int) -> None:
+        """Rank 0 broadcasts what the cell reads (``value``); returns None (the value as read)."""
+        with self.lock:
+            if self.open is None or value != self.open[0]:
+                return None
+            self.open[1].set()
+            self.open = None
+            self._schedule(value)
+        return None
+
+    def _schedule(self, request: int) -> None:
+        read_in = len(self.loop.results)  # the index of the pass that read it
+        timer = threading.Timer(self.delay_s, self._answer, (request, read_in, self.delay_s))
+        timer.daemon = True
+        self.timers.append(timer)
+        timer.start()
+
+    def _unsynced(self, request: int, synced: threading.Event) -> None:
+        def watch():
+            if synced.wait(BLOCKED_S) or self.stopped.is_set():
+                return
+            tid = self.loop.thread.native_id
+            if tid is not None:
+                looked_again(os.getpid(), tid, times=2, timeout_s=PASS_S,
+                             between=lambda: synced.is_set() or self.stopped.is_set())
+            with self.lock:
+                if synced.is_set() or self.stopped.is_set() or self.open is None or self.open[1] is not synced:
+                    return
+                synced.set()
+                self.open = None
+                self._schedule(request)
+
+        threading.Thread(target=watch, name="conformance-rank0-unsynced", daemon=True).start()
+
+    def _answer(self, request: int, read_in: int, delay_s: float) -> None:
+        if self.stopped.is_set():
+            return
+        before = C.name_of(self.cell.read())
+        passes = len(self.loop.results)
+        answer = self.ANSWER[request]
+        with self.lock:
+            self.written.add(C.name_of(answer))
+        self.cell.write(answer)
+        self.answers.append({"request": C.name_of(request), "answer": C.name_of(answer), "before": before,
+                             "returned": passes - read_in, "passes": passes, "delay_s": delay_s, "at": time.monotonic()})
+
+    def settled(self, want: str, released) -> bool:
+        """Every request answered, and two passes of the follower returned since the last answer (one of them a model
+        run where the cell ends NORMAL), or a pass raised; or, the cell ending CLEARED, the weights ``released()``
+        ``BLOCKED_S`` after the last answer with the pass that cleared still inside (``blocked``)."""
+        results = list(self.loop.results)
+        if any(isinstance(r, BaseException) for r in results):
+            return True
+        if len(self.answers) < len(self.asked):
+            return False
+        last = self.answers[-1] if self.answers else None
+        after = results[last["passes"] if last else 0:]
+        if len(after) >= 2 and (want != "NORMAL" or "ran" in after):
+            return True
+        since = last["at"] if last else self.started_at
+        if want == "CLEARED" and time.monotonic() - since >= BLOCKED_S and released():
+            self.blocked = True
+            return True
+        return False
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for timer in self.timers:
+            timer.cancel()
+
+
+def _counted(route, rank: int) -> int | None:
+    """The transfers the trainer has served ``rank`` so far (its hellos), where the path's trainer counts them."""
+    feed = route.feed
+    if route.path.id == "bucket":
+        publisher = feed.publishers.get(rank)
+        return len(publisher.replies("hello")) if publisher is not None else 0
+    if route.path.id in ("rsync", "gdr"):
+        trainer = feed.trainers.get(rank)
+        return len(trainer.of("hello")) if trainer is not None else 0
+    return None
+
+
+def _judge_follower_acts(where: str, rank0: _Rank0, results: list, first_answer: int, updates: int, clears: int,
+                         release: bool, blocked: bool = False) -> None:
+    """Every answer of rank 0 from ``first_answer`` on found the request still in the cell and the pass that read it
+    not yet returned; and the follower's passes (``results``) did ``updates`` "updated" and ``clears`` "cleared" (plus
+    at most one "cleared" where it ``release``s its startup load; one fewer where the pass that cleared is still
+    inside its check at CLEARED, ``blocked``), nothing raised."""
+    acts = LoopThread.acts(results)
+    for answer in rank0.answers[first_answer:]:
+        check.equal(answer["before"], answer["request"],
+                    f"{where}: the cell just before rank 0 wrote {answer['answer']} (a follower never writes it)")
+        check.that(answer["returned"] == 0,
+                   f"{where}: the pass that read {answer['request']} returned before rank 0 wrote {answer['answer']} "
+                   f"({answer['delay_s']:.2f}s after that read; {answer['returned']} pass(es) returned by then): a follower "
+                   f"waits for rank 0's answer, else its next pass reads the request again and repeats it (passes {acts})")
+    got = {"updated": acts.count("updated"), "cleared": acts.count("cleared")}
+    other = [a for a in acts if a not in ("updated", "cleared")]
+    cleared_ok = max(0, clears - blocked) <= got["cleared"] <= clears + release
+    check.that(not other and got["updated"] == updates and cleared_ok,
+               f"{where}: the follower's passes did {acts} (model runs and idle passes left out), expected "
+               f"{updates} update(s) and {clears} clear(s){' (and at most one release of its startup load)' if release else ''}, "
+               "once per request and nothing raised")
+
+
+@pytest.mark.rule("STATUS-RESTART-RECOVERS")
+@pytest.mark.parametrize("path_id,left,race", _follower_cases())
+def test_restarted_follower_in_one_process(loader, monkeypatch, path_id, left, race):
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    caps = loader.adapter.capabilities
+    k = FOLLOWER_LOAD_EVENT if race == "in-load" else K_POINTS[list(PATHS).index(path_id) % len(K_POINTS)]
+    update_asked = left == "UPDATING" or (left == "CLEARED" and race != "none")
+    clear_asked = left == "CLEARING" or (left == "NORMAL" and race != "none")
+    want = "NORMAL" if update_asked or left == "NORMAL" and not clear_asked else "CLEARED"
+    version = 2 if update_asked else 1
+    route = Route(loader, path_id)
+    where = f"{path_id}: rank 1 of 2 (a follower) restarted against a cell left {left}, the API's request {race}" + (
+        f" (call event {k})" if race in ("in-load", "in-pass") else "")
+    rank0, loop = None, None
+    try:
+        with C.Cell(C.NORMAL) as cell:
+            rank0 = _Rank0(cell, FOLLOWER_RANK0_S)
+            # The trainer publishes before the new worker starts what the API's update asks for, where it asks before
+            # the worker's first read (before it, or while the startup load runs); the others publish when they ask.
+            early = left == "UPDATING" or (update_asked and race == "in-load")
+            route.publish(1, M.state(SPEC, version=2 if early else 1), 2 if early else 1)
+            if left in ("UPDATING", "CLEARING"):
+                rank0.ask(_VALUE_OF[left])  # the API's request, still waiting when the worker died
+            else:
+                cell.write(_VALUE_OF[left])
+                rank0.written.add(left)
+            request = C.UPDATING if left == "CLEARED" else C.CLEARING  # the API's next, racing the restart
+
+            def ask():
+                if request == C.UPDATING and race != "in-load":
+                    route.publish(1, M.state(SPEC, version=2), 2)
+                rank0.ask(request)
+
+            at = _At(k, ask) if race in ("in-load", "in-pass") else None
+            session = _restarted(loader, route, path_id, cell, 1)
+            commits: list[int] = []
+            if "model.hooks" in caps:  # each committed update, counted
+                session.register_hook("restart-follower-count", lambda: commits.append(1))
+            watch = _Watch(cell)
+            started = time.monotonic()
+            loaded = _bounded(session.update, f"{where}: the startup load", at.probe if race == "in-load" else None)
+            load_s = time.monotonic() - started
+            check.that(not isinstance(loaded, BaseException), f"{where}: the startup load raised {loaded!r}")
+            route.feed.settle(1)
+            base_commits, base_transfers = len(commits), _counted(route, 1)
+            rank0.delay_s = max(FOLLOWER_RANK0_S, 3 * load_s)  # rank 0, the slower, loads too
+            if at is not None and race == "in-load":
+                at.fire()
+            if race == "before-read":
+                ask()
+
+            def first_sync(value_read):
+                if race == "at-read":  # rank 0 read before the API wrote: it broadcasts that
+                    ask()
+                    return value_read
+                if race == "in-pass":
+                    import sys
+
+                    sys.setprofile(at.probe)  # from here on, in the loop's thread, until the pass returns
+                rank0.sync(value_read)
+                return value_read
+
+            runs = []
+            loop = LoopThread(session, run_model=lambda: runs.append(1), first_sync=first_sync)
+            rank0.start(loop)
+            released = lambda: all(o.data is None for o in session.observe().values())  # noqa: E731
+            if race in ("in-pass", "at-read"):
+                loop.until(lambda: loop.results)  # the first pass returned (a loop that blocks: the deadline)
+            if race == "in-pass":
+                at.fire()
+            if race == "at-read" and rank0.asked[-1:] != [C.name_of(request)]:
+                ask()  # (a loop that never called sync: the request lands after its first pass)
+            loop.until(lambda: rank0.settled(want, released))
+            route.feed.settle(1)
+            seen = watch.stop()
+            results = list(loop.results)
+            late = " (the pass ended before that event: the request came after it)" if at is not None and at.late else ""
+            where += late
+            check.that(len(rank0.answers) == len(rank0.asked),
+                       f"{where}: rank 0 answered {[a['request'] for a in rank0.answers]} of the requests "
+                       f"{rank0.asked}: the follower's loop never read the others (passes {LoopThread.acts(results)})")
+            _judge_follower_acts(where, rank0, results, 0, int(update_asked), int(clear_asked), left == "CLEARED",
+                                 rank0.blocked)
+            foreign = [v for v in seen if v not in rank0.written]
+            check.equal(foreign, [], f"{where}: values in the cell that neither the API nor rank 0 wrote (seen {seen})")
+            check.equal(C.name_of(cell.read()), want, f"{where}: the cell after {len(results)} pass(es)")
+            # The startup load may answer an UPDATING written before it read the cell, or the worker load again
+            # instead (where the request landed inside the load, before or after that read, is the loader's).
+            unsure = left == "UPDATING" or race == "in-load"
+            if "model.hooks" in caps:
+                most = 1 if update_asked else 0
+                least = 0 if unsure else most
+                check.that(least <= len(commits) - base_commits <= most,
+                           f"{where}: the follower committed {len(commits) - base_commits} update(s) after its startup "
+                           f"load, expected {least if least == most else f'{least} or {most}'} (one request)")
+            if base_transfers is not None:
+                transfers = _counted(route, 1) - base_transfers
+                most = 1 if update_asked else 0
+                least = 0 if unsure else most
+                check.that(least <= transfers <= most,
+                           f"{where}: the trainer served the follower {transfers} transfer(s) after its startup load, "
+                           f"expected {least if least == most else f'{least} or {most}'} (one request)")
+            if want == "CLEARED":
+                check.not_loaded(session.observe(), [p.name for p in SPEC.all_params], f"{where}: the weights, released")
+            else:
+                check.params_equal(session.observe(), M.state(SPEC, version=version), f"{where}: the weights")
+                mark = rank0.answers[-1]["passes"] if rank0.answers else 0
+                check.that("ran" in results[mark:], f"{where}: no model run after rank 0's answer (passes "
+                                                    f"{LoopThread.acts(results)}, {len(runs)} model run(s) in all)")
+            if "status" in caps:
+                check.status_is(session, want, f"{where}: after the recovery")
+
+            # The API's next cycle (its clear, when there is anything to clear, then its update), rank 0 answering.
+            rank0.delay_s, first, passes, rank0.blocked = NEXT_RANK0_S, len(rank0.answers), len(loop.results), False
+            cycle = [C.CLEARING] if want == "NORMAL" else []
+            for step in (*cycle, C.UPDATING):
+                if step == C.UPDATING:
+                    route.publish(1, M.state(SPEC, version=3), 3)
+                rank0.ask(step)
+                loop.until(lambda step=step: rank0.settled("NORMAL" if step == C.UPDATING else "CLEARED", released))
+                route.feed.settle(1)
+            next_where = f"{where}; then the API's next cycle ({', '.join(C.name_of(s) for s in (*cycle, C.UPDATING))})"
+            _judge_follower_acts(next_where, rank0, list(loop.results)[passes:], first, 1, len(cycle), False, rank0.blocked)
+            check.params_equal(session.observe(), M.state(SPEC, version=3), f"{next_where}: the weights (version 3)")
+            check.equal(C.name_of(cell.read()), "NORMAL", f"{next_where}: the cell (rank 0's NORMAL)")
+            if "status" in caps:
+                check.status_is(session, "NORMAL", f"{next_where}: after the update")
+    finally:
+        if loop is not None:
+            loop.finish()
+        if rank0 is not None:
+            rank0.stop()
         route.close()

@@ -20,7 +20,7 @@ import pytest
 from conformance import check
 from conformance import mode_run as R
 from conformance import modes
-from conformance.harness import ChildFailed, ChildTimedOut, Worker, in_child
+from conformance.harness import ChildFailed, ChildTimedOut, Worker, in_child, rss_mib
 from weightsync.fixtures import models as M
 from weightsync.fixtures import snapshot as S
 
@@ -293,7 +293,7 @@ class _Watch:
         self.opened, self._rss0 = False, None
 
     def __call__(self, pid):
-        rss = _rss_mib(pid)
+        rss = rss_mib(pid)
         if self._rss0 is None:
             self._rss0 = rss
         if rss is not None and rss - self._rss0 > RSS_CAP_MIB:
@@ -309,14 +309,6 @@ class _Watch:
             self.opened = self.opened or stat.S_ISFIFO(os.fstat(fd).st_mode)
         finally:
             os.close(fd)
-
-
-def _rss_mib(pid):
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            return next(int(line.split()[1]) >> 10 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return None
 
 
 RSS_CAP_MIB = 512  # the models here hold bytes; a loader that grows by this much reads without end

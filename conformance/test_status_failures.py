@@ -13,6 +13,10 @@ never writes it).
 The fault is the suite's input: the trainer's source (a wrong dtype, a missing parameter, the source gone), a
 stale-state hook it registers that raises, or the recapture callable it hands the loader that raises. The suite's
 hooks and recapture read the cell while they run.
+
+The same cycle, with the KV cache's status cell handed to the loop (``options["kv_cache_cell"]``, capability
+``loop.runner``), proves STATUS-KV-CELL on the failure path: the release after a failed update is a clear the loop
+makes, and the cache manager learns of it only from the KV cell.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import numpy as np
 import pytest
 
 from conformance import check, modes
+from conformance import loop_schedule as L
 from conformance.loop_driver import LoopThread
 from conformance.thread_state import looked_again
 from conformance.paths import route  # noqa: F401 (the fixture)
@@ -54,13 +59,15 @@ class Worker:
     """One session on the cell, its faults armed by the suite (hooks, recapture), and what they saw; its loop runs
     in a thread of its own (:meth:`start`), as the engine's worker runs it."""
 
-    def __init__(self, rt, cell: C.Cell, rank: int, fault: str):
+    def __init__(self, rt, cell: C.Cell, rank: int, fault: str, kv: C.Cell | None = None):
         self.rt, self.cell, self.rank, self.fault = rt, cell, rank, fault
         self.broken = False  # the hook or the recapture raises while set
         self.seen: list[tuple[str, str, str]] = []  # (call, cell, status) inside each hook / recapture call
         self.loop: LoopThread | None = None  # the loop, once started; ``results``: what each pass returned or raised
         self.results: list = []
         options = {"status_cell": cell.name, **({"tp_size": 2} if rank else {})}
+        if kv is not None:  # STATUS-KV-CELL's cases (capability loop.runner)
+            options["kv_cache_cell"] = kv.name
         if fault == "recapture":
             options["recapture"] = self._recapture
         self.session = rt.open(SPEC, rank=rank, options=options)
@@ -294,3 +301,132 @@ def _failed_then_recovered(worker: Worker, rt, cell: C.Cell, who: str, follower:
     _loaded(worker, FIXED, at)
     check.status_is(session, "NORMAL", at)
     check.equal(C.name_of(cell.read()), "NORMAL", f"{at}: the cell")
+
+
+# -- STATUS-KV-CELL: the KV cache's cell at the release of a failed update -----------------------------------
+KV_SAMPLE_S = 0.0005  # how often the suite's cache manager stand-in looks at the two cells
+
+
+class KvWatch:
+    """The cache manager's view while the failing update runs, in a thread until :meth:`stop`: the KV cell, the
+    status cell, the KV cell again, every ``KV_SAMPLE_S``. ``values``: the KV cell's values in the order seen (repeats
+    left out); ``stale``: the samples in which the status cell read CLEARED between two reads of UPDATING in the KV
+    cell (rank 0's loop announced the weights released while the KV cell still held the update's value: a loop that
+    writes CLEARING to the KV cell before its CLEARED, as before every clear, never shows one)."""
+
+    def __init__(self, cell: C.Cell, kv: C.Cell):
+        self.cell, self.kv = cell, kv
+        self.values: list[str] = []
+        self.stale: list[tuple[str, str, str]] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="conformance-kv-watch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            before, now, after = C.name_of(self.kv.read()), C.name_of(self.cell.read()), C.name_of(self.kv.read())
+            for value in (before, after):
+                if not self.values or self.values[-1] != value:
+                    self.values.append(value)
+            if now == "CLEARED" and before == after == "UPDATING" and len(self.stale) < 3:
+                self.stale.append((before, now, after))
+            time.sleep(KV_SAMPLE_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(ITERATION_S)
+
+
+def _kv_params():
+    out = []
+    for fault in ("missing", "hook"):
+        for rank in ("rank0", "follower"):
+            caps = ["status.cell", "loop.runner", L.ANY_LEVEL, *(["control"] if rank == "rank0" else []),
+                    *(["model.hooks"] if fault == "hook" else [])]
+            out.append(pytest.param(fault, rank, marks=pytest.mark.requires(*caps), id=f"{fault}-{rank}"))
+    return out
+
+
+@pytest.mark.rule("STATUS-KV-CELL")
+@pytest.mark.modes(op=("clear", "update"), call=("first", "second"), outcome="failed")
+@pytest.mark.parametrize("fault, rank", _kv_params())
+def test_kv_cache_cell_at_the_release_of_a_failed_update(route, loader, fault, rank):
+    """STATUS-FAILED-NOT-NORMAL's cycle with the KV cache's cell: the API's clear, an update failing in its source
+    (the last parameter missing: the others may have landed) or in a stale-state hook after the commit, the loop's
+    release, then the API's clear and update of a fixed version. Where the loop left the weights released (rank 0:
+    it wrote CLEARED; a follower: every parameter unloaded), the KV cell reads CLEARING by then and when the failing
+    pass ends, and UPDATING after the recovery; where it kept what the failed update left (a loop that only raises:
+    STATUS-FAILED-NOT-NORMAL's to judge), the update's UPDATING."""
+    follower = rank == "follower"
+    rt = route(L.level_of(loader.adapter))
+    with C.Cell(C.NORMAL) as cell, C.Cell(C.NORMAL, name=f"{cell.name}-kv") as kv:
+        worker = Worker(rt, cell, 1 if follower else 0, fault, kv=kv)
+        r = worker.rank
+        rt.publish(r, M.state(SPEC, version=OLD), OLD)
+        worker.session.update()  # the startup load (writes no status, and nothing to the KV cell)
+        rt.feed.settle(r)
+        who = f"{rt.path.id}: {'rank 1 of 2 (a follower)' if follower else 'rank 0'}, KV cache's cell {kv.name}"
+        check.equal(C.name_of(kv.read()), "NORMAL", f"{who}: the KV cache's cell after the startup load (the loop's only)")
+        worker.start()
+        watch = None
+        try:
+            # The API's clear (the healthy clear's KV cell is test_worker_loop.py's), then its update of a version
+            # that fails.
+            if follower:
+                results, _ = _as_follower(worker, C.CLEARING, C.CLEARED, done=_released)
+            else:
+                _, results = _api(worker, "clear_load_weight")
+            check.equal(C.name_of(cell.read()), "CLEARED", f"{who}: the cell after the API's clear (the loop's passes: "
+                                                          f"{_acts(results)})")
+            where = _publish(rt, r, BAD, fault if fault == "missing" else None)
+            worker.broken = True
+            at = f"{who}: after the update of {where} failed ({fault})"
+            watch = KvWatch(cell, kv)
+            if follower:
+                results, _ = _as_follower(worker, C.UPDATING, C.CLEARED)
+            else:
+                first = len(worker.results)
+                _api(worker, "update_model_weight", API_FAILED_S, fail_fast=False)
+                worker.until(lambda: _acts(worker.results[first:]))
+                results = worker.results[first:]
+            rt.feed.settle(r)
+            watch.stop()
+            after = C.name_of(kv.read())
+            if follower:
+                released = _released(worker)
+                claim = "every parameter unloaded" if released else "some parameter still loaded"
+            else:
+                released = C.name_of(cell.read()) == "CLEARED"
+                claim = "rank 0 wrote CLEARED" if released else f"the cell reads {C.name_of(cell.read())}"
+            at += f" (the loop's passes: {_acts(results)}; {claim}; the KV cell's values meanwhile: {watch.values})"
+            if released:
+                check.equal(after, "CLEARING", f"{at}: the KV cache's cell once the failing pass ended (the loop released "
+                                               "the weights: the cache manager must free its caches with them)")
+                check.that(follower or not watch.stale,
+                           f"{at}: the cell read CLEARED (the weights announced released) while the KV cache's cell "
+                           f"still read UPDATING ({watch.stale}): the loop writes CLEARING to it before its CLEARED")
+            else:
+                check.equal(after, "UPDATING", f"{at}: the KV cache's cell (the loop kept what the failed update left: "
+                                               "the update's value)")
+            worker.broken = False
+            if released:  # the API asks again: the next update is announced afresh
+                where = _publish(rt, r, FIXED)
+                if follower:
+                    results, _ = _as_follower(worker, C.UPDATING, C.NORMAL, act="updated")
+                else:
+                    _api(worker, "clear_load_weight")
+                    _, results = _api(worker, "update_model_weight")
+                rt.feed.settle(r)
+                _loaded(worker, FIXED, f"{who}: the update of {where} after the failed one (the loop's passes: "
+                                       f"{_acts(results)})")
+                check.equal(C.name_of(kv.read()), "UPDATING",
+                            f"{who}: the KV cache's cell after the update of {where} that followed the failed one (the "
+                            "loop's UPDATING; NORMAL is the cache manager's)")
+            seen = watch.values + [C.name_of(kv.read())]
+            foreign = [v for v in seen if v not in ("CLEARING", "UPDATING")]
+            check.that(not foreign, f"{who}: the KV cache's cell held {seen} from the failing update on: the loop writes "
+                                    "CLEARING and UPDATING only (NORMAL and CLEARED are the cache manager's)")
+        finally:
+            if watch is not None:
+                watch.stop()
+            worker.finish()

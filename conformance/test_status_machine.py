@@ -169,6 +169,51 @@ def test_first_load_writes_no_status(loader, kind, initial):
             sources.close()
 
 
+@pytest.mark.rule("STATUS-FIRST-LOAD-SILENT")
+@pytest.mark.parametrize(
+    "kind,retry",
+    [pytest.param(kind, retry, marks=pytest.mark.requires("status.cell", *CAPS[kind]), id=f"{kind}:{retry}")
+     for kind in ("snapshot", "ipc", "bucket") for retry in ("clear", "retry-then-clear")],
+)
+def test_failed_first_load_ends_at_the_clear(loader, kind, retry):
+    """A first load that fails leaves the startup load unfinished: an update without a clear() is still the first
+    load (refused, or loaded writing no status); once a clear() has run, the next committed update writes NORMAL."""
+    sources = Sources(loader, kind)
+    with C.Cell(7) as cell:  # a value no worker writes: any write shows
+        try:
+            sources.publish(SPEC, 1, fault="missing")
+            session = sources.open(SPEC, status_cell=cell.name)
+            where = f"{kind}: a first load of {sources.where} lacking a parameter"
+            exc_type, match, names = sources.failure(SPEC, "missing")
+            with check.raises(exc_type, match=match, names=names, where=where):
+                session.update()
+            sources.settle()
+            check.that(cell.read() != C.NORMAL and session.status() != "NORMAL",
+                       f"{where}: the cell reads {C.name_of(cell.read())}, status() {session.status()}: neither may be NORMAL")
+            if retry == "retry-then-clear":
+                before = cell.read()
+                sources.publish(SPEC, 1)
+                try:
+                    session.update()
+                except Exception:  # noqa: BLE001 (outside the contract without a clear(): LIFE-FAILED-RETRY)
+                    check.that(session.status() != "NORMAL", f"{where}, retried without clear(): refused, yet status() NORMAL")
+                else:
+                    check.params_equal(session.observe(), M.state(SPEC, version=1), f"{where}, retried without clear()")
+                    check.equal(C.name_of(cell.read()), C.name_of(before),
+                                f"{where}: the cell after the retried first load (still the first load: no write)")
+                sources.settle()
+            session.clear()
+            check.equal(C.name_of(cell.read()), "CLEARED", f"{where}: the cell after clear()")
+            sources.publish(SPEC, 2)
+            session.update()
+            sources.settle()
+            check.params_equal(session.observe(), M.state(SPEC, version=2), f"{where}: clear() and an update of version 2")
+            check.equal(C.name_of(cell.read()), "NORMAL",
+                        f"{where}: the cell after clear() and a committed update (the startup load ended at the clear)")
+        finally:
+            sources.close()
+
+
 WRITERS = [  # (rank, world, tp_size option, writes)
     (0, 1, None, True), (1, 2, None, False), (3, 4, None, False), (2, 4, 2, True), (3, 4, 2, False), (1, 4, 1, True)]
 

@@ -1,5 +1,6 @@
 """What both streamed paths (rsync, GDR) owe whatever the library does: options checked first, nothing left
-behind. Spec: SPEC.md § STREAM (STREAM-HANG-BOUNDED: test_stream_timing.py).
+behind, the identity of open handed to the library. Spec: SPEC.md § STREAM (STREAM-HANG-BOUNDED:
+test_stream_timing.py).
 """
 import asyncio
 import time
@@ -7,6 +8,8 @@ import time
 import pytest
 
 from conformance import check
+from conformance import modes
+from conformance.harness import Worker
 from conformance.stream_support import case, ct_trainer, open_stream, socket_fds  # noqa: F401
 from weightsync.fixtures import models as M
 from weightsync.fixtures import streams as S
@@ -67,6 +70,76 @@ def test_nothing_left_after_close(loader, ct_trainer, strategy):
     registered = {r["handle"] for r in ct_trainer.of("register")}
     check.that(ct_trainer.wait_for(lambda: registered <= {u["handle"] for u in ct_trainer.of("unregister")}, 2.0),
                f"{where}: handles never cleaned up: {sorted(registered - {u['handle'] for u in ct_trainer.of('unregister')})}")
+
+
+# -- STREAM-IDENTITY-AT-OPEN -----------------------------------------------------------------------
+OPENED = Worker(rank=3, visible="0,1,2,3", selected="2")  # ordinal 2 (physical GPU 2), global rank 3, of a world of 4
+OPENED_WORLD = 4
+LIVE = {  # the environment the update runs in: another device only, another world size only, both
+    "device": {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "FLAGS_selected_gpus": "1"},
+    "world": {"PADDLE_TRAINERS_NUM": "8"},
+    "both": {"CUDA_VISIBLE_DEVICES": "6,7", "FLAGS_selected_gpus": "0", "PADDLE_TRAINERS_NUM": "2"},
+}
+GDR_INDEX = 1  # GDR's global_rank is index x world size + ordinal: the world size shows in it too
+
+
+def _identity_of_open(strategy) -> tuple[dict, tuple[int, int]]:
+    """(rsync_config keys beyond the trainer's, the (global_rank, group_size) of OPENED the library must be given):
+    rsync's local_rank and GDR's IPC mode take the ordinal, GDR index x world + ordinal; group_size is the world."""
+    ordinal = int(OPENED.selected)
+    if strategy == "gdr":
+        return {"index": GDR_INDEX}, (GDR_INDEX * OPENED_WORLD + ordinal, OPENED_WORLD)
+    return {}, (ordinal, OPENED_WORLD)
+
+
+def _judge_identity(session, trainer, result, want_state, want, where) -> None:
+    """Every handle registered with ``want`` (global_rank, group_size), every stream asked for as its rank, the rank
+    update() returned (where it returns one) the ordinal of open, and every tensor bit for bit."""
+    check.params_equal(session.observe(), want_state, where)
+    registered = [(r["config"]["global_rank"], r["config"]["group_size"]) for r in trainer.of("register")]
+    check.that(registered, f"{where}: no handle was registered with the trainer")
+    check.equal(registered, [want] * len(registered),
+                f"{where}: (global_rank, group_size) of each handle the library was created with, opened as {want}")
+    asked = [h["rank"] for h in trainer.of("hello")]
+    check.equal(asked, [want[0]] * len(asked), f"{where}: the rank each stream was asked for as")
+    if isinstance(result, dict) and "rank" in result:
+        check.equal(result["rank"], int(OPENED.selected), f"{where}: the rank update() returned (the ordinal of open)")
+
+
+@pytest.mark.rule("STREAM-IDENTITY-AT-OPEN")
+@pytest.mark.parametrize("live", list(LIVE))
+@pytest.mark.parametrize("combo", modes.params("STREAM-IDENTITY-AT-OPEN"))
+def test_session_hands_the_library_the_identity_of_open(loader, ct_trainer, monkeypatch, combo, live):
+    """Opened as ordinal 2 of CUDA_VISIBLE_DEVICES=0,1,2,3 (global rank 3) of a world of 4, then the environment
+    names another device, another world size or both (the test's monkeypatch restores it): the update at the first
+    load, or in place after a first load made before the change (and, after a broken stream, the next one), hands
+    the library the identity of open and loads what it streamed."""
+    strategy = combo["path"]
+    extra, want = _identity_of_open(strategy)
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", str(OPENED_WORLD))
+    session, _ = open_stream(loader, ct_trainer, SPEC, strategy, worker=OPENED, **extra)
+    where = (f"{strategy}, opened as FLAGS_selected_gpus=2 of CUDA_VISIBLE_DEVICES=0,1,2,3, world size 4, then the "
+             f"environment changed to {LIVE[live]}")
+
+    def change_environment():
+        for key, value in LIVE[live].items():
+            monkeypatch.setenv(key, value)
+
+    v1, v2, v3 = (M.state(SPEC, version=v) for v in (1, 2, 3))
+    if combo["call"] == "first":
+        ct_trainer.serve(S.stream_of(v1))
+        change_environment()
+        _judge_identity(session, ct_trainer, session.update(), v1, want, f"{where}: the first load")
+        return
+    ct_trainer.serve(S.stream_of(v1), S.stream_of(v2), S.stream_of(v3, fault=("fail", 0)), S.stream_of(v3))
+    session.update()
+    check.params_equal(session.observe(), v1, f"{where}: the first load, before the change")
+    change_environment()
+    _judge_identity(session, ct_trainer, session.update(), v2, want, f"{where}: the second update, in place")
+    with check.raises(ConnectionError, match=".", where=f"{where}: a stream broken before its first item"):
+        session.update()
+    _judge_identity(session, ct_trainer, session.update(), v3, want,
+                    f"{where}: the update after the broken stream, in place (its handle, if new)")
 
 
 # -- STREAM-OPTIONS --------------------------------------------------------------------------------

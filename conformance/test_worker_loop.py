@@ -173,6 +173,68 @@ def test_requests_cleared_before_the_weights_change(loader, block):
                    f"before the update, at the wrong moment: {wrong}")
 
 
+@pytest.mark.rule("STATUS-REQUESTS-CLEARED")
+@pytest.mark.requires(*NEEDS)
+@pytest.mark.modes(op="update", call=("first", "second"))
+@MODES
+def test_requests_not_cleared_again_after_a_failed_update(loader, block):
+    """A cycle whose update fails (version 2's snapshot lacks its last parameter: the others land first), then the
+    API's update of a fixed version 3: the requests are stopped once before the clear and once before each update
+    (weights cleared, cell UPDATING), and never again, not while the loop releases what the failed update left nor
+    in the passes that idle at the CLEARED it then writes."""
+    level = L.level_of(loader.adapter)
+    with C.Cell(C.NORMAL) as cell:
+        session = _loaded(loader, cell)
+        state = dict(sorted(M.state(SPEC, version=2).items()))
+        lacking = list(state)[-1]
+        from weightsync.fixtures import snapshot as S
+
+        S.write_level(level, loader.model_dir, None, 0, 0, {n: a for n, a in state.items() if n != lacking})
+        probe = Probe(session, cell)
+        worker = WorkerThread(session, probe, block)
+        cell.write(C.CLEARING)
+        _wait_for(lambda: cell.read() == C.CLEARED or not worker.is_alive(), CYCLE_TIMEOUT_S)
+        looked_again(os.getpid(), worker.native_id, timeout_s=CYCLE_TIMEOUT_S)
+        time.sleep(IDLE_S)
+        cell.write(C.UPDATING)
+        # The failing pass raises (or returns something else than "updated"); then passes may idle at what the loop
+        # wrote. Wait for the failure, then a while at the cell it leaves.
+        _wait_for(lambda: not worker.is_alive() or (cell.read() != C.UPDATING and len(worker.results) >= 3),
+                  CYCLE_TIMEOUT_S)
+        time.sleep(IDLE_S)
+        worker.stop.set()
+        worker.join(CYCLE_TIMEOUT_S)
+        failed = f"{'blocking' if block else 'non-blocking'} worker loop, an update lacking {lacking} " \
+                 f"(iterations: {worker.results}; runner: {probe.show()})"
+        check.that("updated" not in worker.results, f"{failed}: an iteration returned 'updated'")
+        _stopped_once_each(probe, 1, failed)
+        if cell.read() != C.CLEARED:  # the loop kept what the failed update left: STATUS-FAILED-NOT-NORMAL's to judge
+            return
+        # The API asks again (from the CLEARED the loop wrote): one more stop, before that update.
+        L.publish(loader.model_dir, SPEC, 3, level)
+        worker = WorkerThread(session, probe, block)
+        cell.write(C.UPDATING)
+        _finish(worker, cell)
+        again = f"{failed}; then the update of version 3 (iterations: {worker.results}; runner: {probe.show()})"
+        check.that(worker.results[-1:] == ["updated"], f"{again}: the cycle did not complete")
+        check.params_equal(session.observe(), M.state(SPEC, version=3), again)
+        _stopped_once_each(probe, 2, again)
+
+
+def _stopped_once_each(probe: Probe, updates: int, where: str) -> None:
+    """clear_requests() came once before the one clear (version 1 loaded, cell CLEARING) and once before each of
+    ``updates`` updates (weights cleared, cell UPDATING), and at no other moment."""
+    calls = probe.of("clear_requests")
+    before_clear = [c for c in calls if c[1] == "v1" and c[2] == "CLEARING"]
+    before_update = [c for c in calls if c[1:3] == ("cleared", "UPDATING")]
+    wrong = [c for c in calls if c not in before_clear and c not in before_update]
+    check.that(len(before_clear) == 1 and len(before_update) == updates and not wrong,
+               f"{where}: clear_requests() must come once before the clear (version 1 loaded, cell CLEARING) and once "
+               f"before each of {updates} update(s) (weights cleared, cell UPDATING), never once the weights changed nor "
+               f"at the release of the failed update's weights; got {len(before_clear)} before the clear, "
+               f"{len(before_update)} before an update, at the wrong moment: {wrong}")
+
+
 @pytest.mark.rule("STATUS-COMM-GROUPS")
 @pytest.mark.requires(*NEEDS)
 @pytest.mark.modes(op=("clear", "update"), call=("first", "second"))
@@ -199,7 +261,7 @@ def test_comm_groups_shut_down_only_when_asked(loader, block):
 
 @pytest.mark.rule("STATUS-KV-CELL")
 @pytest.mark.requires(*NEEDS)
-@pytest.mark.modes(op=("clear", "update"), call=("first", "second"))
+@pytest.mark.modes(op=("clear", "update"), call=("first", "second"), outcome="ok")  # failed: test_status_failures.py
 @MODES
 def test_kv_cache_cell_told_before_the_weights_change(loader, block):
     with C.Cell(C.NORMAL) as cell, C.Cell(C.NORMAL, name=f"{cell.name}-kv") as kv:

@@ -157,6 +157,9 @@ class WeightManager:
             self.agreement.require_all("clear")
             span.end()
             self.status = Status.CLEARED
+            # The startup load is over once a clear has run, whether or not it committed: the cell now says
+            # CLEARED, and the next committed update must say NORMAL (STATUS-FIRST-LOAD-SILENT).
+            self.first_load = False
             if publish:
                 self.cell.publish(Status.CLEARED, self.first_load)
             log.info("cleared %d parameters", len(self.params))
@@ -200,6 +203,7 @@ class WeightManager:
                 span.end()
             except BaseException as e:
                 self._stage = None  # a staged update's tensors are dropped, never adopted
+                transforms.restore(self.post_load)  # the served layout back on what the failed update left
                 raised = self.failed("update", e) if not self._voted else e  # the others learn of it now
                 self.last_error = raised
                 log.error("update via %s failed: %s", self.load_strategy, e)

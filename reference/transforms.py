@@ -63,6 +63,7 @@ class Dequant:
 class PostLoad:
     transposes: list[Transpose]
     derived: list  # Fuse and Dequant steps, in declaration order (fuse first)
+    loaded_layout: bool = False  # the transposed parameters are in their loaded layout (before_load to after_load)
 
 
 def loaded_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -185,19 +186,48 @@ def _set_shape(param: paddle.Tensor, shape: tuple[int, ...]) -> None:
     param.value().get_tensor()._set_dims(list(shape))
 
 
+def _swapped(param: paddle.Tensor) -> paddle.Tensor:
+    """The tensor with its last two axes swapped (per expert for 3-D), contiguous."""
+    axes = list(range(len(param.shape)))
+    return paddle.transpose(param, axes[:-2] + [axes[-1], axes[-2]]).contiguous()
+
+
+def _relayout(param: paddle.Tensor, shape: tuple[int, ...]) -> None:
+    """Give ``param`` the layout ``shape`` (its last two axes swapped): the data moves with it when it holds
+    any, written back into the parameter's own memory, so that its address stays (MODEL-STORAGE-KEPT)."""
+    new = _swapped(param) if param._is_initialized() and math.prod(shape) else None
+    _set_shape(param, shape)
+    if new is not None:
+        param.set_value(new)
+
+
 def before_load(post: PostLoad) -> None:
-    """Give every transposed parameter (cleared: no data) its loaded shape, which the loaders check
-    incoming tensors against."""
-    for t in post.transposes:
-        _set_shape(t.param, t.loaded)
+    """Give every transposed parameter its loaded layout, which the loaders check incoming tensors against:
+    a cleared one its shape, a loaded one (an update in place) its data too, so that a weight the update
+    leaves out (RSYNC-SUBSET) is the same weight when ``after_load`` transposes it again."""
+    if post.loaded_layout:
+        return
+    with paddle.no_grad():
+        for t in post.transposes:
+            _relayout(t.param, t.loaded)
+    post.loaded_layout = True
+
+
+def restore(post: PostLoad) -> None:
+    """After a failed update: if it failed between ``before_load`` and ``after_load``, every transposed parameter
+    back in its served layout, with whatever data it holds (an update in place refused whole keeps its weights as
+    they were); otherwise nothing."""
+    if not post.loaded_layout:
+        return
+    with paddle.no_grad():
+        for t in post.transposes:
+            _relayout(t.param, t.served)
+    post.loaded_layout = False
 
 
 def transpose(t: Transpose) -> None:
     """Swap the last two axes of the loaded tensor (per expert for 3-D) and give it its served shape."""
-    new = None
-    if math.prod(t.served):  # a zero-element weight has no data to move, only a shape
-        axes = list(range(len(t.loaded)))
-        new = paddle.transpose(t.param, axes[:-2] + [axes[-1], axes[-2]]).contiguous()
+    new = _swapped(t.param) if math.prod(t.served) else None  # a zero-element weight has only a shape
     _set_shape(t.param, t.served)
     if new is not None:  # written back into the parameter's own memory: its address stays (MODEL-STORAGE-KEPT)
         t.param.set_value(new)
@@ -220,6 +250,7 @@ def dequantised(step: Dequant) -> paddle.Tensor:
 
 def after_load(post: PostLoad) -> None:
     """Run every step once on the update's new weights: transposes, then fused and dequantised buffers."""
+    post.loaded_layout = False
     with paddle.no_grad():
         for t in post.transposes:
             transpose(t)

@@ -55,6 +55,25 @@ def _dead_owner(directory: str, name: str, patterns) -> bool:
     return False
 
 
+def sweep_pid(pid: int, shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove the segments and status cells of one process of ours that is dead (a forked child its parent
+    reaped, killed before it could unlink them); returns the paths removed. A live pid's are left alone."""
+    if pid_alive(pid):
+        return []
+    removed = []
+    for name in sorted(os.listdir(shm_dir)):
+        if not any((m := pattern.match(name)) and int(m.group(1)) == pid for pattern in SHM_NAMES):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def sweep_dead_runs(shm_dir: str = SHM_DIR, tmp_dir: str | None = None) -> list[str]:
     """Remove the segments, status cells and run directories of our runs whose process is dead; returns
     the paths removed."""

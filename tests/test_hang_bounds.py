@@ -160,6 +160,33 @@ def test_in_child_kills_the_child_when_the_wait_is_interrupted(tmp_path):
     assert not os.path.exists(f"/proc/{pid}"), f"child {pid} still exists"
 
 
+def _segment_then_hang(pid_file):
+    from weightsync.wire.handles import Segment
+
+    segment = Segment.create(1024)  # a trainer's bucket, as fixtures.buckets.Publisher makes in a forked case
+    with open(pid_file, "w") as f:
+        f.write(f"{os.getpid()} {segment.name}")
+    time.sleep(60)
+
+
+def test_in_child_sweeps_what_a_killed_child_left_in_shared_memory(tmp_path):
+    """A child killed at its deadline cannot unlink the segments it made: in_child removes them once it has
+    reaped it (a leak of the suite's, never the implementation's business); another process's are left alone."""
+    from weightsync.wire.handles import Segment
+
+    mine = Segment.create(1024)  # this process's: alive, not the child's
+    try:
+        with pytest.raises(harness.ChildTimedOut):
+            harness.in_child(_segment_then_hang, str(tmp_path / "pid"), timeout_s=1.0)
+        pid, name = (tmp_path / "pid").read_text().split()
+        left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"wscf_{pid}_"))
+        assert not left, f"the killed child {pid}'s segments are still in /dev/shm: {left} (it made {name})"
+        assert os.path.exists(f"/dev/shm/{mine.name}"), f"this process's own segment {mine.name} was removed"
+    finally:
+        mine.close()
+        mine.unlink()
+
+
 def test_a_device_read_without_end_is_stopped_by_the_memory_cap():
     """LEVEL-CANDIDATE-NOT-FILE's watch kills a child whose memory grows past the cap (a loader reading
     ``/dev/zero`` to its end), failing the case naming the device."""

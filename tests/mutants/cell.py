@@ -7,7 +7,9 @@ separately from its status does.
 from __future__ import annotations
 
 from reference import hooks as _hooks
+from reference import manager as _manager
 from reference import storage as _storage
+from reference import worker_loop as _loop
 from reference.status import Status
 
 from .base import Mutant
@@ -102,3 +104,39 @@ class RecaptureAfterNormal(Mutant):
             _real_recapture(manager)
 
         return {"reference.storage.recapture": recapture}
+
+
+class ReleaseLeavesKvUpdating(Mutant):
+    id = "cell_release_leaves_kv_updating"
+    bug = ("after an update that fails inside the loop, the loop releases the weights and rank 0 writes CLEARED, but the "
+           "KV cache's cell is not told (it keeps the update's UPDATING): the cache manager keeps, or rebuilds, caches for "
+           "weights that are gone, and the next update, starting from CLEARED without a clear, allocates them again")
+    kills = frozenset({"STATUS-KV-CELL"})
+
+    def patches(self):
+        def release_failed(manager, cell, poll_s):
+            manager.clear()
+            if not manager.cell.writes:
+                _loop.wait_while(cell, Status.UPDATING, manager.agreement.timeout_s, poll_s,
+                                 f"rank {manager.rank} released the weights of its failed update")
+
+        return {"reference.worker_loop.release_failed": release_failed}
+
+
+class _StartupUntilCommitManager(_manager.WeightManager):
+    def clear(self, publish: bool = True) -> None:
+        first = self.first_load
+        super().clear(publish)
+        self.first_load = first  # the startup load ends only at a commit
+
+
+class StartupLoadEndsOnlyAtCommit(Mutant):
+    id = "cell_startup_load_ends_only_at_commit"
+    bug = ("the reference before issue 30's blind batch: the first-load flag (no NORMAL written for the startup load) is "
+           "cleared only when an update commits, so after a failed startup load the API's clear writes CLEARED and the "
+           "committed update that follows writes nothing: the cell stays CLEARED over loaded weights, and in the worker "
+           "loop rank 0 waits for its own NORMAL until its deadline and the API's update is answered 500")
+    kills = frozenset({"STATUS-FIRST-LOAD-SILENT"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _StartupUntilCommitManager}

@@ -560,6 +560,22 @@ class PeerFailureSwallowed(Mutant):
         return _control(Control)
 
 
+class PeerFailureNotUndone(Mutant):
+    id = "ctl_peer_failure_not_undone"
+    bug = ("a rank whose own KV cache release (or rebuild) succeeded raises when a peer failed the sleep (wakeup), but "
+           "does not undo its own part: it records the tag as before (awake after the failed sleep) while its engine's "
+           "KV cache is released, and the next healthy sleep releases the released cache again (a double free; a "
+           "rebuild of a rebuilt one after a failed wakeup)")
+    kills = frozenset({"CTL-EVERY-RANK"})
+
+    def patches(self):
+        class Control(_c.Control):
+            def _agreed(self, what, apply, undo=None):
+                super()._agreed(what, apply)
+
+        return _control(Control)
+
+
 # -- the routed legacy pair --------------------------------------------------------------------------------
 class RoutedUpdateAlwaysWakes(Mutant):
     id = "ctl_routed_update_always_wakes"

@@ -96,6 +96,22 @@ class ExpertTransposeWrongAxes(Mutant):
         return {"reference.transforms.transpose": transpose}
 
 
+class LoadedLayoutByShapeOnly(Mutant):
+    id = "loaded_layout_by_shape_only"
+    bug = ("the reference before issue 30's blind batch: before an update every transposed parameter is given its "
+           "loaded shape without moving its data, and nothing puts the served layout back when the update fails: "
+           "a weight an in-place rsync step leaves out (RSYNC-SUBSET) comes back transposed once more from a "
+           "relabelled buffer, and a step refused whole leaves every transposed weight in the loaded shape over served bytes")
+    kills = frozenset({"RSYNC-SUBSET", "MODEL-TRANSFORM-FAILED"})
+
+    def patches(self):
+        def before_load(post):
+            for t in post.transposes:
+                _transforms._set_shape(t.param, t.loaded)
+
+        return {"reference.transforms.before_load": before_load, "reference.transforms.restore": lambda post: None}
+
+
 class FrozenDraftTransformedAgain(Mutant):
     id = "frozen_draft_transformed_again"
     bug = ("post-load processing is planned over every model in the list, frozen ones included (radixark/"

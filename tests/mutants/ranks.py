@@ -17,6 +17,7 @@ from reference import commit as _commit
 from reference import control
 from reference import ipc_meta as _ipc_meta
 from reference import manager as _manager
+from reference import transforms as _transforms
 from reference import worker_loop as _loop
 from reference.commit import CommitOptions, Stage
 from reference.control import WeightControl
@@ -34,6 +35,7 @@ _real_wait_while = _loop.wait_while
 _real_read_version_file = _commit.read_version_file
 _real_adopt = _apply.adopt
 _real_open_tensor = _ipc_meta.open_tensor
+_real_after_load = _transforms.after_load
 
 
 # -- the worker loop (STATUS) ---------------------------------------------------------------------
@@ -164,6 +166,31 @@ class RequestsClearedAfterClear(Mutant):
                 return _real_check_status(manager, cell, value, block=block, poll_s=poll_s, runner=Late())
             finally:
                 del manager.clear
+
+        return {"reference.worker_loop.check_status": check_status}
+
+
+class RequestsClearedAgainAtTheRelease(Mutant):
+    id = "loop_requests_cleared_again_at_the_release"
+    bug = ("after an update that fails inside the loop, the release of what it left stops the runner's requests again "
+           "(\"requests stopped before every change of the weights\"): at a moment some parameters already hold the "
+           "failed update's values, and a second time for one request (issue 30's blind batch)")
+    kills = frozenset({"STATUS-REQUESTS-CLEARED"})
+
+    def patches(self):
+        def check_status(manager, cell, value, *, block, poll_s=_loop.POLL_S, runner=None):
+            real_release = _loop.release_failed
+
+            def release_failed(manager_, cell_, poll_s_):
+                if runner is not None:
+                    runner.clear_requests()
+                return real_release(manager_, cell_, poll_s_)
+
+            _loop.release_failed = release_failed
+            try:
+                return _real_check_status(manager, cell, value, block=block, poll_s=poll_s, runner=runner)
+            finally:
+                _loop.release_failed = real_release
 
         return {"reference.worker_loop.check_status": check_status}
 
@@ -443,6 +470,107 @@ class LenientVersionFile(Mutant):
                 return None
 
         return {"reference.commit.read_version_file": read_version_file}
+
+
+# -- the window between a rank's own check and the ranks' vote ----------------------------------------------------
+class _VoteWindowManager(_manager.WeightManager):
+    """Runs ``early()`` once this rank's own checks of an update passed, just before the ranks' vote on it."""
+
+    def early(self) -> None:
+        raise NotImplementedError
+
+    def finalize(self):
+        if self._committed:
+            return super().finalize()
+        real = self.agreement.require_all
+
+        def require_all(what):
+            if what == "update":
+                self.early()
+            return real(what)
+
+        self.agreement.require_all = require_all
+        try:
+            return super().finalize()
+        finally:
+            del self.agreement.require_all
+
+
+_done_early: set[int] = set()  # the PostLoad of a manager that already ran its steps this update
+
+
+def _after_load_unless_done(post):
+    if id(post) in _done_early:
+        _done_early.discard(id(post))
+        return
+    _real_after_load(post)
+
+
+class _TransformsBeforeVoteManager(_VoteWindowManager):
+    def early(self):
+        _real_after_load(self.post_load)  # "this rank's weights are all here": transposed, fused, dequantised
+        _done_early.add(id(self.post_load))
+
+
+class TransformsBeforeTheVote(Mutant):
+    id = "transforms_before_the_vote"
+    bug = ("the post-load steps run once this rank's own shard passed its checks, before the ranks' vote: when a peer "
+           "fails the update, the healthy rank's fused and dequantised buffers (and its transposes) already hold the "
+           "failed update's values (issue 30's blind batch)")
+    kills = frozenset({"MODEL-TRANSFORM-FAILED"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _TransformsBeforeVoteManager,
+                "reference.transforms.after_load": _after_load_unless_done}
+
+
+class _AdoptBeforeVoteManager(_VoteWindowManager):
+    def early(self):
+        if self._stage is not None:
+            self._stage.commit(self.params)
+            self._stage = None
+
+
+class StagedAdoptedBeforeTheVote(Mutant):
+    id = "staged_adopted_before_the_vote"
+    bug = ("a staged update adopts its tensors once this rank's own shard passed its checks, before the ranks' vote: "
+           "a peer's failure leaves the healthy rank holding the failed update's tensors (issue 30's blind batch; the "
+           "loop's release after the failure clears them, which hid it)")
+    kills = frozenset({"STAGE-ATOMIC"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _AdoptBeforeVoteManager}
+
+
+class _KeptAfterVoteManager(_manager.WeightManager):
+    """The version a failed update announced is forgotten only when the failure came before this rank's vote."""
+
+    _kept = None
+
+    def update(self, version=None):
+        try:
+            result = super().update(version)
+        except BaseException:
+            self._kept = self._pending_version if self._voted else None
+            raise
+        self._kept = None
+        return result
+
+    def announce(self, version):
+        super().announce(version)
+        if version is None and self._pending_version is None and self._kept is not None:
+            self._pending_version = self._kept
+
+
+class VersionKeptAfterTheVote(Mutant):
+    id = "version_kept_after_the_vote"
+    bug = ("the version an update announced is forgotten on a failure before this rank's vote only: after one at or "
+           "past it (a peer's failure, the engine's recapture raising) the next update carrying no version stamps the "
+           "failed update's version, which never loaded (issue 30's blind batch)")
+    kills = frozenset({"VER-FAILED-KEEPS"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _KeptAfterVoteManager}
 
 
 # -- ranks (MR) ---------------------------------------------------------------------------------------

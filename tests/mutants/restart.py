@@ -114,3 +114,35 @@ class RestartWritesBackWhatItRead(Mutant):
             return done
 
         return {"reference.restart.recover": recover}
+
+
+class RestartFollowerNoWait(Mutant):
+    id = "restart_follower_no_wait"
+    bug = ("a restarted follower (tensor-parallel rank 1 of 2, which never writes the cell) that finds a dead worker's "
+           "UPDATING answers it from its startup load (or reloads) and returns 'updated' at once, without waiting for "
+           "rank 0's NORMAL: its next pass reads the request again and updates a second time for one request (into "
+           "loaded weights: it fails and releases them, or reloads twice), and with rank 0 slow it ends unloaded "
+           "(CLEARED) while rank 0 says NORMAL")
+    kills = frozenset({"STATUS-RESTART-RECOVERS"})
+
+    def patches(self):
+        def recover(manager, cell, value, poll_s):  # reference.restart.recover without the follower's final wait
+            if manager.loop_started:
+                return None
+            manager.loop_started = True
+            if manager.status != Status.NORMAL or value not in (Status.UPDATING, Status.CLEARED):
+                return None
+            if value == Status.CLEARED:
+                manager.clear(publish=False)
+                return "cleared"
+            if manager.cell_at_startup == Status.UPDATING:
+                manager.cell.publish(Status.NORMAL, first_load=False)
+            else:
+                from reference.worker_loop import update
+
+                if manager.load_strategy not in manager.IN_PLACE:
+                    manager.clear(publish=False)
+                update(manager, cell, poll_s)
+            return "updated"  # the bug: a follower does not wait_while(cell, UPDATING, ...) for rank 0's NORMAL
+
+        return {"reference.restart.recover": recover}

@@ -5,6 +5,8 @@ Patches follow tests/mutants/base.py: module attributes the reference looks up a
 """
 from __future__ import annotations
 
+import os
+
 import paddle
 
 from reference import gdr, mtp_routing, prefetch, rsync, stream_config, transfer_lib
@@ -24,6 +26,7 @@ _destroy = transfer_lib.destroy
 _ensure = transfer_lib.ensure
 _update_from_rsync = rsync.update_from_rsync
 _receive = rsync.receive
+_worker_identity = stream_config.worker_identity
 
 
 # -- rsync -------------------------------------------------------------------------------------------
@@ -519,6 +522,18 @@ class StreamOptionsUnchecked(Mutant):
     def patches(self):
         return {"reference.stream_config.recv_timeout": lambda cfg: float(cfg.get("recv_bucket_timeout_s", 60.0) or 0.0)
                 if not isinstance(cfg.get("recv_bucket_timeout_s"), str) else 60.0}
+
+
+class StreamIdentityReadAtUpdate(Mutant):
+    id = "stream_identity_read_at_update"
+    bug = ("the worker's local rank (FLAGS_selected_gpus) and world size (PADDLE_TRAINERS_NUM) for the transfer "
+           "library read from os.environ when update() runs instead of from the environment the session was opened "
+           "with: a worker whose environment changed since (an engine setting variables for another library, a "
+           "reused process) creates its handle as another worker and returns another rank, on rsync and GDR alike")
+    kills = frozenset({"STREAM-IDENTITY-AT-OPEN"})
+
+    def patches(self):
+        return {"reference.stream_config.worker_identity": lambda env: _worker_identity(os.environ)}
 
 
 # -- the draft model ---------------------------------------------------------------------------------

@@ -71,6 +71,47 @@ class VersionFileOpensFifo(Mutant):
         return _both(read)
 
 
+class VersionFileTrustsStat(Mutant):
+    id = "version_file_trusts_stat"
+    bug = ("the kind is checked with os.stat() before the open (every FIFO, directory, device or dangling link already "
+           "in place is refused) and the read is bounded, but the file is then opened blocking (no O_NONBLOCK) and its "
+           "descriptor never judged again (no fstat): a FIFO the trainer swaps in between the stat and the open blocks "
+           "the update forever")
+    kills = frozenset({"VER-FILE-SAFE"})
+
+    def patches(self):
+        def read(path):
+            try:
+                before = os.stat(path)
+            except FileNotFoundError:
+                if os.path.lexists(path):
+                    raise VersionError(f"{path}: the version file is a dangling symlink") from None
+                return None
+            except OSError as e:
+                raise VersionError(f"{path}: the version file cannot be examined ({e.strerror})") from None
+            if not stat.S_ISREG(before.st_mode):
+                raise VersionError(f"{path}: the version file is not a regular file")
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # what os.stat saw is trusted: blocking, no fstat
+                try:
+                    chunks, size = [], 0
+                    while size <= VERSION_FILE_MAX_BYTES:
+                        chunk = os.read(fd, VERSION_FILE_MAX_BYTES + 1 - size)
+                        if not chunk:
+                            break
+                        chunks.append(chunk)
+                        size += len(chunk)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise VersionError(f"{path}: the version file cannot be read ({e.strerror})") from None
+            if size > VERSION_FILE_MAX_BYTES:
+                raise VersionError(f"{path}: the version file is over the {VERSION_FILE_MAX_BYTES}-byte limit")
+            return b"".join(chunks)
+
+        return _both(read)
+
+
 class VersionFileErrorUnnamed(Mutant):
     id = "version_file_error_unnamed"
     bug = "every refusal says 'version.yaml is not a small regular file', never which directory's (snapshot or meta)"
