@@ -20,6 +20,7 @@ import os
 import platform
 import shlex
 import sys
+import threading
 from collections import Counter, defaultdict
 
 import pytest
@@ -126,11 +127,40 @@ def _is_conformance(item) -> bool:
 _STATE: dict = {}
 
 
+_AST_LOCK = threading.RLock()
+
+
+def _serialize_ast_parse() -> None:
+    """CPython 3.11 keeps the AST constructor's recursion depth in state its threads share (gh-106905): two threads
+    building ASTs at once (pytest formatting a failure while another thread prints its traceback, whose carets 3.11
+    places with ``ast.parse``) raise ``SystemError: AST constructor recursion depth mismatch`` inside pytest, an
+    INTERNALERROR that ends the run without its report. A case's threads run the implementation under test, so any
+    of them may die printing a traceback: ``ast.parse`` runs one call at a time in a conformance run."""
+    import ast
+
+    parse = ast.parse
+    if getattr(parse, "_conformance_serialized", False):
+        return
+
+    def serialized(*args, **kwargs):
+        with _AST_LOCK:
+            return parse(*args, **kwargs)
+
+    def reset_in_child():  # a fork while another thread parsed: the child's lock starts free
+        global _AST_LOCK
+        _AST_LOCK = threading.RLock()
+
+    serialized._conformance_serialized = True
+    ast.parse = serialized
+    os.register_at_fork(after_in_child=reset_in_child)
+
+
 def _is_worker(config) -> bool:
     return hasattr(config, "workerinput")  # a pytest-xdist worker: the controller reports
 
 
 def pytest_configure(config):
+    _serialize_ast_parse()
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     config.stash[RESULTS_KEY] = {}

@@ -470,7 +470,10 @@ class _Watch(threading.Thread):
 
     def run(self):
         while not self.done.wait(0.0005):
-            now = C.name_of(self.cell.read())
+            try:
+                now = C.name_of(self.cell.read())
+            except OSError:  # the case ended (it failed first) and its cell is gone: nothing more to watch
+                return
             if now != self.seen[-1]:
                 self.seen.append(now)
 

@@ -187,6 +187,36 @@ def test_in_child_sweeps_what_a_killed_child_left_in_shared_memory(tmp_path):
         mine.unlink()
 
 
+def test_ast_parse_is_serialized_and_a_fork_never_inherits_its_lock_held():
+    """The plugin runs ``ast.parse`` one call at a time (CPython 3.11's AST constructor shares its recursion depth
+    between threads: gh-106905, an INTERNALERROR that loses the run's report), and a child forked while another
+    thread holds that lock parses at once: a case's forked child that prints a traceback never deadlocks."""
+    import ast
+    import threading
+
+    from conformance import plugin
+
+    plugin._serialize_ast_parse()
+    assert getattr(ast.parse, "_conformance_serialized", False), "ast.parse is not the plugin's serialized one"
+    harness.in_child(lambda: None)  # in_child's own first imports (which this process may parse) done before the hold
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with plugin._AST_LOCK:
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert holding.wait(10), "the holding thread never took the lock"
+        got = harness.in_child(lambda: type(ast.parse("x = 1").body[0]).__name__, timeout_s=10.0)
+        assert got == "Assign", got
+    finally:
+        release.set()
+        holder.join(10)
+
+
 def test_a_device_read_without_end_is_stopped_by_the_memory_cap():
     """LEVEL-CANDIDATE-NOT-FILE's watch kills a child whose memory grows past the cap (a loader reading
     ``/dev/zero`` to its end), failing the case naming the device."""

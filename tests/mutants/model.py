@@ -17,6 +17,7 @@ from .base import Mutant
 _real_after_load = _transforms.after_load
 _real_transpose = _transforms.transpose
 _real_plan = _transforms.plan
+_real_before_load = _transforms.before_load
 _real_fused = _transforms.fused
 
 
@@ -114,9 +115,9 @@ class LoadedLayoutByShapeOnly(Mutant):
 
 class FrozenDraftTransformedAgain(Mutant):
     id = "frozen_draft_transformed_again"
-    bug = ("post-load processing is planned over every model in the list, frozen ones included (radixark/"
-           "miles#1926): the frozen draft, which received nothing, is re-laid out and transposed again on "
-           "every update")
+    bug = ("post-load processing runs over every model in the list, frozen ones included (radixark/miles#1926), while "
+           "the preparation for the load knows the frozen draft receives nothing: the draft, which received nothing, "
+           "is transposed again on every update (and a failed update's restore un-transposes it)")
     kills = frozenset({"MODEL-TRANSFORM-FROZEN", "MODEL-TRANSFORM-FAILED"})
 
     def patches(self):
@@ -130,10 +131,19 @@ class FrozenDraftTransformedAgain(Mutant):
             def __getattr__(self, name):
                 return getattr(self._model, name)
 
-        def plan(models):
-            return _real_plan([Unfrozen(m) if _transforms.is_frozen(m) else m for m in models])
+        frozen: set[int] = set()  # the Transpose entries of frozen models
 
-        return {"reference.transforms.plan": plan}
+        def plan(models):
+            post = _real_plan([Unfrozen(m) if _transforms.is_frozen(m) else m for m in models])
+            params = {id(p) for m in models if _transforms.is_frozen(m) for p in m.state_dict().values()}
+            frozen.update(id(t) for t in post.transposes if id(t.param) in params)
+            return post
+
+        def before_load(post):  # the weights that will be loaded made ready; the frozen draft left as it is
+            _real_before_load(_transforms.PostLoad([t for t in post.transposes if id(t) not in frozen], post.derived))
+            post.loaded_layout = True
+
+        return {"reference.transforms.plan": plan, "reference.transforms.before_load": before_load}
 
 
 class PostLoadBeforeVerification(Mutant):
