@@ -27,16 +27,31 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _pins: list = []
 
 
+def _pin_after(block: np.ndarray) -> None:
+    """Keep a live 64 KiB block right after ``block``, so that ``block`` freed is a hole of its own: never merged
+    with the next hole, nor with the top chunk, which glibc trims once it passes the trim threshold (then no hole
+    is left: a heap of 45 MiB for 165, about one interpreter in 150). malloc serves a request from a free chunk
+    below ``block`` first, where the heap has one large enough: each block it places there stays live too, and the
+    request is made again until it comes from the top, right after ``block``."""
+    end = block.ctypes.data + block.nbytes
+    for _ in range(4096):
+        pin = np.ones(1 << 16, dtype=np.uint8)
+        _pins.append(pin)
+        if 0 <= pin.ctypes.data - end < 4096:
+            return
+    raise AssertionError(f"premise: no 64 KiB block placed right after the {block.nbytes >> 20} MiB one in 4096 tries")
+
+
 def _leave_holes() -> None:
     """Leave ``HOLES`` freed, resident blocks of ``HOLE_MIB`` MiB in this thread's arena, each kept apart from
-    the next by a live 64 KiB block. Freeing a mapped 24 MiB block first raises glibc's dynamic mmap
-    threshold, so the blocks come from the arena, not from mappings of their own."""
+    the next by a live 64 KiB block (``_pin_after``). Freeing a mapped 24 MiB block first raises glibc's dynamic
+    mmap threshold, so the blocks come from the arena, not from mappings of their own."""
     big = np.ones(24 * MIB, dtype=np.uint8)
     del big
     blocks = []
     for _ in range(HOLES):
         blocks.append(np.ones(HOLE_MIB * MIB, dtype=np.uint8))
-        _pins.append(np.ones(1 << 16, dtype=np.uint8))
+        _pin_after(blocks[-1])
     del blocks
 
 
