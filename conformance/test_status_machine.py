@@ -23,6 +23,7 @@ from conformance import loop_schedule as L
 from conformance.harness import Worker
 from conformance.loop_driver import END_RESULTS, LoopChild
 from conformance.path_sources import CAPS, Sources
+from conformance.paths import ALL_PATHS, route  # noqa: F401 (the fixture)
 from conformance.thread_state import looked_again
 from weightsync.fixtures import models as M
 from weightsync.fixtures import status_cell as C
@@ -212,6 +213,45 @@ def test_failed_first_load_ends_at_the_clear(loader, kind, retry):
                         f"{where}: the cell after clear() and a committed update (the startup load ended at the clear)")
         finally:
             sources.close()
+
+
+@pytest.mark.rule("STATUS-FIRST-LOAD-SILENT")
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.requires("status.cell", *ALL_PATHS[p].capabilities), id=f"{p}:retry-in-place")
+     for p in ("rsync", "gdr")],
+)
+def test_failed_streamed_first_load_retried_in_place_writes_no_status(route, loader, path):
+    """rsync and GDR update in place: a failed first load is retried without a clear(), and the retry is still the
+    startup load (no write into the cell the engine set before the worker started); its commit ends it, and the next
+    update in place writes NORMAL. A loader that refuses the retry ends the startup load at the clear() it needs."""
+    rt = route(path)
+    with C.Cell(7) as cell:  # a value no worker writes: any write shows
+        session = rt.open(SPEC, options={"status_cell": cell.name})
+        first = M.state(SPEC, version=1)
+        where = f"{path}: a first load of {rt.publish(0, first, 1, ('fail', len(first)))}"  # broken after its last item
+        with check.raises(ConnectionError, match=r"\S", where=where):
+            rt.update(0)
+        check.that(cell.read() != C.NORMAL and session.status() != "NORMAL",
+                   f"{where}: the cell reads {C.name_of(cell.read())}, status() {session.status()}: neither may be NORMAL")
+        before = cell.read()
+        where = f"{where}, retried in place ({rt.publish(0, first, 1)})"
+        try:
+            rt.update(0)
+        except Exception:  # noqa: BLE001 (a loader may refuse a retry it cannot trust: LIFE-FAILED-RETRY)
+            check.that(session.status() != "NORMAL", f"{where}: refused, yet status() NORMAL")
+            session.clear()
+            check.equal(C.name_of(cell.read()), "CLEARED", f"{where}: refused; the cell after clear()")
+            then = "clear() and an update"
+        else:
+            check.params_equal(session.observe(), first, where)
+            check.equal(C.name_of(cell.read()), C.name_of(before),
+                        f"{where}: the cell after the retried first load (still the startup load: no write)")
+            then = "an update in place"
+        rt.publish(0, M.state(SPEC, version=2), 2)
+        rt.update(0)
+        check.params_equal(session.observe(), M.state(SPEC, version=2), f"{where}: {then} to version 2")
+        check.equal(C.name_of(cell.read()), "NORMAL", f"{where}: the cell after {then} to version 2 (the startup load is over)")
 
 
 WRITERS = [  # (rank, world, tp_size option, writes)

@@ -140,3 +140,23 @@ class StartupLoadEndsOnlyAtCommit(Mutant):
 
     def patches(self):
         return {"reference.adapter.WeightManager": _StartupUntilCommitManager}
+
+
+class _StartupEndsAtFailureManager(_manager.WeightManager):
+    def update(self, version=None):
+        try:
+            return super().update(version)
+        except BaseException:
+            self.first_load = False  # the startup load ends at its failure
+            raise
+
+
+class StartupLoadEndsAtFailure(Mutant):
+    id = "cell_startup_load_ends_at_failure"
+    bug = ("the first-load flag is cleared when the startup load fails, as if the failed load had been the startup "
+           "load: on the paths that clear first this only refuses a retry without clear(), but rsync and GDR retry in "
+           "place, and the retried startup load writes NORMAL into the cell the engine set before the worker started")
+    kills = frozenset({"STATUS-FIRST-LOAD-SILENT"})
+
+    def patches(self):
+        return {"reference.adapter.WeightManager": _StartupEndsAtFailureManager}
