@@ -203,8 +203,8 @@ class WeightManager:
                 span.end()
             except BaseException as e:
                 self._stage = None  # a staged update's tensors are dropped, never adopted
-                transforms.restore(self.post_load)  # the served layout back on what the failed update left
                 raised = self.failed("update", e) if not self._voted else e  # the others learn of it now
+                transforms.restore(self.post_load)  # then the served layout back on what the failed update left
                 self.last_error = raised
                 log.error("update via %s failed: %s", self.load_strategy, e)
                 if raised is e:

@@ -205,24 +205,24 @@ def before_load(post: PostLoad) -> None:
     """Give every transposed parameter its loaded layout, which the loaders check incoming tensors against:
     a cleared one its shape, a loaded one (an update in place) its data too, so that a weight the update
     leaves out (RSYNC-SUBSET) is the same weight when ``after_load`` transposes it again."""
-    if post.loaded_layout:
-        return
-    with paddle.no_grad():
-        for t in post.transposes:
-            _relayout(t.param, t.loaded)
-    post.loaded_layout = True
+    _to_layout(post, loaded=True)
 
 
 def restore(post: PostLoad) -> None:
     """After a failed update: if it failed between ``before_load`` and ``after_load``, every transposed parameter
     back in its served layout, with whatever data it holds (an update in place refused whole keeps its weights as
     they were); otherwise nothing."""
-    if not post.loaded_layout:
+    _to_layout(post, loaded=False)
+
+
+def _to_layout(post: PostLoad, loaded: bool) -> None:
+    """Every transposed parameter in its loaded (or served) layout, unless they are in it already."""
+    if post.loaded_layout == loaded:
         return
     with paddle.no_grad():
         for t in post.transposes:
-            _relayout(t.param, t.served)
-    post.loaded_layout = False
+            _relayout(t.param, t.loaded if loaded else t.served)
+    post.loaded_layout = loaded
 
 
 def transpose(t: Transpose) -> None:

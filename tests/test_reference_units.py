@@ -79,3 +79,28 @@ def test_a_manager_takes_its_identity_from_the_env_it_is_given(monkeypatch, proc
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,9")
     monkeypatch.setenv("FLAGS_selected_gpus", "1")
     assert WeightManager(model, load_strategy="ipc_snapshot").gpu_id == 9, "no env: the process's variables"
+
+
+@pytest.mark.parametrize("served", [(2, 3), (3, 3), (2, 2, 3)])
+def test_a_layout_is_given_once_however_often_it_is_asked_for(served):
+    """``transforms.before_load`` and ``restore`` each move a transposed weight's data once: asked again (the update
+    after a failed one failing before its load, the reference's refusal of an update without ``clear()``, restores a
+    second time) they leave it as it is; ``_relayout`` itself always swaps."""
+    import math
+
+    import numpy as np
+    import paddle
+
+    from reference import transforms as T
+
+    data = np.arange(math.prod(served), dtype=np.float32).reshape(served)
+    param = paddle.to_tensor(data)
+    loaded = T.loaded_shape(served)
+    post = T.PostLoad([T.Transpose(param, served, loaded)], [])
+    for step, shape, want in ((T.before_load, loaded, np.swapaxes(data, -1, -2)), (T.restore, served, data)):
+        for call in ("first", "second"):
+            step(post)
+            got = param.numpy()
+            assert tuple(param.shape) == shape and np.array_equal(got, want), (
+                f"{served}: after the {call} {step.__name__}(): shape {tuple(param.shape)} {got.tolist()}, "
+                f"expected {shape} {want.tolist()}")
