@@ -742,15 +742,34 @@ DONE_APPLIED = {  # case -> (model, bucket bytes, expected version configured): 
 @pytest.mark.rule("BKT-DONE-AFTER-COMMIT")
 @pytest.mark.parametrize("case", [*(pytest.param(c, marks=pytest.mark.requires("ipc.buckets")) for c in DONE_APPLIED),
                                   pytest.param("missing-parameter", marks=pytest.mark.requires("ipc.buckets", "status")),
-                                  pytest.param("end-rejected", marks=pytest.mark.requires("ipc.buckets", "status"))])
+                                  pytest.param("end-rejected", marks=pytest.mark.requires("ipc.buckets", "status")),
+                                  # the commit's own steps fail after every byte landed and was verified
+                                  pytest.param("hook-raises",
+                                               marks=pytest.mark.requires("ipc.buckets", "model.hooks", "status")),
+                                  pytest.param("recapture-raises",
+                                               marks=pytest.mark.requires("ipc.buckets", "model.recapture", "status"))])
 def test_done_only_after_commit(loader, publisher, case):
     model, bucket, expected = DONE_APPLIED.get(case, (SPEC, 256, VERSION))
     state = M.state(model, version=VERSION)
     sent = {n: a for n, a in state.items() if n != "layers.0.mlp.weight"} if case == "missing-parameter" else state
     tamper = _end_tamper("digest", "other-order") if case == "end-rejected" else None
     pub, _, updates = _serve(loader, publisher, model, [(VERSION, sent)], bucket_bytes=bucket, tamper=tamper, wait_s=3.0)
+    moved = []
+
+    def recapture(names):
+        moved.append(list(names))
+        raise RuntimeError("graph capture ran out of memory")
+
+    options = {**pub.options(expected), **({"recapture": recapture} if case == "recapture-raises" else {})}
     # worker rank 1 on CUDA ordinal 1 = physical GPU 1: the hello carries the global rank
-    session = loader.open(model, strategy="ipc_bucket", options=pub.options(expected), worker=Worker(1, "0,1", "1"))
+    session = loader.open(model, strategy="ipc_bucket", options=options, worker=Worker(1, "0,1", "1"))
+    if case == "hook-raises":
+        def hook():
+            raise RuntimeError("prefix cache reset failed")
+
+        session.register_hook("reset_prefix_cache", hook)
+    failure = {"hook-raises": ("reset_prefix_cache", "prefix cache reset failed"),
+               "recapture-raises": ("graph capture ran out of memory",)}.get(case)
     where = f"{pub.endpoint}: what the trainer is told after an update {case} (expected version {expected})"
     if case in DONE_APPLIED:
         entries = sum(len(b["entries"]) for b in updates[0].buckets)
@@ -758,6 +777,12 @@ def test_done_only_after_commit(loader, publisher, case):
                    f"fixture precondition: {entries} entries, expected 7 (s.big in 5 chunks)")
         session.update()
         check.params_equal(session.observe(), state, where)
+    elif failure:
+        with check.raises(RuntimeError, match=failure[-1], names=list(failure), where=where):
+            session.update()
+        check.that(case != "recapture-raises" or moved, f"{where}: the recapture hook was never called (the first "
+                   f"load gives every parameter its memory), so the case proves nothing")
+        check.status_not(session, "NORMAL", where)
     else:
         with check.raises((ValueError, RuntimeError), match="digest|layers.0.mlp.weight", where=where):
             session.update()
@@ -777,6 +802,13 @@ def test_done_only_after_commit(loader, publisher, case):
                     f"{where}: (version, rank, proto) of the hello of worker rank 1 expecting version {expected}")
     else:
         check.equal(done, [], f"{where}: done messages after a failed update")
+        kinds = [m.get("type") for m in pub.received]
+        check.that(kinds[-1:] == ["error"], f"{where}: messages {kinds}: the last must be an error (the trainer "
+                   f"waits for done or error)")
+        if failure:
+            told = pub.replies("error")[-1].get("message", "")
+            check.that(all(n in told for n in failure), f"{where}: the error told the trainer {told!r}, which must "
+                       f"name {list(failure)}")
 
 
 @pytest.mark.rule("BKT-ERROR-REPORTED")

@@ -312,7 +312,7 @@ class Job:
                 def layout(update):  # the trainer dies before its last bucket
                     update.fault = ("die", len(update.buckets) - 1)
             self.feed.publish(r, st, version, layout)
-            if faults.get(r) == "gone" and self.path == "parts":  # the last part cut in half mid-write
+            if faults.get(r) == "gone" and self.path in ("parts", "single", "legacy", "shared"):  # the last file cut in half
                 last = self.feed.written[r][-1]
                 os.truncate(last, os.path.getsize(last) // 2)
             elif faults.get(r) == "gone" and self.path == "ipc":
@@ -844,7 +844,8 @@ def test_a_broken_group_fails_the_next_operation_at_once(request, job, combo):
 
 
 # -- STAGE-ATOMIC, the multi-rank half ------------------------------------------------------------------------------
-STAGE_CASES = [("parts", "missing", 1), ("ipc", "bad-dtype", 0), ("bucket", "gone", 1)]
+STAGE_CASES = [("parts", "missing", 1), ("ipc", "bad-dtype", 0), ("bucket", "gone", 1),
+               ("single", "gone", 0), ("legacy", "bad-dtype", 1), ("shared", "missing", 0)]
 
 
 @pytest.mark.rule("STAGE-ATOMIC")

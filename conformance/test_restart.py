@@ -618,20 +618,77 @@ def test_restart_in_one_process(loader, impl, combo):
                     if left == "NORMAL":
                         check.that(runs, f"{where}: the model never ran at NORMAL (passes {LoopThread.acts(results)})")
 
-                # The API's next clear and update, the loop running.
-                cleared, _ = loop.ask(control.clear_load_weight, EVENT_S)
-                check.that(cleared in ((200, "clear model weight successfully"), (200, "model weight is cleared")),
-                           f"{where}: the API's next clear answered {cleared}")
-                route.publish(0, M.state(SPEC, version=3), 3)
-                updated, passes = loop.ask(control.update_model_weight, EVENT_S)
-                check.equal(updated, (200, "update model weight successfully"),
-                            f"{where}: the API's next update (version 3; the loop's passes meanwhile: "
-                            f"{LoopThread.acts(passes)})")
-                route.feed.settle(0)
+                _next_cycle(loop, control, route, 3, where)
             finally:
                 loop.finish()
-            check.params_equal(session.observe(), M.state(SPEC, version=3), f"{where}: after the next update (version 3)")
-            check.equal((session.status(), C.name_of(cell.read())), ("NORMAL", "NORMAL"), f"{where}: the status and the cell")
+            _ended_normal(session, cell, 3, where)
+    finally:
+        route.close()
+
+
+def _next_cycle(loop, control, route, version: int, where: str) -> None:
+    """The API's next clear and update (of ``version``, which the trainer publishes in between), the loop running."""
+    cleared, _ = loop.ask(control.clear_load_weight, EVENT_S)
+    check.that(cleared in ((200, "clear model weight successfully"), (200, "model weight is cleared")),
+               f"{where}: the API's next clear answered {cleared}")
+    route.publish(0, M.state(SPEC, version=version), version)
+    updated, passes = loop.ask(control.update_model_weight, EVENT_S)
+    check.equal(updated, (200, "update model weight successfully"),
+                f"{where}: the API's next update (version {version}; the loop's passes meanwhile: "
+                f"{LoopThread.acts(passes)})")
+    route.feed.settle(0)
+
+
+def _ended_normal(session, cell, version: int, where: str) -> None:
+    check.params_equal(session.observe(), M.state(SPEC, version=version),
+                       f"{where}: after the next update (version {version})")
+    check.equal((session.status(), C.name_of(cell.read())), ("NORMAL", "NORMAL"), f"{where}: the status and the cell")
+
+
+def _failed_startup_cases() -> list:
+    return [pytest.param(path_id, marks=[pytest.mark.requires("status.cell", "control", *path.capabilities),
+                                         pytest.mark.modes(path=path_id, left="UPDATING", race="none", rank="rank0")],
+                         id=path_id) for path_id, path in PATHS.items()]
+
+
+@pytest.mark.rule("STATUS-RESTART-RECOVERS")
+@pytest.mark.parametrize("path_id", _failed_startup_cases())
+def test_restart_after_a_failed_startup_load(loader, impl, path_id):
+    """Issue 19's cell (UPDATING, the API's update waiting) found by a new worker whose startup load fails (the
+    trainer's version 2 lacks a parameter): it has nothing to answer from. The trainer then publishes a whole version
+    3; the loop must load it before the cell reads NORMAL and the waiting update is answered, and the API's next clear
+    and update (version 4) then work as after any recovery."""
+    route = Route(loader, path_id)
+    where = f"{path_id}: a new worker against a cell left UPDATING, its startup load failing (version 2 lacks norm.bias)"
+    try:
+        with C.Cell(C.NORMAL) as cell:
+            control = impl.control(cell.name)
+            route.publish(0, {n: a for n, a in M.state(SPEC, version=2).items() if n != "norm.bias"}, 2)
+            cell.write(C.CLEARED)
+            pending = _api_writes(control, cell, "update_model_weight", C.UPDATING)
+            check.equal(C.name_of(cell.read()), "UPDATING", f"{where}: the cell as the dead worker left it")
+            session = _restarted(loader, route, path_id, cell, 0)
+            loaded = _bounded(session.update, f"{where}: the startup load")
+            route.feed.settle(0)
+            check.that(isinstance(loaded, Exception), f"{where}: the startup load of a version lacking norm.bias "
+                       f"returned {loaded!r} instead of raising (the case's premise)")
+            check.status_not(session, "NORMAL", f"{where}: after the failed startup load")
+            route.publish(0, M.state(SPEC, version=3), 3)
+            loop = LoopThread(session).start()
+            try:
+                loop.until(lambda: not pending.thread.is_alive() or any(
+                    isinstance(r, BaseException) for r in loop.results), RECOVER_S)
+                route.feed.settle(0)
+                acts = LoopThread.acts(loop.results)
+                check.equal(pending.result(1.0), (200, "update model weight successfully"),
+                            f"{where}: the API's waiting update, the trainer having published version 3 (passes {acts})")
+                check.params_equal(session.observe(), M.state(SPEC, version=3),
+                                   f"{where}: the weights once the waiting update was answered (passes {acts})")
+                check.equal(C.name_of(cell.read()), "NORMAL", f"{where}: the cell once the waiting update was answered")
+                _next_cycle(loop, control, route, 4, where)
+            finally:
+                loop.finish()
+            _ended_normal(session, cell, 4, where)
     finally:
         route.close()
 

@@ -7,10 +7,13 @@ must leave every parameter exactly as it was; the next clear() and update() from
 bit for bit. The multi-rank half of the rule (a failure on another rank) is in test_ranks_quick.py (forked ranks,
 the quick run) and test_multirank.py (the tier).
 """
+import os
+
 import pytest
 
 from conformance import check
-from conformance.path_sources import CAPS, FAULTS, KINDS, Sources
+from conformance.path_sources import CAPS, FAULTS, KINDS, Sources, broken_state
+from conformance.paths import PATHS, route  # noqa: F401 (the fixture)
 from weightsync.fixtures import ipc as I
 from weightsync.fixtures import models as M
 
@@ -89,3 +92,57 @@ def test_staged_update_takes_the_later_duplicate(loader):
     session.update()
     want = {**v1, names[0]: v2[names[0]], names[-1]: v2[names[-1]]}
     check.params_equal(session.observe(), want, f"staged update of {paths}: main and MTP, the later part's duplicates win")
+
+
+# -- every path: the trainer's own feed of each path (conformance.paths), each fault at the last place it reaches ------
+PATH_FAULTS = ("missing", "bad-dtype", "gone")
+# the paths Sources does not feed (test_failed_staged_update_changes_nothing has parts, ipc and bucket); rsync and GDR
+# have no staged mode (they validate the whole step first, or hand each item to the models' loaders: SPEC APPLY-EMPTY)
+EVERY_PATH = ("single", "legacy", "shared")
+
+
+def _truncate_last(rt) -> None:
+    """The source gone mid-read: the last file the path's trainer wrote, truncated to half."""
+    last = rt.feed.written[0][-1]
+    with open(last, "r+b") as f:
+        f.truncate(os.path.getsize(last) // 2)
+
+
+def _every_path_case(path_id, fault):
+    return pytest.param(path_id, fault, marks=[pytest.mark.requires("staged", *PATHS[path_id].capabilities),
+                                               pytest.mark.modes(fault=fault, ranks="one")], id=f"{path_id}:{fault}")
+
+
+@pytest.mark.rule("STAGE-ATOMIC")
+@pytest.mark.parametrize("path_id,fault", [_every_path_case(p, f) for p in EVERY_PATH for f in PATH_FAULTS])
+def test_failed_staged_update_changes_nothing_on_every_path(loader, route, path_id, fault):
+    """Staged, on the snapshot levels Sources does not write (single file, legacy, the shared pickle fallback: a
+    whole-file read is no excuse to adopt early): the update of version 2 fails and leaves every parameter exactly as
+    before (unloaded after the clear), the status not NORMAL; a clear and an update of version 3 then load it bit for
+    bit."""
+    rt = route(path_id)
+    session = rt.open(SPEC, options={"staged": True})
+    rt.publish(0, M.state(SPEC, version=1), 1)
+    rt.update(0)
+    check.params_equal(session.observe(), M.state(SPEC, version=1), f"{path_id}: staged first load")
+    rt.clear(0)
+    before = session.observe()
+    sent = broken_state(SPEC, 2, fault if fault != "gone" else None)
+    where = rt.publish(0, sent, 2)
+    if fault == "gone":
+        _truncate_last(rt)
+    where = f"{path_id}: staged update of {where} ({fault}: the last parameter, {sorted(p.name for p in SPEC.all_params)[-1]})"
+    try:
+        rt.update(0)
+    except Exception as e:  # noqa: BLE001 (the type and words are each path's rule's: APPLY, FILE)
+        raised = e
+    else:
+        raised = None
+    check.that(raised is not None, f"{where}: update() returned although its source was {fault}")
+    check.unchanged(before, session.observe(), f"{where} (raised {type(raised).__name__}: {raised})")
+    if "status" in loader.adapter.capabilities:
+        check.status_not(session, "NORMAL", where)
+    session.clear()
+    rt.publish(0, M.state(SPEC, version=3), 3)
+    rt.update(0)
+    check.params_equal(session.observe(), M.state(SPEC, version=3), f"{where}: clear() and a staged update of version 3")

@@ -48,7 +48,7 @@ MTP_LAYER = 2  # the MTP model serves layer 2 (GDR routes model.layers.2.* to it
 LAYOUTS = {"a.scale": (1, 0), "c.experts.scale": (0, 2, 1), "z.scale": (1, 0)}
 
 
-TRANSPOSED = ("g.proj.weight", "float32", (4, 4))  # square: the source carries it in the served shape too
+TRANSPOSED = ("g.proj.weight", "float32", (4, 6))  # served shape; the trainer sends it (6, 4), its loaded layout
 
 
 def _params(models) -> dict:
@@ -57,11 +57,12 @@ def _params(models) -> dict:
 
 @dataclass
 class Held:
-    """One parameter's storage as seen at a moment: address (None: holds no memory), strides, and a view
+    """One parameter's storage as seen at a moment: address (None: holds no memory), strides, shape, and a view
     that keeps the memory alive (so its address cannot be handed out again while the verdict needs it)."""
 
     address: int | None
     strides: list
+    shape: list
     keep: object = None
 
 
@@ -71,11 +72,11 @@ def hold(models) -> dict[str, Held]:
     out = {}
     with paddle.no_grad():
         for name, p in _params(models).items():
-            strides = list(p.strides)
-            if math.prod(p.shape) == 0 or not p._is_initialized():
-                out[name] = Held(None, strides)
+            strides, shape = list(p.strides), list(p.shape)
+            if math.prod(shape) == 0 or not p._is_initialized():
+                out[name] = Held(None, strides, shape)
             else:
-                out[name] = Held(p.data_ptr(), strides, paddle.as_strided(p, list(p.shape), strides, p.offset))
+                out[name] = Held(p.data_ptr(), strides, shape, paddle.as_strided(p, shape, strides, p.offset))
     return out
 
 
@@ -141,11 +142,14 @@ def _judge(where: str, before: dict, models, rec: Recorder, built: dict, claims_
     uncovered = {}
     for n, (was, now) in sorted(moved.items()):
         named = [c for c in rec.calls if isinstance(c.names, list) and n in c.names]
-        if not any(c.held[n].address == now for c in named):
-            uncovered[n] = (was, now, len(named))
-    check.that(not uncovered, f"{where}: parameters moved without a recapture call after the move naming them: "
-               + ", ".join(f"{n} ({hex(a)} -> {hex(b) if b is not None else None}; named by {k} earlier call(s))"
-                           for n, (a, b, k) in uncovered.items())
+        final = (now, after[n].shape, after[n].strides)  # what a graph captured then bakes in
+        if not any((c.held[n].address, c.held[n].shape, c.held[n].strides) == final for c in named):
+            uncovered[n] = (was, now, [(c.held[n].shape, c.held[n].strides) for c in named])
+    check.that(not uncovered, f"{where}: parameters moved without a recapture call naming them made once they were in "
+               f"their final memory, shape and strides: "
+               + ", ".join(f"{n} ({hex(a)} -> {hex(b) if b is not None else None}, ending {after[n].shape} strides "
+                           f"{after[n].strides}; (shape, strides) at the calls naming it: {seen})"
+                           for n, (a, b, seen) in uncovered.items())
                + f"; recapture calls (names, status): {calls}")
 
 
@@ -155,7 +159,7 @@ def _judge(where: str, before: dict, models, rec: Recorder, built: dict, claims_
 #: items to the models' own loaders, which the suite provides and which here give each parameter new memory under
 #: the same parameter object (``_share_buffer_to``, then ``param.data = ...``, by turns), as engines' loaders do
 ENGINE_SWAPS = ("share", "data", "share")
-DRAFT_SQUARE = ("mtp_block.0.proj.weight", "float32", (4, 4))  # the draft's weight a transform may transpose
+DRAFT_PROJ = ("mtp_block.0.proj.weight", "float32", (4, 6))  # the draft's weight a transform may transpose
 DRAFT_SCALE = ("mtp_block.0.scale", "bfloat16", (3, 4))  # the draft's parameter a strided layout applies to
 
 
@@ -165,18 +169,18 @@ def _modal_spec(combo, transposed_name=None):
     ``start=loaded``."""
     draft = combo["model"] == "draft"
     main = list(MAIN) + ([TRANSPOSED] if combo["swap"] == "transform" and not draft else [])
-    mtp = [[*MTP, DRAFT_SCALE, DRAFT_SQUARE]] if draft else []
+    mtp = [[*MTP, DRAFT_SCALE, DRAFT_PROJ]] if draft else []
     layouts = ({} if combo["layout"] == "contiguous" else {DRAFT_SCALE[0]: (1, 0)} if draft else LAYOUTS)
     spec = ST.StridedSpec(M.spec(*main, mtp=mtp), layouts, placeholders=combo["start"] == "loaded")
     if combo["swap"] != "transform":
         return spec
-    return DeclaringSpec(spec, 1 if draft else 0, DRAFT_SQUARE[0] if draft else TRANSPOSED[0])
+    return DeclaringSpec(spec, 1 if draft else 0, DRAFT_PROJ[0] if draft else TRANSPOSED[0])
 
 
 @dataclass(frozen=True)
 class DeclaringSpec:
-    """A spec whose model ``index`` declares ``name`` ``post_load`` transposed (square: the source carries it in
-    the served shape too)."""
+    """A spec whose model ``index`` declares ``name`` ``post_load`` transposed: built in its served shape (4, 6),
+    sent by the trainer in its loaded layout (6, 4) (:func:`_sent`)."""
 
     model: object
     index: int
@@ -191,9 +195,10 @@ class DeclaringSpec:
         return models
 
 
-def _served_by(spec, state: dict) -> dict:
+def _sent(spec, served: dict) -> dict:
+    """What the trainer sends for the values ``served``: the transposed weight in its loaded layout."""
     name = getattr(spec, "name", None)
-    return {n: (a.T.copy() if n == name else a) for n, a in state.items()}
+    return {n: (a.T.copy() if n == name else a) for n, a in served.items()}
 
 
 def _storage_valid(combo) -> bool:
@@ -242,15 +247,15 @@ def test_storage_kept_or_recaptured_in_every_mode(route, loader, combo, zero_fir
     for k in range(1, CALLS[combo["call"]] + 1):
         if combo["swap"] == "engine":
             session.models[swapping].load_weights.swap = ENGINE_SWAPS[k - 1]
-        state = M.state(spec, version=k)
-        where = rt.publish(0, state, k) + (f": update {k} ({combo['start']} weights, {combo['model']} model, "
+        state = M.state(spec, version=k)  # as served
+        where = rt.publish(0, _sent(spec, state), k) + (f": update {k} ({combo['start']} weights, {combo['model']} model, "
                                            f"{combo['layout']}, swap {combo['swap']})")
         before = hold(session.models)  # the storage the engine's graphs were captured on
         if k > 1 and not loaded:
             session.clear()
         rec.calls.clear()
         rt.update(0)
-        check.params_equal(session.observe(), _served_by(spec, state), where)
+        check.params_equal(session.observe(), state, where)
         _judge(where, before, session.models, rec, built, claims)
 
 

@@ -16,8 +16,9 @@ to the truth before anything else, so that the API's next clear and update work:
   loads whatever the trainer publishes next, never answered from weights loaded before it asked.
 * NORMAL: nothing to do.
 
-Only a worker whose startup load committed (status NORMAL) has anything to recover with; otherwise the
-loop goes on as it would.
+A worker whose startup load failed has nothing to answer from: at UPDATING it releases what that load left
+and loads again (the loop's load answers the cell: NORMAL once committed), at CLEARED it releases it. Its
+loop's loads are never the startup load, so none is silent (STATUS-FIRST-LOAD-SILENT ends there).
 """
 from __future__ import annotations
 
@@ -42,18 +43,19 @@ def recover(manager, cell: StatusCell, value: int, poll_s: float) -> str | None:
     if manager.loop_started:
         return None
     manager.loop_started = True
-    if manager.status != Status.NORMAL or value not in (Status.UPDATING, Status.CLEARED):
+    if value not in (Status.UPDATING, Status.CLEARED):
         return None
+    loaded = manager.status == Status.NORMAL  # the startup load committed
     if value == Status.CLEARED:
         manager.clear(publish=False)
         return "cleared"
-    if manager.cell_at_startup == Status.UPDATING:  # asked before the startup load: answered by it
+    if loaded and manager.cell_at_startup == Status.UPDATING:  # asked before the startup load: answered by it
         manager.cell.publish(Status.NORMAL, first_load=False)
-    else:  # asked while it loaded: perhaps for a newer version
+    else:  # asked while it loaded (perhaps for a newer version), or its startup load failed
         from .worker_loop import update
 
-        if manager.load_strategy not in manager.IN_PLACE:
-            manager.clear(publish=False)
+        if manager.load_strategy not in manager.IN_PLACE or not loaded:
+            manager.clear(publish=False)  # (also ends the startup load: the update below writes NORMAL)
         update(manager, cell, poll_s)  # a failure releases what it left (CLEARED), as in the loop
     if not manager.cell.writes:  # rank 0 says NORMAL; do not read the request again
         from .worker_loop import wait_while

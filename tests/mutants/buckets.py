@@ -358,6 +358,18 @@ class ThreadSplitOffByOne(Mutant):
         return {"reference.buckets.Staging": Split}
 
 
+def _recorded_links():
+    """(the links made so far, a ``Link`` that records itself there): what a patched step tells the trainer through."""
+    links = []
+
+    class Recorded(_Link):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            links.append(self)
+
+    return links, Recorded
+
+
 class DoneBeforeCommit(Mutant):
     id = "bkt_done_before_commit"
     bug = ("`done` is sent as soon as the end message checks out, before the commit: when the commit then fails "
@@ -365,16 +377,28 @@ class DoneBeforeCommit(Mutant):
     kills = frozenset({"BKT-DONE-AFTER-COMMIT"})
 
     def patches(self):
-        links = []
-
-        class Recorded(_Link):
-            def __init__(self, *a, **k):
-                super().__init__(*a, **k)
-                links.append(self)
+        links, Recorded = _recorded_links()
 
         def commit(manager, state, staging, source):
             links[-1].tell(protocol.done(state.version, len(state.order)))
             _commit(manager, state, staging, source)
+
+        return {"reference.buckets.Link": Recorded, "reference.buckets.commit": commit}
+
+
+class DoneBeforeFinalize(Mutant):
+    id = "bkt_done_before_finalize"
+    bug = ("`done` is sent once every bucket is applied, before the manager's finalize (the vote, the recapture, the "
+           "stale-state hooks): when a hook or the recapture then fails, the trainer was told the update was applied "
+           "and releases its buffers while the worker reports a failure")
+    kills = frozenset({"BKT-DONE-AFTER-COMMIT"})
+
+    def patches(self):
+        links, Recorded = _recorded_links()
+
+        def commit(manager, state, staging, source):
+            _commit(manager, state, staging, source)
+            links[-1].tell(protocol.done(state.version, len(state.order)))
 
         return {"reference.buckets.Link": Recorded, "reference.buckets.commit": commit}
 

@@ -625,3 +625,25 @@ def _draft_routed_any(name: str) -> bool:
     """A draft name as the suite's draft models spell them (``mtp.``, ``mtp_block.``, MTP layer 2)."""
     first = name.split(".")[0]
     return first.startswith("mtp") or name.startswith("model.layers.2.")
+
+
+class StagedPickleAdoptsEarly(Mutant):
+    id = "staged_pickle_adopts_early"
+    bug = ("a staged update stages what it reads from safetensors, but the shared fallback's paddle.save pickle is "
+           "read whole into memory and adopted at once, as the default mode does: a staged update of a pickle that "
+           "then fails leaves every parameter read before the failure loaded")
+    kills = frozenset({"STAGE-ATOMIC"})
+
+    def patches(self):
+        class Manager(_manager.WeightManager):
+            def apply(self, tensors, label, source):
+                if self._stage is None or self.load_strategy != "ipc_snapshot" or not str(source).startswith(
+                        str(self.shared_dir)):
+                    return super().apply(tensors, label, source)
+                stage, self._stage = self._stage, None
+                try:
+                    return super().apply(tensors, label, source)
+                finally:
+                    self._stage = stage
+
+        return _manager_patch(Manager)

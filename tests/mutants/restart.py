@@ -146,3 +146,39 @@ class RestartFollowerNoWait(Mutant):
             return "updated"  # the bug: a follower does not wait_while(cell, UPDATING, ...) for rank 0's NORMAL
 
         return {"reference.restart.recover": recover}
+
+
+class RestartAnswersFromFailedStartup(Mutant):
+    id = "restart_answers_from_failed_startup"
+    bug = ("a dead worker's UPDATING, asked before the startup load, is answered NORMAL from that load without looking "
+           "at whether it committed: when the startup load failed (the trainer's version lacked a parameter) the cell "
+           "says NORMAL and the API's update is answered 200 over weights never loaded whole")
+    kills = frozenset({"STATUS-RESTART-RECOVERS"})
+
+    def patches(self):
+        def recover(manager, cell, value, poll_s):
+            if (not manager.loop_started and value == Status.UPDATING and manager.status != Status.NORMAL
+                    and manager.cell_at_startup == Status.UPDATING):
+                manager.loop_started = True
+                manager.cell.publish(Status.NORMAL, first_load=False)
+                return "updated"
+            return _real_recover(manager, cell, value, poll_s)
+
+        return {"reference.restart.recover": recover}
+
+
+class RestartFailedStartupSilent(Mutant):
+    id = "restart_failed_startup_silent"
+    bug = ("a worker whose startup load failed leaves a dead worker's UPDATING to its loop as usual: the loop loads the "
+           "trainer's newer version, but as a retry of the startup load, which writes no status "
+           "(STATUS-FIRST-LOAD-SILENT): the cell stays UPDATING and the API's update waits out its timeout")
+    kills = frozenset({"STATUS-RESTART-RECOVERS"})
+
+    def patches(self):
+        def recover(manager, cell, value, poll_s):
+            if not manager.loop_started and manager.status != Status.NORMAL:
+                manager.loop_started = True
+                return None
+            return _real_recover(manager, cell, value, poll_s)
+
+        return {"reference.restart.recover": recover}

@@ -229,3 +229,20 @@ class TransposeSwapsInPlace(Mutant):
                 _real_recapture(manager)
 
         return {"reference.transforms.transpose": transpose, "reference.storage.recapture": recapture}
+
+
+class RecaptureBeforeInPlaceTranspose(Mutant):
+    id = "recapture_before_in_place_transpose"
+    bug = ("the commit recaptures the graphs as soon as the last byte landed, before the model's post-load steps, "
+           "whose transpose writes into the weight's own memory (its address stays): the graph is captured with the "
+           "loaded layout's shape and strides (the trainer's), and then reads the served weight with the wrong ones")
+    kills = frozenset({"MODEL-STORAGE-KEPT"})
+
+    def patches(self):
+        real_after_load = _transforms.after_load
+
+        def recapture(manager):
+            _real_recapture(manager)
+            real_after_load(manager.post_load)
+
+        return {"reference.storage.recapture": recapture, "reference.transforms.after_load": lambda post: None}
