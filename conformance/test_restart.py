@@ -753,6 +753,7 @@ class _Rank0:
         self.stopped = threading.Event()
         self.blocked = False
         self.started_at = None
+        self.answer_of = dict(self.ANSWER)  # what rank 0 writes for each request (CLEARED after an update it failed)
 
     def start(self, loop: LoopThread) -> None:
         self.loop, self.started_at = loop, time.monotonic()
@@ -812,7 +813,7 @@ class _Rank0:
             return
         before = C.name_of(self.cell.read())
         passes = len(self.loop.results)
-        answer = self.ANSWER[request]
+        answer = self.answer_of[request]
         with self.lock:
             self.written.add(C.name_of(answer))
         self.cell.write(answer)
@@ -856,6 +857,19 @@ def _counted(route, rank: int) -> int | None:
     return None
 
 
+def _judge_answers(where: str, rank0: _Rank0, first_answer: int, acts: list) -> None:
+    """Every answer of rank 0 from ``first_answer`` on found the request still in the cell and the pass that read it
+    not yet returned (``acts``: the follower's passes, for the message)."""
+    for answer in rank0.answers[first_answer:]:
+        check.equal(answer["before"], answer["request"],
+                    f"{where}: the cell just before rank 0 wrote {answer['answer']} (a follower never writes it)")
+        check.that(answer["returned"] == 0,
+                   f"{where}: the pass that read {answer['request']} returned before rank 0 wrote {answer['answer']} "
+                   f"({answer['delay_s']:.2f}s after that read; {answer['returned']} pass(es) returned by then): a follower "
+                   f"waits for rank 0's answer, its own update failed or not, else its next pass reads the request again "
+                   f"and repeats it (passes {acts})")
+
+
 def _judge_follower_acts(where: str, rank0: _Rank0, results: list, first_answer: int, updates: int, clears: int,
                          release: bool, blocked: bool = False) -> None:
     """Every answer of rank 0 from ``first_answer`` on found the request still in the cell and the pass that read it
@@ -863,13 +877,7 @@ def _judge_follower_acts(where: str, rank0: _Rank0, results: list, first_answer:
     at most one "cleared" where it ``release``s its startup load; one fewer where the pass that cleared is still
     inside its check at CLEARED, ``blocked``), nothing raised."""
     acts = LoopThread.acts(results)
-    for answer in rank0.answers[first_answer:]:
-        check.equal(answer["before"], answer["request"],
-                    f"{where}: the cell just before rank 0 wrote {answer['answer']} (a follower never writes it)")
-        check.that(answer["returned"] == 0,
-                   f"{where}: the pass that read {answer['request']} returned before rank 0 wrote {answer['answer']} "
-                   f"({answer['delay_s']:.2f}s after that read; {answer['returned']} pass(es) returned by then): a follower "
-                   f"waits for rank 0's answer, else its next pass reads the request again and repeats it (passes {acts})")
+    _judge_answers(where, rank0, first_answer, acts)
     got = {"updated": acts.count("updated"), "cleared": acts.count("cleared")}
     other = [a for a in acts if a not in ("updated", "cleared")]
     cleared_ok = max(0, clears - blocked) <= got["cleared"] <= clears + release
@@ -1006,6 +1014,100 @@ def test_restarted_follower_in_one_process(loader, monkeypatch, path_id, left, r
             check.equal(C.name_of(cell.read()), "NORMAL", f"{next_where}: the cell (rank 0's NORMAL)")
             if "status" in caps:
                 check.status_is(session, "NORMAL", f"{next_where}: after the update")
+    finally:
+        if loop is not None:
+            loop.finish()
+        if rank0 is not None:
+            rank0.stop()
+        route.close()
+
+
+def _failed_follower_cases() -> list:
+    return [pytest.param(path_id, marks=[pytest.mark.requires("status.cell", *path.capabilities),
+                                         pytest.mark.modes(path=path_id, left="UPDATING", race="none", rank="follower")],
+                         id=path_id) for path_id, path in PATHS.items()]
+
+
+# The versions the trainer publishes in test_restarted_follower_whose_loads_fail: (version, the parameter it lacks)
+FAILING_VERSIONS = ((2, "norm.bias"), (3, "embed.weight"))
+
+
+@pytest.mark.rule("STATUS-RESTART-RECOVERS")
+@pytest.mark.parametrize("path_id", _failed_follower_cases())
+def test_restarted_follower_whose_loads_fail(loader, monkeypatch, path_id):
+    """A follower (rank 1 of 2) restarted against issue 19's UPDATING, whose startup load fails (version 2 lacks
+    norm.bias), and whose loop's load for that request fails too (the trainer serves version 2 again); rank 0,
+    whose loads failed alike, answers CLEARED. Right after, a second failure: the trainer publishes version 3 lacking
+    embed.weight and rank 0 asks UPDATING, then answers CLEARED. Then version 4, whole: rank 0's UPDATING, its NORMAL.
+    For each request the follower acts once, the pass that read it returns only once rank 0's answer is in the cell
+    (else its next pass reads the request again and repeats it), a failed update is never reported "updated", the
+    follower writes nothing and releases every parameter; after the third the weights are version 4 bit for bit."""
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    caps = loader.adapter.capabilities
+    route = Route(loader, path_id)
+    where = f"{path_id}: rank 1 of 2 (a follower) restarted against a cell left UPDATING, its startup load failing"
+    rank0, loop = None, None
+    try:
+        with C.Cell(C.NORMAL) as cell:
+            rank0 = _Rank0(cell, FOLLOWER_RANK0_S)
+            rank0.answer_of[C.UPDATING] = C.CLEARED  # rank 0's own loads fail the same way
+            version, lacks = FAILING_VERSIONS[0]
+            route.publish(1, {n: a for n, a in M.state(SPEC, version=version).items() if n != lacks}, version)
+            rank0.ask(C.UPDATING)  # the API's update, still waiting when the worker died
+            session = _restarted(loader, route, path_id, cell, 1)
+            commits: list[int] = []
+            if "model.hooks" in caps:
+                session.register_hook("restart-follower-count", lambda: commits.append(1))
+            watch = _Watch(cell)
+            started = time.monotonic()
+            loaded = _bounded(session.update, f"{where}: the startup load")
+            rank0.delay_s = max(FOLLOWER_RANK0_S, 3 * (time.monotonic() - started))
+            route.feed.settle(1)
+            check.that(isinstance(loaded, Exception), f"{where}: the startup load of version {version} lacking {lacks} "
+                       f"returned {loaded!r} instead of raising (the case's premise)")
+            loop = LoopThread(session)
+            for step, (version, lacks) in enumerate((*FAILING_VERSIONS, (4, None))):
+                state = M.state(SPEC, version=version)
+                route.publish(1, {n: a for n, a in state.items() if n != lacks}, version)  # (version 2: served again)
+                if step == 0:
+                    rank0.start(loop)
+                else:
+                    if lacks is None:
+                        rank0.answer_of[C.UPDATING] = C.NORMAL
+                    rank0.ask(C.UPDATING)
+                first, passes = len(rank0.answers), len(loop.results)
+                loop.until(lambda: len(rank0.answers) == len(rank0.asked)
+                           and len(loop.results) >= rank0.answers[-1]["passes"] + 2)
+                route.feed.settle(1)
+                results = list(loop.results)[passes:]
+                acts = LoopThread.acts(results)
+                shown = acts if len(acts) <= 6 else [*acts[:6], f"... {len(acts) - 6} more"]
+                here = (f"{where}; {'its loop load of' if step == 0 else 'rank 0 then asking for'} version {version}"
+                        + (f" (lacking {lacks}: rank 0 answers CLEARED)" if lacks else " (whole)"))
+                check.that(len(rank0.answers) == len(rank0.asked), f"{here}: the follower's loop never read rank 0's "
+                           f"request (passes {shown})")
+                _judge_answers(here, rank0, first, shown)
+                if lacks is None:
+                    check.equal(shown, ["updated"], f"{here}: the follower's passes (model runs and idle passes left "
+                                                   "out): one update for the one request")
+                    check.params_equal(session.observe(), M.state(SPEC, version=version), f"{here}: the weights")
+                    check.equal(C.name_of(cell.read()), "NORMAL", f"{here}: the cell (rank 0's NORMAL)")
+                    if "status" in caps:
+                        check.status_is(session, "NORMAL", f"{here}: after the update")
+                else:
+                    check.that(len(acts) == 1 and acts[0] != "updated",
+                               f"{here}: the follower's passes did {shown} (model runs and idle passes left out): its "
+                               "failed update acted on once and never reported \"updated\"")
+                    check.not_loaded(session.observe(), [p.name for p in SPEC.all_params],
+                                     f"{here}: the weights, released after the failed update")
+                    check.equal(C.name_of(cell.read()), "CLEARED", f"{here}: the cell (rank 0's CLEARED)")
+                    if "status" in caps:
+                        check.status_not(session, "NORMAL", f"{here}: after the failed update")
+                if "model.hooks" in caps:
+                    check.equal(len(commits), 0 if lacks else 1, f"{here}: the follower's committed updates")
+            seen = watch.stop()
+            foreign = [v for v in seen if v not in rank0.written]
+            check.equal(foreign, [], f"{where}: values in the cell that neither the API nor rank 0 wrote (seen {seen})")
     finally:
         if loop is not None:
             loop.finish()
