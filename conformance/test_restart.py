@@ -1072,6 +1072,7 @@ def test_restarted_follower_whose_loads_fail(loader, monkeypatch, path_id):
                 if step == 0:
                     rank0.start(loop)
                 else:
+                    rank0.delay_s = NEXT_RANK0_S  # (the loop's own waits: STATUS-FAILED-NOT-NORMAL's, in full)
                     if lacks is None:
                         rank0.answer_of[C.UPDATING] = C.NORMAL
                     rank0.ask(C.UPDATING)
