@@ -43,6 +43,21 @@ def broken_state(spec, version: int, fault: str | None) -> dict[str, np.ndarray]
     return st
 
 
+def failure_of(spec, fault: str, *, truncated: str | None = None) -> tuple[type, str, list[str]]:
+    """(exception type, pattern, names) that an update from a source with ``fault`` at its last parameter must
+    raise, as SPEC.md names them: a missing parameter the verification's RuntimeError (its words or the
+    parameter's name: APPLY-MISSING-FAILS), a wrong dtype a TypeError naming the tensor (APPLY-DTYPE-MISMATCH), a
+    snapshot file ``truncated`` to half (``gone``) a ValueError naming the file (FILE-TRUNCATED)."""
+    last = sorted(p.name for p in spec.all_params)[-1]
+    if fault == "missing":  # FastDeploy's verification names no parameter (fd-spec §2.7); the reference's does
+        return RuntimeError, rf"verification failed|{re.escape(last)}", []
+    if fault == "bad-dtype":
+        return TypeError, re.escape(last), [last]
+    if fault == "gone" and truncated is not None:
+        return ValueError, re.escape(os.path.basename(truncated)), [truncated]
+    raise ValueError(f"failure_of: no failure known for fault {fault!r} (truncated file: {truncated!r})")
+
+
 class Sources:
     def __init__(self, loader, kind: str, *, timeout_s: float = 1.0, rank: int = 0, gpu: int = 0):
         """``rank``/``gpu``: the worker whose shard is published (global rank, physical GPU id)."""
@@ -101,20 +116,12 @@ class Sources:
 
     def failure(self, spec, fault: str) -> tuple[type, str, list[str]]:
         """(exception type, pattern, names) that the update of the last ``publish(spec, v, fault)`` must
-        raise, as SPEC.md names them: a missing parameter the verification's RuntimeError (its words or the
-        parameter's name: APPLY-MISSING-FAILS), a
-        wrong dtype a TypeError naming the tensor (APPLY-DTYPE-MISMATCH); the source gone mid-transfer a
-        ValueError naming the truncated part (FILE-TRUNCATED), a ValueError naming a tensor of the freed
-        segment (IPC-SEGMENT-GONE), a TimeoutError naming the bucket awaited (BKT-TIMEOUT)."""
-        last = sorted(p.name for p in spec.all_params)[-1]
-        if fault == "missing":  # FastDeploy's verification names no parameter (fd-spec §2.7); the reference's does
-            return RuntimeError, rf"verification failed|{re.escape(last)}", []
-        if fault == "bad-dtype":
-            return TypeError, re.escape(last), [last]
-        if self.kind == "snapshot":
-            return ValueError, re.escape(os.path.basename(self.paths[-1])), [self.paths[-1]]
+        raise (:func:`failure_of`; the source gone: a ValueError naming a tensor of the freed segment,
+        IPC-SEGMENT-GONE, or a TimeoutError naming the bucket awaited, BKT-TIMEOUT)."""
+        if fault != "gone" or self.kind == "snapshot":
+            return failure_of(spec, fault, truncated=self.paths[-1] if self.paths else None)
         if self.kind == "ipc":
-            freed = self.exports[0].sharing(last)
+            freed = self.exports[0].sharing(sorted(p.name for p in spec.all_params)[-1])
             return ValueError, "|".join(map(re.escape, freed)), []
         return TimeoutError, rf"bucket {self.last_bucket}\b", []
 

@@ -1015,10 +1015,17 @@ def test_restarted_follower_in_one_process(loader, monkeypatch, path_id, left, r
             if "status" in caps:
                 check.status_is(session, "NORMAL", f"{next_where}: after the update")
     finally:
+        _end_follower(loop, rank0, route)
+
+
+def _end_follower(loop, rank0, route) -> None:
+    """A follower case's end: its loop finished and rank 0 stopped (whichever was started), its route closed."""
+    try:
         if loop is not None:
             loop.finish()
         if rank0 is not None:
             rank0.stop()
+    finally:
         route.close()
 
 
@@ -1110,8 +1117,4 @@ def test_restarted_follower_whose_loads_fail(loader, monkeypatch, path_id):
             foreign = [v for v in seen if v not in rank0.written]
             check.equal(foreign, [], f"{where}: values in the cell that neither the API nor rank 0 wrote (seen {seen})")
     finally:
-        if loop is not None:
-            loop.finish()
-        if rank0 is not None:
-            rank0.stop()
-        route.close()
+        _end_follower(loop, rank0, route)

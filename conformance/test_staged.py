@@ -12,7 +12,7 @@ import os
 import pytest
 
 from conformance import check
-from conformance.path_sources import CAPS, FAULTS, KINDS, Sources, broken_state
+from conformance.path_sources import CAPS, FAULTS, KINDS, Sources, broken_state, failure_of
 from conformance.paths import PATHS, route  # noqa: F401 (the fixture)
 from weightsync.fixtures import ipc as I
 from weightsync.fixtures import models as M
@@ -117,8 +117,9 @@ def _every_path_case(path_id, fault):
 @pytest.mark.parametrize("path_id,fault", [_every_path_case(p, f) for p in EVERY_PATH for f in PATH_FAULTS])
 def test_failed_staged_update_changes_nothing_on_every_path(loader, route, path_id, fault):
     """Staged, on the snapshot levels Sources does not write (single file, legacy, the shared pickle fallback: a
-    whole-file read is no excuse to adopt early): the update of version 2 fails and leaves every parameter exactly as
-    before (unloaded after the clear), the status not NORMAL; a clear and an update of version 3 then load it bit for
+    whole-file read is no excuse to adopt early): the update of version 2 fails with its rule's error (type and
+    names, as on the parts) and leaves every parameter exactly as before (unloaded after the clear), the status not
+    NORMAL; a clear and an update of version 3 then load it bit for
     bit."""
     rt = route(path_id)
     session = rt.open(SPEC, options={"staged": True})
@@ -132,14 +133,14 @@ def test_failed_staged_update_changes_nothing_on_every_path(loader, route, path_
     if fault == "gone":
         _truncate_last(rt)
     where = f"{path_id}: staged update of {where} ({fault}: the last parameter, {sorted(p.name for p in SPEC.all_params)[-1]})"
-    try:
+    # As on the parts (test_failed_staged_update_changes_nothing): the type and names its rule gives (APPLY-MISSING-
+    # FAILS, APPLY-DTYPE-MISMATCH's "Type mismatch", FILE-TRUNCATED naming the file), never another reason.
+    exc, match, names = failure_of(SPEC, fault, truncated=rt.feed.written[0][-1] if fault == "gone" else None)
+    if fault == "bad-dtype":
+        match = r"Type mismatch"
+    with check.raises(exc, match=match, names=names, where=where) as raised:
         rt.update(0)
-    except Exception as e:  # noqa: BLE001 (the type and words are each path's rule's: APPLY, FILE)
-        raised = e
-    else:
-        raised = None
-    check.that(raised is not None, f"{where}: update() returned although its source was {fault}")
-    check.unchanged(before, session.observe(), f"{where} (raised {type(raised).__name__}: {raised})")
+    check.unchanged(before, session.observe(), f"{where} (raised {type(raised.value).__name__}: {raised.value})")
     if "status" in loader.adapter.capabilities:
         check.status_not(session, "NORMAL", where)
     session.clear()
