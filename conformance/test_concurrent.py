@@ -19,6 +19,7 @@ Each case:
 4. looks again: the second call, refused or waiting, changed nothing, and the status never contradicts the
    parameters;
 5. lets the first go on: both must return within ``BOUND_S`` (a deadlock fails the case naming the call left);
+   a second call that waited took its source from the trainer (the streamed paths) only after the first was let go;
 6. judges: the first operation succeeded; the session holds what the last call that returned without raising
    left (status, every parameter bit for bit, version, digest);
 7. recovery: a clear (where the path has one) and an update load the next version exactly.
@@ -211,6 +212,11 @@ class Case:
         if self.path == "bucket":
             return len(self.rt.feed._publisher(0).replies("hello")) >= self._source_hello
         return self.rt.feed._trainer(0).taken(self._source_stream)
+
+    def second_source_taken_at(self) -> float | None:
+        """On the streamed paths: when an update took the second call's source from the trainer (None: not
+        taken). The trainer serves each receiver's stream on its own, a held one beside the others."""
+        return self.rt.feed._trainer(0).taken_at(self._source_stream) if self.path in IN_PLACE else None
 
     # -- calls ---------------------------------------------------------------------------------------
     def call(self, name: str, fn, what: str) -> None:
@@ -456,6 +462,12 @@ def test_concurrent_calls_refused_or_held(route, loader, combo):  # noqa: F811 (
         if not answered and second.done.is_set() and second.ended_at < released_at:
             answered = True  # refused while the first was held, later than REFUSE_S (its thread ran late: loaded)
             _judge_refusal(at, second, op, second_op)
+        took = case.second_source_taken_at() if then is not None else None
+        if not answered and took is not None:  # (whatever the order in which the two then set their parameters)
+            check.that(took >= released_at,
+                       f"{at}: {second_op}() from another thread took its source (version {then}) from the trainer "
+                       f"{released_at - took:.3f}s before {op}() was let go: it ran beside {op}(), neither refused "
+                       f"nor held until {op}() returned")
         check.that(first.error is None, f"{at}: {first.name} {first.outcome()}; a call arriving while it ran must "
                                         f"not spoil it ({second.name} {second.outcome()})")
         if op == "update":

@@ -18,7 +18,8 @@ its own (:func:`serve_process`, used by benchmarks/prefetch.py). Each ``hello`` 
 
 k = len(items) is the phase "after the last item, before the end". ``pause_s`` sleeps before every
 reply (a slow trainer); ``hold_before`` = k holds the stream before item k (a trainer stopped where a test
-chooses: :attr:`Stream.holding` is set there, and it goes on once :attr:`Stream.release` is set); ``step``,
+chooses: :attr:`Stream.holding` is set there, and it goes on once :attr:`Stream.release` is set; the other
+receivers' streams are served meanwhile, as a real trainer serves each receiver on its own); ``step``,
 when set, is the only step the stream answers (another gets ``fail`` naming both). Everything received is
 kept in :attr:`events` (tensor bytes aside).
 """
@@ -42,6 +43,7 @@ _WAKE_IDS = itertools.count()
 
 FAULTS = ("fail", "stall", "cancel", "end", "hang", "corrupt", "die-after-end")
 HOLD_MAX_S = 60.0  # a hold (``Stream.hold_before``) nobody lets go of ends by itself
+HELD_POLL_MS = 5  # while a stream is held, how often its release is looked at
 
 
 @dataclass
@@ -72,6 +74,8 @@ class _Open:
     script: Stream
     sent: int = 0
     silent: bool = False
+    taken_at: float = 0.0  # time.monotonic() of the hello that took the script
+    hold_until: float | None = None  # while held: when the hold ends by itself (HOLD_MAX_S)
 
 
 class StreamTrainer:
@@ -103,6 +107,9 @@ class StreamTrainer:
         # id(array) -> CRC-32: a stream served again is not checksummed again (scripts, and so their arrays,
         # live as long as the trainer: an id is never reused for another array meanwhile)
         self._crc: dict[int, int] = {}
+        # (handle, stream) -> ident of the streams held (``Stream.hold_before``): a held stream waits for its
+        # release without holding up the others, each receiver's stream served on its own as by a real trainer
+        self._held: dict[tuple, bytes] = {}
         self._thread: threading.Thread | None = None
         self.gone = False
 
@@ -127,8 +134,12 @@ class StreamTrainer:
 
     def taken(self, stream: Stream) -> bool:
         """Whether a receiver's hello has taken ``stream`` (one of the scripts served)."""
+        return self.taken_at(stream) is not None
+
+    def taken_at(self, stream: Stream) -> float | None:
+        """The ``time.monotonic()`` at which a receiver's hello took ``stream``, or None (not taken)."""
         with self._lock:
-            return any(state.script is stream for state in self._open.values())
+            return next((state.taken_at for state in self._open.values() if state.script is stream), None)
 
     def wait_for(self, predicate, timeout_s: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -145,7 +156,9 @@ class StreamTrainer:
         poller.register(self._wake, zmq.POLLIN)
         try:
             while not self._stop.is_set() and not self.gone:
-                if self.sock not in dict(poller.poll(1000)):
+                ready = dict(poller.poll(HELD_POLL_MS if self._held else 1000))
+                self._resume_held()
+                if self.sock not in ready or self.gone:
                     continue
                 frames = self.sock.recv_multipart()
                 if len(frames) != 2:
@@ -158,6 +171,12 @@ class StreamTrainer:
         except BaseException as e:  # noqa: BLE001 - reported by close()
             if not self._stop.is_set():
                 self.failure = e
+
+    def _resume_held(self) -> None:
+        """Answer the held streams whose release has come (or whose hold timed out)."""
+        for key, ident in list(self._held.items()):
+            del self._held[key]
+            self._reply(ident, key)  # held again (put back) until it is let go
 
     def _send(self, ident: bytes, message: dict, data=None) -> None:
         frames = [ident, wire.encode(message)] + ([data] if data is not None else [])
@@ -179,9 +198,9 @@ class StreamTrainer:
                     script = Stream([], fault=("fail", 0))
                     self._send(ident, {"type": wire.FAIL, "stream": message["stream"],
                                        "message": f"no stream scripted for step {message.get('step_id')!r}"})
-                    self._open[key] = _Open(script, silent=True)
+                    self._open[key] = _Open(script, silent=True, taken_at=message["at"])
                     return
-                self._open[key] = _Open(script)
+                self._open[key] = _Open(script, taken_at=message["at"])
             if script.step is not None and str(message.get("step_id")) != script.step:
                 self._open[key].silent = True
                 self._send(ident, {"type": wire.FAIL, "stream": message["stream"],
@@ -198,13 +217,16 @@ class StreamTrainer:
             return
         script, k, stream = state.script, state.sent, key[1]
         pause = script.pauses.get(k, script.pause_s)
-        if pause:
+        if pause and state.hold_until is None:  # (not again when a held stream is let go)
             self._stop.wait(pause)
         if script.hold_before == k and not script.holding.is_set():
             script.holding.set()
-            until = time.monotonic() + HOLD_MAX_S
-            while not script.release.wait(0.05) and not self._stop.is_set() and time.monotonic() < until:
-                pass
+            state.hold_until = time.monotonic() + HOLD_MAX_S
+        if state.hold_until is not None:
+            if not (script.release.is_set() or self._stop.is_set() or time.monotonic() >= state.hold_until):
+                self._held[key] = ident  # answered once let go (_resume_held); the other streams go on meanwhile
+                return
+            state.hold_until = None
         fault = script.fault
         if fault is not None and fault[0] not in ("corrupt", "die-after-end") and fault[1] == k:
             state.silent = True
