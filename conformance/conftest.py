@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 
-from conformance import multirank_plan
 from conformance.harness import removes_case_dir
 from sim.hosts import Unavailable
 
@@ -18,6 +17,7 @@ from sim.hosts import Unavailable
 def rank_job(request):
     """The result of ``sim.ranks.Job.run()`` for the implementation under test, on every path it claims
     (see ``multirank_plan``). A job that cannot be driven fails every test that uses it, with its error."""
+    from conformance import multirank_plan  # (here: a pytest-xdist controller, which loads this file too, never runs it)
     from conformance.plugin import _adapter
 
     adapter = _adapter(request.config)

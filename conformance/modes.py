@@ -11,7 +11,10 @@ axes once, in SPEC.md, on a ``Modes:`` line right before its ``Proven by:`` line
     Modes: start × model; note: a strided target is judged by APPLY-STRIDED-TARGET.
 
 An axis of :data:`AXES` takes its default values unless the rule lists some; any other axis must list
-its values. ``except A=v with B=w (why)`` removes a pair no case can exercise; ``note: ...`` is for the reader. The rule's cases must then
+its values. ``except A=v with B=w (why)`` removes a pair no case can exercise; ``admit A=v with B=w (why)``
+keeps, for this rule, a pair :data:`GLOBAL_EXCLUDED` removes everywhere else (a rule whose cases can exercise it:
+MODEL-STORAGE-KEPT's first update into an engine's placeholders on a clear-first path); ``note: ...`` is for the
+reader. The rule's cases must then
 cover **every pair of values of every two axes** (every value, for a rule of one axis): the plugin computes
 which pairs the collected cases cover (from each case's ``@pytest.mark.modes(axis=value, ...)`` marks and
 what :func:`item_modes` derives), and ``--list-rules``, the JSON report and the matrix page state them,
@@ -79,18 +82,20 @@ GLOBAL_EXCLUDED: dict[frozenset, str] = {
 MODES_LINE = re.compile(r"^Modes:\s*(.*)$")
 _AXIS = re.compile(r"^([a-z][a-z_]*)\s*(?:\((.*)\))?$")
 _VALUE = re.compile(r"^[A-Za-z0-9_.+\-]+$")
-_EXCEPT = re.compile(r"^except\s+([a-z][a-z_]*)=(\S+)\s+with\s+([a-z][a-z_]*)=(\S+?)\s*(?:\((.+)\))?$")
+_EXCEPT = re.compile(r"^(except|admit)\s+([a-z][a-z_]*)=(\S+)\s+with\s+([a-z][a-z_]*)=(\S+?)\s*(?:\((.+)\))?$")
 
 Pair = tuple[tuple[str, str], ...]  # ((axis, value),) or ((axis_a, a), (axis_b, b)) with axis_a < axis_b
 
 
 class Declaration(NamedTuple):
     """A rule's mode space: ``axes`` (axis -> values, in declaration order), the excluded pairs (each with its
-    reason), and ``na``: the reason the rule has no mode axis (then ``axes`` is empty)."""
+    reason), ``na``: the reason the rule has no mode axis (then ``axes`` is empty), and ``admitted``: the pairs of
+    :data:`GLOBAL_EXCLUDED` this rule keeps (each with its reason)."""
 
     axes: dict[str, tuple[str, ...]]
     excluded: dict[Pair, str]
     na: str = ""
+    admitted: Mapping[Pair, str] = {}
 
     def required(self) -> list[Pair]:
         """Every pair a rule's cases must cover (every value, for one axis): excluded pairs (the rule's own and
@@ -109,11 +114,11 @@ class Declaration(NamedTuple):
         return out
 
     def all_excluded(self) -> dict[Pair, str]:
-        """The rule's exclusions and the global ones that name two of its declared values."""
+        """The rule's exclusions and the global ones that name two of its declared values (but those it admits)."""
         out = dict(self.excluded)
         for pair, why in GLOBAL_EXCLUDED.items():
             (a, va), (b, vb) = sorted(pair)
-            if va in self.axes.get(a, ()) and vb in self.axes.get(b, ()):
+            if va in self.axes.get(a, ()) and vb in self.axes.get(b, ()) and _pair({a: va, b: vb}, a, b) not in self.admitted:
                 out.setdefault(_pair({a: va, b: vb}, a, b), why)
         return out
 
@@ -144,8 +149,9 @@ def _pair(combo: Mapping[str, str], a: str, b: str) -> Pair:
 
 def parse(rule_id: str, text: str) -> Declaration:
     """The text after ``Modes:`` (a final period dropped). ValueError naming the rule for an unknown axis
-    without values, an unknown value of a known axis, a repeated axis, or an exclusion naming an axis or value
-    the declaration does not have."""
+    without values, an unknown value of a known axis, a repeated axis, an exclusion naming an axis or value
+    the declaration does not have, or an ``admit`` of a pair that is not globally excluded (or that the rule
+    also excepts)."""
     text = text.strip().removesuffix(".").strip()
     if not text:
         raise ValueError(f"SPEC rule {rule_id}: empty 'Modes:' line; write the axes, or 'n/a (reason)'")
@@ -180,14 +186,15 @@ def parse(rule_id: str, text: str) -> Declaration:
                                  f"its values are {list(AXES[name])}")
         axes[name] = values
     excluded: dict[Pair, str] = {}
+    admitted: dict[Pair, str] = {}
     for clause in clauses:
         if clause.startswith("note:"):  # a reader's note (where a mode left out is judged instead)
             continue
         m = _EXCEPT.match(clause)
         if not m:
             raise ValueError(f"SPEC rule {rule_id}: 'Modes:' clause {clause!r} is not "
-                             "'except AXIS=VALUE with AXIS=VALUE (why)'")
-        a, va, b, vb, why = m.groups()
+                             "'except AXIS=VALUE with AXIS=VALUE (why)' or 'admit AXIS=VALUE with AXIS=VALUE (why)'")
+        kind, a, va, b, vb, why = m.groups()
         for axis, value in ((a, va), (b, vb)):
             if axis not in axes or value not in axes[axis]:
                 raise ValueError(f"SPEC rule {rule_id}: 'Modes:' exclusion names {axis}={value}, which the rule "
@@ -196,8 +203,18 @@ def parse(rule_id: str, text: str) -> Declaration:
             raise ValueError(f"SPEC rule {rule_id}: 'Modes:' exclusion {clause!r} pairs an axis with itself")
         if not why:
             raise ValueError(f"SPEC rule {rule_id}: 'Modes:' exclusion {clause!r} gives no reason in parentheses")
-        excluded[_pair({a: va, b: vb}, a, b)] = why.strip()
-    return Declaration(axes, excluded)
+        pair = _pair({a: va, b: vb}, a, b)
+        if kind == "except":
+            excluded[pair] = why.strip()
+            continue
+        if frozenset(pair) not in GLOBAL_EXCLUDED:
+            raise ValueError(f"SPEC rule {rule_id}: 'Modes:' clause {clause!r} admits a pair no global exclusion "
+                             "removes: nothing to admit")
+        admitted[pair] = why.strip()
+    both = sorted(set(excluded) & set(admitted))
+    if both:
+        raise ValueError(f"SPEC rule {rule_id}: 'Modes:' both excepts and admits {both}")
+    return Declaration(axes, excluded, admitted=admitted)
 
 
 def _split_top(text: str, sep: str) -> list[str]:
@@ -298,10 +315,12 @@ def pairwise(axes: Mapping[str, Iterable[str]], excluded: Iterable[Pair] = (),
 
 def params(rule_id: str, *, axes: Mapping[str, Iterable[str]] | None = None,
            requires: Callable[[Mapping[str, str]], Iterable[str]] | None = None,
-           valid: Callable[[Mapping[str, str]], bool] | None = None, extra: Iterable = ()) -> list:
+           valid: Callable[[Mapping[str, str]], bool] | None = None, extra: Iterable = (),
+           ids: Callable[[Mapping[str, str]], str] | None = None) -> list:
     """``pytest.param(combo, *extra)`` per combination of :func:`pairwise` over the rule's declared axes
     (or ``axes``, a sub-space of them), each marked ``modes(**combo)`` and ``requires(*requires(combo))``
-    (default: the capability of its path, and ``staged`` for a staged one); ids ``value-value-...``."""
+    (default: the capability of its path, and ``staged`` for a staged one); ids ``value-value-...`` (or
+    ``ids(combo)``)."""
     decl = declaration(rule_id)
     space = dict(axes) if axes is not None else decl.axes
     unknown = [a for a in space if a not in decl.axes]
@@ -310,7 +329,7 @@ def params(rule_id: str, *, axes: Mapping[str, Iterable[str]] | None = None,
     combos = pairwise(space, decl.all_excluded(), valid)
     requires = requires or default_requires
     return [pytest.param(combo, *extra, marks=[pytest.mark.modes(**combo), pytest.mark.requires(*requires(combo))],
-                         id="-".join(combo.values()) or "one") for combo in combos]
+                         id=ids(combo) if ids else "-".join(combo.values()) or "one") for combo in combos]
 
 
 def default_requires(combo: Mapping[str, str]) -> list[str]:

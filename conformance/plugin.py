@@ -196,9 +196,6 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--impl {name!r}: serves_on must be 'cpu' or 'gpu', got {serves_on!r}")
     adapter._conformance_where = where
     config.stash[ADAPTER_KEY] = adapter
-    from weightsync.fixtures import models
-
-    models.keep_drawn_values()  # the cases draw the same small tensors again and again (never in a trainer)
 
 
 def _adapter(config):
@@ -550,6 +547,12 @@ def _props(user_properties) -> dict | None:
 def pytest_collection_finish(session):
     # Serial runs know every selected test up front (one that never reports stays "not run").
     # A pytest-xdist controller collects nothing: its records come from the reports.
+    if _adapter(session.config) is not None:
+        # The cases draw the same small tensors again and again: kept in a process that runs them (never in a
+        # trainer), so not in a pytest-xdist controller, which would only pay for ml_dtypes' import (0.5 s).
+        from weightsync.fixtures import models
+
+        models.keep_drawn_values()
     results = session.config.stash[RESULTS_KEY]
     for item in session.items:
         props = _props(item.user_properties) if _is_conformance(item) else None

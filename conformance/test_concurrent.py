@@ -23,12 +23,23 @@ Each case:
 6. judges: the first operation succeeded; the session holds what the last call that returned without raising
    left (status, every parameter bit for bit, version, digest);
 7. recovery: a clear (where the path has one) and an update load the next version exactly.
+
+Beside them, the re-entrant cases (``test_callback_calling_into_its_own_session_refused``): the second call comes
+from the thread that runs the first, from inside a callback the loader calls during an update (the recapture
+callable, capability ``model.recapture``; a stale-state hook, ``model.hooks``), pairwise over the path, plain or
+staged, the model and the first or a later update. The callback calls ``clear()`` and then ``update()`` on its own
+session, catching what each raised (nothing escapes into the loader), then a ``clear()`` from another thread. Judged:
+each inner call refused at once (an Exception naming both operations), status, parameters and version unchanged;
+the clear from another thread still refused (the refused calls did not let the session go) or held until the update
+returned; the update's success, its version bit for bit, NORMAL, version and digest; then a clear and an update.
 """
 from __future__ import annotations
 
 import os
 import re
+import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -113,9 +124,12 @@ class Case:
     """One session of one combination, its trainer side and its oracle: ``committed`` is (version, state) of
     the last update that committed, or None; the session holds it unless it was cleared since (``loaded``)."""
 
-    def __init__(self, route, loader, combo):
+    def __init__(self, route, loader, combo, callback=None):
+        """``callback``: the callable handed to the loader at ``hold`` (end: the recapture callable; after: a
+        stale-state hook) in place of a hold (the re-entrant cases, which carry no ``pair``)."""
         self.combo, self.loader = combo, loader
-        (self.path, self.hold_at), (self.op, self.second_op) = (combo["path"], combo["hold"]), _ops(combo)
+        self.path, self.hold_at = combo["path"], combo["hold"]
+        self.op, self.second_op = _ops(combo) if "pair" in combo else ("update", None)
         self.where = f"{RULE} [{', '.join(f'{k}={v}' for k, v in combo.items())}]"
         self.caps = loader.adapter.capabilities
         self.rt = route(self.path)
@@ -127,7 +141,7 @@ class Case:
         if self.path in IN_PLACE:
             options["rsync_config"] = S.rsync_config(self.rt.feed._trainer(0), IMPL_WAIT_S,
                                                      discover_timeout_s=IMPL_WAIT_S)
-        self.recapture = CallHold("in the recapture callable (every byte landed, before the commit)") \
+        self.recapture = (callback or CallHold("in the recapture callable (every byte landed, before the commit)")) \
             if self.hold_at == "end" else None
         if self.recapture is not None:
             options["recapture"] = self.recapture
@@ -136,7 +150,7 @@ class Case:
             S.mark_mtp_layers(self.session.models, MTP_LAYER)
         self.hook = None
         if self.hold_at == "after":
-            self.hook = CallHold("in a stale-state hook (committed, update() not yet returned)")
+            self.hook = callback or CallHold("in a stale-state hook (committed, update() not yet returned)")
             self.session.register_hook("conformance-concurrent-hold", self.hook)
         self.committed: tuple[int, dict] | None = None
         self.loaded = False
@@ -507,3 +521,171 @@ def test_concurrent_calls_refused_or_held(route, loader, combo):  # noqa: F811 (
         case.holds(version, case.state(version), f"{where}: recovery (clear and update of version {version})")
     finally:  # a case that failed half-way leaves nothing held
         case.close(hold if hold is not drain else None, drain)
+
+
+# -- re-entrant calls: a callback the loader calls inside an update calls back into its own session ------------
+# The recapture callable (capability model.recapture: every byte landed, before the commit) and a stale-state hook
+# (model.hooks: committed, before update() returns) run on the thread of the update that calls them. A clear()
+# or an update() they call on their own session arrives while that update runs, from the thread that runs it:
+# refused at once (never run inside the update, never deadlocked), changing nothing, and the update, its
+# callback returned, completes as if the callback had done nothing, still claiming the session until it returns.
+# (A clear calls no callback of the loader's: the forward pass it drains is the caller's, on its caller's thread,
+# which the cases above cover as a call from another thread.)
+CALLBACKS = {"end": "the recapture callable (options['recapture']: every byte landed, before the commit)",
+             "after": "a stale-state hook (register_hook: committed, update() not yet returned)"}
+CALLBACK_CAPS = {"end": "model.recapture", "after": "model.hooks"}
+
+
+class Reentry:
+    """A callable handed to the loader (the recapture callable, a stale-state hook): a no-op until :meth:`arm`;
+    then, on its next call (on the loader's own thread, inside the update), it calls ``clear()`` and then
+    ``update()`` on its own session, catching what each raised (nothing escapes into the loader: the update's
+    outcome stays its own) and looking at the session before and after each (``looks``); then it starts a
+    ``clear()`` from another thread and gives it ``REFUSE_S`` to answer (``probe``: whether the update still
+    claims the session, the inner calls having returned). ``calling`` names the call in progress (for a call
+    that never returns)."""
+
+    INNER = ("clear", "update")
+
+    def __init__(self, where: str):
+        self.where = where
+        self.session = self.version = None
+        self._armed = False
+        self.calls = 0
+        self.calling: str | None = None
+        self.inner: dict[str, tuple[BaseException | None, float]] = {}  # op -> (what it raised, seconds)
+        self.looks: list[tuple[str, object, object, object]] = []  # (when, status(), observe(), version())
+        self.probe: harness.Call | None = None
+        self.probe_answered = False
+        self.crashed: BaseException | None = None
+        self.done = threading.Event()
+
+    def arm(self, session, version) -> None:
+        self.session, self.version, self._armed = session, version, True
+
+    def _look(self, when: str) -> None:
+        got = []
+        for fn in (self.session.status, self.session.observe, self.version):
+            try:
+                got.append(fn())
+            except Exception as e:  # noqa: BLE001 (judged: they answer while an update runs)
+                got.append(f"<raised {type(e).__name__}: {e}>")
+        self.looks.append((when, *got))
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.calls += 1
+        if not self._armed:
+            return
+        self._armed = False
+        try:
+            self._look(f"in {self.where}, before its calls")
+            for op in self.INNER:
+                self.calling = f"{op}() from inside {self.where}"
+                began = time.monotonic()
+                try:
+                    getattr(self.session, op)()
+                    error = None
+                except Exception as e:  # noqa: BLE001 (recorded and judged; never raised into the loader)
+                    error = e
+                self.inner[op] = (error, time.monotonic() - began)
+                self._look(f"in {self.where}, after its {op}()")
+            self.calling = f"{self.where}, waiting {REFUSE_S:g}s for a clear() from another thread"
+            self.probe = harness.Call("clear() from another thread", self.session.clear)
+            self.probe_answered = self.probe.wait(REFUSE_S)
+            self.calling = None
+        except Exception as e:  # noqa: BLE001 (judged)
+            self.crashed = e
+        finally:
+            self.done.set()
+
+
+def _reentry_valid(combo) -> bool:
+    # an update in place moves no storage: only the first load on rsync and gdr calls a recapture
+    return not (combo["hold"] == "end" and combo["path"] in IN_PLACE and combo["call"] == "second")
+
+
+def _reentry_requires(combo) -> list[str]:
+    return [*modes.default_requires(combo), "status", CALLBACK_CAPS[combo["hold"]]]
+
+
+_DECLARED = modes.declaration(RULE).axes
+_REENTRY = {"path": _DECLARED["path"], "hold": ("end", "after"), "staged": _DECLARED["staged"],
+            "model": _DECLARED["model"], "call": ("first", "second")}
+# each case calls clear() and then update() from inside the update: both pairs, update held at the callback
+REENTRY_CASES = [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.modes(pair=("update-clear",
+                                                                                           "update-update"))])
+                 for p in modes.params(RULE, axes=_REENTRY, requires=_reentry_requires, valid=_reentry_valid)]
+
+
+@pytest.mark.rule("LIFE-CONCURRENT")
+@pytest.mark.parametrize("combo", REENTRY_CASES)
+def test_callback_calling_into_its_own_session_refused(route, loader, combo):  # noqa: F811 (route: the fixture)
+    callback = Reentry(CALLBACKS[combo["hold"]])
+    case = Case(route, loader, combo, callback=callback)
+    session, where, cb = case.session, f"{case.where} (re-entrant)", callback.where
+    held_version = case.setup()
+    case.publish(held_version)
+    callback.arm(session, case.version)
+    outer = harness.Call(f"update() of version {held_version}", session.update)
+    at = f"{where}: update() of version {held_version}, calling {cb}"
+    try:
+        # -- 1. the update returns (the callback's own calls bounded by the loader's waits for its trainer) -------
+        bound = BOUND_S + IMPL_WAIT_S
+        check.that(outer.wait(bound), f"{at}: update() had not returned {bound:g}s on: "
+                                      + (f"deadlocked in {callback.calling}" if callback.calling
+                                         else "the callback had returned"))
+        case.settle()
+        check.that(callback.done.is_set(), f"{at}: update() {outer.outcome()} without calling {cb} "
+                                           f"({callback.calls} call(s) in all, none during this update)")
+        check.that(callback.crashed is None, f"{at}: looking at the session from inside it raised "
+                                             f"{type(callback.crashed).__name__}: {callback.crashed}")
+
+        # -- 2. each call from inside: refused at once, with the rule's error, changing nothing ---------------
+        before = callback.looks[0]
+        check.that(not any(isinstance(v, str) and v.startswith("<raised") for v in before[1:3]),
+                   f"{at}: status() / observe() {before[0]}: {before[1]!r}; they answer while an update runs")
+        for (op, (error, took)), look in zip(callback.inner.items(), callback.looks[1:]):
+            inside = f"{at}: {op}() called from inside it, on the update's own thread"
+            check.that(error is not None,
+                       f"{inside} returned after {took:.2f}s: it ran inside the update instead of being refused "
+                       f"(update() is in progress on this session; a call that returns reports its work done)")
+            _judge_refusal(inside, SimpleNamespace(error=error), "update", op)
+            check.that(took <= REFUSE_S, f"{inside} was refused only {took:.2f}s on ({type(error).__name__}: "
+                                         f"{error}); a refusal is at once, never a wait")
+            check.equal(look[1], before[1], f"{inside}: status() after it was refused (before it)")
+            changed = [n for n in before[2] if before[2][n] != look[2].get(n)]
+            check.that(not changed, f"{inside}: parameters changed by a call that was refused: {changed}")
+            check.equal(look[3], before[3], f"{inside}: version() after it was refused (before it)")
+
+        # -- 3. the session is still claimed while the callback runs: a clear() from another thread ----------
+        probe = callback.probe
+        if callback.probe_answered:
+            _judge_refusal(f"{at}: a clear() from another thread, {cb} having called clear() and update() "
+                           f"(update() still running: the refused calls must not have let the session go)",
+                           probe, "update", "clear")
+        check.that(outer.error is None,
+                   f"{at}: update() {outer.outcome()}; the callback's own calls were refused (caught inside it) and "
+                   f"must not change the update's outcome")
+
+        # -- 4. the update completed as if the callback had done nothing --------------------------------------
+        after = f"{at}, its calls refused"
+        if not callback.probe_answered:  # held: it ran once update() returned
+            check.that(probe.wait(BOUND_S), f"{after}: the clear() from another thread, held, had not returned "
+                                            f"{BOUND_S:g}s after update() returned")
+            check.that(probe.error is None,
+                       f"{after}: the clear() from another thread was held, then {probe.outcome()}")
+            case.committed, case.loaded = (held_version, case.state(held_version)), False
+            case.released(f"{after}, and a clear() from another thread held until update() returned")
+        else:
+            case.committed, case.loaded = (held_version, case.state(held_version)), True
+            case.holds(held_version, case.state(held_version), after)
+
+        # -- 5. recovery: the session, let go, takes a clear and an update ----------------------------------
+        if case.path not in IN_PLACE and case.loaded:
+            case.clear(f"{after}: a clear() once update() returned")
+        version = case.published + 1
+        case.publish(version)
+        case.update(version, f"{after}: an update() of version {version} once update() returned")
+        case.holds(version, case.state(version), f"{after}: then clear() and update() of version {version}")
+    finally:
+        callback._armed = False

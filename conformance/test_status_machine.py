@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conformance import check
+from conformance import check, modes
 from conformance import loop_schedule as L
 from conformance.harness import Worker
 from conformance.loop_driver import END_RESULTS, LoopChild
@@ -373,43 +373,78 @@ def _option_case(key, value, named):
     return pytest.param(key, value, named, marks=pytest.mark.requires(needs, L.ANY_LEVEL), id=f"{key}={value!r}")
 
 
+#: The ranks each option is checked on (the rule's Modes: line): rank 0, which writes the cell, and a follower, which
+#: never writes it and must refuse a bad cell at open all the same, not at its first update or loop pass.
+RANKS = modes.params("STATUS-OPTIONS")
+
+
+class _Rank:
+    """The worker a STATUS-OPTIONS case opens as: rank 0 of 1 on GPU 0, or rank 1 of 2 on physical GPU 6 (its
+    tensor-parallel rank 1, unless ``tp_size`` says otherwise: a follower, which never writes the cell)."""
+
+    def __init__(self, loader, monkeypatch, mode):
+        self.loader, self.level = loader, L.level_of(loader.adapter)
+        self.follower = mode["rank"] == "follower"
+        if self.follower:
+            monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+        self.rank, self.gpu = (1, 6) if self.follower else (0, 0)
+        self.worker = Worker(1, "5,6", "1") if self.follower else Worker()
+        self.who = "a follower (rank 1 of 2, tensor-parallel rank 1)" if self.follower else "rank 0 of 1"
+
+    def publish(self, version=1):
+        L.publish(self.loader.model_dir, SPEC, version, self.level, self.rank, self.gpu)
+
+    def open(self, options):
+        return self.loader.open(SPEC, worker=self.worker, options=options)
+
+
 @pytest.mark.rule("STATUS-OPTIONS")
 @pytest.mark.parametrize("key,value,named", [_option_case(*c) for c in BAD_OPTIONS])
-def test_bad_lifecycle_option_is_refused_at_open(loader, key, value, named):
-    L.publish(loader.model_dir, SPEC, 1)
-    with check.raises(ValueError, match=r"\S", names=[named], where=f"open() with options[{key!r}] = {value!r}"):
-        loader.open(SPEC, options={key: value})
+@pytest.mark.parametrize("mode", RANKS)
+def test_bad_lifecycle_option_is_refused_at_open(loader, monkeypatch, mode, key, value, named):
+    who = _Rank(loader, monkeypatch, mode)
+    who.publish()
+    with check.raises(ValueError, match=r"\S", names=[named], where=f"open() as {who.who} with options[{key!r}] = {value!r}"):
+        who.open({key: value})
 
 
 @pytest.mark.rule("STATUS-OPTIONS")
 @pytest.mark.requires("status.cell", L.ANY_LEVEL)
-def test_loop_without_a_cell_is_refused(loader):
-    L.publish(loader.model_dir, SPEC, 1, L.level_of(loader.adapter))
-    session = loader.open(SPEC)
+@pytest.mark.parametrize("mode", RANKS)
+def test_loop_without_a_cell_is_refused(loader, monkeypatch, mode):
+    who = _Rank(loader, monkeypatch, mode)
+    who.publish()
+    session = who.open({})
     session.update()
     ran = []
-    with check.raises(Exception, match=r"status_cell", where="worker_iteration() of a session opened without options['status_cell']"):
+    with check.raises(Exception, match=r"status_cell",
+                      where=f"worker_iteration() of {who.who}'s session opened without options['status_cell']"):
         session.worker_iteration(lambda: ran.append(1), block=False, sync=lambda value: value)
-    check.that(not ran, f"the loop without a cell ran the model {len(ran)} time(s)")
+    check.that(not ran, f"{who.who}: the loop without a cell ran the model {len(ran)} time(s)")
 
 
 @pytest.mark.rule("STATUS-OPTIONS")
 @pytest.mark.requires("status.cell", "staged", "multirank", L.ANY_LEVEL)
-def test_short_cell_and_boundary_options(loader):
-    L.publish(loader.model_dir, SPEC, 1, L.level_of(loader.adapter))
+@pytest.mark.parametrize("mode", RANKS)
+def test_short_cell_and_boundary_options(loader, monkeypatch, mode):
+    who = _Rank(loader, monkeypatch, mode)
+    who.publish()
     short = C.Cell(C.NORMAL)
     try:
         with open(short.path, "r+b") as f:
             f.truncate(2)
-        with check.raises(ValueError, match=r"2 bytes", names=[short.name], where="open() on a 2-byte status cell"):
-            loader.open(SPEC, options={"status_cell": short.name})
+        with check.raises(ValueError, match=r"2 bytes", names=[short.name],
+                          where=f"open() as {who.who} with options['status_cell'] = {short.name!r}, a 2-byte cell"):
+            who.open({"status_cell": short.name})
     finally:
         short.unlink()
+    # tp_size 1 would make rank 1 of 2 the rank 0 of its own group (a writer): a follower keeps tp_size 2.
+    tp_size = 2 if who.follower else 1
     with C.Cell(C.NORMAL) as cell:
-        session = loader.open(SPEC, options={"status_cell": cell.name, "staged": False, "agree_timeout_s": 0.001,
-                                             "tp_size": 1})
+        session = who.open({"status_cell": cell.name, "staged": False, "agree_timeout_s": 0.001, "tp_size": tp_size})
         session.update()
-        check.params_equal(session.observe(), M.state(SPEC, version=1), "the smallest valid options (tp_size 1, a 1 ms deadline)")
+        check.params_equal(session.observe(), M.state(SPEC, version=1),
+                           f"{who.who}: the smallest valid options (tp_size {tp_size}, a 1 ms deadline, staged False)")
 
 
 CELL_PATHS = ["traversal", "subdir"]  # how a name with a '/' reaches a real cell
@@ -437,19 +472,22 @@ def _cell_reached_through_a_path(shape):
 @pytest.mark.parametrize("key", [pytest.param("status_cell", marks=pytest.mark.requires("status.cell", L.ANY_LEVEL)),
                                  pytest.param("kv_cache_cell", marks=pytest.mark.requires("loop.runner", L.ANY_LEVEL))])
 @pytest.mark.parametrize("shape", CELL_PATHS)
-def test_cell_name_with_a_path_is_refused_even_where_it_reaches_a_cell(loader, key, shape):
+@pytest.mark.parametrize("mode", RANKS)
+def test_cell_name_with_a_path_is_refused_even_where_it_reaches_a_cell(loader, monkeypatch, mode, key, shape):
     """A name with a ``/`` whose path under /dev/shm is a valid cell (``../shm/{cell}``; ``{dir}/{cell}``) is
     refused at open, naming it: a shared-memory name is one component, and a ``/`` reaches outside the engine's
     cells. The same cell by its plain name opens (the other side: only the name's form is refused)."""
-    L.publish(loader.model_dir, SPEC, 1, L.level_of(loader.adapter))
+    who = _Rank(loader, monkeypatch, mode)
+    who.publish()
     with _cell_reached_through_a_path(shape) as (cell, name):
         check.that(C.Cell.existing(name).read() == C.NORMAL, f"{name!r}: the fixture's cell is not reachable")
-        with check.raises(ValueError, match=r"\S", names=[name], where=f"open() with options[{key!r}] = {name!r}"):
-            loader.open(SPEC, options={key: name})
+        with check.raises(ValueError, match=r"\S", names=[name], where=f"open() as {who.who} with options[{key!r}] = {name!r}"):
+            who.open({key: name})
     with C.Cell(C.NORMAL) as plain:
-        session = loader.open(SPEC, options={key: plain.name})
+        session = who.open({key: plain.name})
         session.update()
-        check.params_equal(session.observe(), M.state(SPEC, version=1), f"open() with options[{key!r}] = {plain.name!r}")
+        check.params_equal(session.observe(), M.state(SPEC, version=1),
+                           f"open() as {who.who} with options[{key!r}] = {plain.name!r}")
 
 
 # -- ranks that do not write the cell -----------------------------------------------------------------

@@ -12,12 +12,16 @@ recorded the same way: at each call the storage of every parameter is held, and 
 only by a call that names it and saw it in the memory it ends the update in (a call before the last move
 covers nothing).
 
-One test, its cases generated over the rule's declared modes (SPEC.md: path x start x model x layout x swap x
-call, every pair; ``conformance.modes``): updates into parameters built without memory and after ``clear()``
+One test, its cases generated over the rule's declared modes (SPEC.md: path x start x model x layout x hook x
+swap x call, every pair; ``conformance.modes``): updates into parameters built without memory and after ``clear()``
 (every path; rsync and GDR then load as a bootstrap), where the storage necessarily moves and only the hook
 makes the graphs right (``model.recapture``); and into loaded weights: the engine's allocated placeholders at a
-first update, in place (rsync and GDR, without a clear) at later ones, where a loader without ``model.recapture``
-must keep every storage. The case's model may carry strided layouts (an FP8 scale column-major, a per-expert
+first update (on every path: the rule admits the pair path x start=loaded that the clear-first paths otherwise
+leave out), in place (rsync and GDR, without a clear) at later ones. ``hook=offered``: the engine hands the
+loader its recapture hook (``options["recapture"]``, a loader with ``model.recapture``), and a moved storage is
+covered by a call naming it; ``hook=none``: the engine offers none (whatever the loader claims), and every
+parameter that held memory must keep it, so those cases run only where no storage necessarily moves (no update
+after a clear, no engine swap). The case's model may carry strided layouts (an FP8 scale column-major, a per-expert
 one), a draft (MTP) model holding what the case is about, a weight it declares ``post_load`` transposed (where
 the loader has ``model.post_load``), or, on GDR, models whose own loaders (the suite's, as an engine's) swap
 each buffer under the same parameter object: moved is judged by address, never by object.
@@ -106,11 +110,13 @@ class Recorder:
         self.calls.append(Call(names, status, hold(self.models)))
 
 
-def _open(rt, loader, spec, options=None):
+def _open(rt, loader, spec, options=None, hook=True):
+    """Open ``spec``, handing the loader the engine's recapture hook (a :class:`Recorder`) when ``hook`` and the
+    loader claims ``model.recapture``."""
     caps = loader.adapter.capabilities
     rec = Recorder(status="status" in caps)
     extra = dict(options or {})
-    if RECAPTURE in caps:
+    if hook and RECAPTURE in caps:
         extra["recapture"] = rec
     session = rt.open(spec, options=extra)
     rec.models, rec.session = session.models, session
@@ -153,7 +159,7 @@ def _judge(where: str, before: dict, models, rec: Recorder, built: dict, claims_
                + f"; recapture calls (names, status): {calls}")
 
 
-# -- the mode space: path x start x model x layout x call x swap, every pair (SPEC.md's Modes line) -----------------
+# -- the mode space: path x start x model x layout x hook x swap x call, every pair (SPEC.md's Modes line) -----------------
 #: what may move a parameter's storage besides the path: ``none``; ``transform``: the model declares a weight
 #: ``post_load`` transposed (the loader's own step: FastDeploy's swaps a new tensor in); ``engine``: GDR hands the
 #: items to the models' own loaders, which the suite provides and which here give each parameter new memory under
@@ -202,36 +208,51 @@ def _sent(spec, served: dict) -> dict:
 
 
 def _storage_valid(combo) -> bool:
-    """A clear-first path updates loaded weights only at its first update (into the engine's placeholders)."""
-    return not (combo["start"] == "loaded" and not PATHS[combo["path"]].in_place and combo["call"] != "first")
+    """A clear-first path updates loaded weights only at its first update (into the engine's placeholders); an
+    engine offering no hook (``hook=none``) exists only where no storage necessarily moves: not after a clear
+    (``start=cleared`` past the first update; an engine's swap is excepted on the Modes line)."""
+    if combo["start"] == "loaded" and not PATHS[combo["path"]].in_place and combo["call"] != "first":
+        return False
+    return not (combo["hook"] == "none" and combo["start"] == "cleared" and combo["call"] != "first")
 
 
 def _storage_requires(combo) -> list[str]:
+    """The path's capabilities, ``model.post_load`` for a declared transform, and ``model.recapture`` where the
+    engine offers its hook (it hands it only to a loader that takes it); ``hook=none`` runs on every loader."""
     caps = [*modes.default_requires(combo)]
     if combo["swap"] == "transform":
         caps.append("model.post_load")
-    if combo["swap"] == "engine" or (combo["start"] == "cleared" and combo["call"] != "first"):
-        caps.append(RECAPTURE)  # the memory necessarily moves: only the hook can make the graphs right
+    if combo["hook"] == "offered":
+        caps.append(RECAPTURE)
     return caps
+
+
+def _storage_id(combo) -> str:
+    """``path-start-model-layout-swap-call``, then ``-nohook`` where the engine offers no hook."""
+    return "-".join(combo[a] for a in ("path", "start", "model", "layout", "swap", "call")) + (
+        "-nohook" if combo["hook"] == "none" else "")
 
 
 CALLS = {"first": 1, "second": 2, "third": 3}
 ZERO_FIRST = pytest.param({"path": "single", "start": "cleared", "model": "main", "layout": "contiguous",
-                           "call": "third", "swap": "none"}, True,
+                           "call": "third", "swap": "none", "hook": "offered"}, True,
                           marks=[pytest.mark.requires("snapshot.single", RECAPTURE),
                                  pytest.mark.modes(path="single", start="cleared", model="main", layout="contiguous",
-                                                   call="third", swap="none")],
+                                                   call="third", swap="none", hook="offered")],
                           id="single-zero-element-first")
 
 
 @pytest.mark.rule("MODEL-STORAGE-KEPT")
 @pytest.mark.parametrize("combo, zero_first", modes.params("MODEL-STORAGE-KEPT", requires=_storage_requires,
-                                                           valid=_storage_valid, extra=(False,)) + [ZERO_FIRST])
+                                                           valid=_storage_valid, extra=(False,), ids=_storage_id)
+                         + [ZERO_FIRST])
 def test_storage_kept_or_recaptured_in_every_mode(route, loader, combo, zero_first):
     """``call`` consecutive updates, each judged: ``start=cleared``, the first into parameters built without memory
     and each later one after clear() (the streamed paths then load as a bootstrap); ``loaded``, the first into the
-    engine's placeholders and each later one in place (rsync, GDR). Every parameter keeps its memory of before, or
-    a recapture call made after its last move, before NORMAL, names it; strides never change; values bit for bit.
+    engine's placeholders (every path) and each later one in place (rsync, GDR). ``hook=offered``: every parameter
+    keeps its memory of before, or a recapture call made after its last move, before NORMAL, names it;
+    ``hook=none``: the loader is opened without ``options["recapture"]`` and every parameter that held memory keeps
+    it, whatever the loader claims. Strides never change; values bit for bit.
     ``zero_first``: the model's first parameter holds no memory (zero elements), which needs no recapture; every
     parameter after it still does (a loader that stops looking at it covers none)."""
     path, loaded = combo["path"], combo["start"] == "loaded"
@@ -240,16 +261,17 @@ def test_storage_kept_or_recaptured_in_every_mode(route, loader, combo, zero_fir
         spec = _with_zero_first(spec)
     rt = route(path)
     bootstrap = {"version": None} if PATHS[path].in_place and not loaded else None
-    session, rec = _open(rt, loader, spec, bootstrap)
+    offered = combo["hook"] == "offered"
+    session, rec = _open(rt, loader, spec, bootstrap, hook=offered)
     swapping = 1 if combo["model"] == "draft" else 0
     built = {n: h.strides for n, h in hold(session.models).items()}  # as the suite built the layers
-    claims = RECAPTURE in loader.adapter.capabilities
+    claims = offered and RECAPTURE in loader.adapter.capabilities  # no hook offered: nothing may move
     for k in range(1, CALLS[combo["call"]] + 1):
         if combo["swap"] == "engine":
             session.models[swapping].load_weights.swap = ENGINE_SWAPS[k - 1]
         state = M.state(spec, version=k)  # as served
         where = rt.publish(0, _sent(spec, state), k) + (f": update {k} ({combo['start']} weights, {combo['model']} model, "
-                                           f"{combo['layout']}, swap {combo['swap']})")
+                                           f"{combo['layout']}, swap {combo['swap']}, hook {combo['hook']})")
         before = hold(session.models)  # the storage the engine's graphs were captured on
         if k > 1 and not loaded:
             session.clear()

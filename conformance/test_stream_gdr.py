@@ -208,6 +208,25 @@ def test_gdr_routes_mtp_layers_and_mtp_names(loader, ct_trainer, strategy):
         got = _route(loader, ct_trainer, main + ["model.layers.2.q", "model.layers.3.q"], ["ernie.mtp_linear_proj.0.weight"],
                      order, setup, f"{strategy}: an MTP model with {how}", strategy)
         check.equal(got, ["ernie.mtp_linear_proj.0.weight"], f"{strategy}: items routed to an MTP model with {how}")
+    # The first layer, 0 (set, though falsy), from either pair; the model's own attribute before fd_config's, also
+    # when it is 0 (a start of 0 over fd_config's 2; a count of 0 over fd_config's 2: no layer, the mtp_ items only)
+    main0 = ["model.layers.2.q", "model.layers.3.q", "model.layers.10.q"]
+    order0 = ["model.layers.0.q", "model.layers.1.q", "model.layers.2.q", "ernie.mtp_linear_proj.0.weight",
+              "model.layers.3.q", "model.layers.10.q"]
+    for how, setup, routed0 in (
+            ("layers 0-1 from mtp_start_layer_idx/num_mtp_layers", lambda m: _attrs(m, 0, 2),
+             ["model.layers.0.q", "model.layers.1.q", "ernie.mtp_linear_proj.0.weight"]),
+            ("layers 0-1 from fd_config.model_config", lambda m: _fd_config(m, 0, 2),
+             ["model.layers.0.q", "model.layers.1.q", "ernie.mtp_linear_proj.0.weight"]),
+            ("mtp_start_layer_idx 0 over fd_config's start 2", lambda m: (_fd_config(m, 2, 2), _attrs(m, 0, 2)),
+             ["model.layers.0.q", "model.layers.1.q", "ernie.mtp_linear_proj.0.weight"]),
+            ("num_mtp_layers 0 over fd_config's count 2", lambda m: (_fd_config(m, 2, 2), _attrs(m, 2, 0)),
+             ["ernie.mtp_linear_proj.0.weight"])):
+        mtp0 = [n for n in routed0 if n.startswith("model.layers.")] + ["ernie.mtp_linear_proj.0.weight"]
+        main_of = main0 + [n for n in ("model.layers.0.q", "model.layers.1.q") if n not in mtp0]
+        where = f"{strategy}: an MTP model with {how}"
+        check.equal(_route(loader, ct_trainer, main_of, mtp0, order0, setup, where, strategy), routed0,
+                    f"{where}: items routed to the MTP model")
 
 
 @pytest.mark.rule("GDR-MTP-ROUTE-COMPONENTS")

@@ -99,6 +99,9 @@ def test_a_declaration_parses(text, axes, excluded):
     ("path × op; except path=ipc with call=first (x)", "does not declare"), ("path × op; unless x", "except"),
     ("path × op; note x", "except"),
     ("path × op; except path=parts with path=ipc (x)", "does not declare|itself"), ("Path", "not 'name'"),
+    ("path × start; admit path=rsync with start=loaded (x)", "nothing to admit"),
+    ("path × start; admit path=parts with start=loaded", "no reason"),
+    ("path × start; admit path=parts with start=loaded (x); except path=parts with start=loaded (y)", "both"),
 ])
 def test_a_bad_declaration_names_the_rule_and_the_fault(text, says):
     with pytest.raises(ValueError, match=r"R-X") as info:
@@ -112,6 +115,16 @@ def test_global_exclusions_apply_only_to_values_a_rule_declares():
     assert (("path", "rsync"), ("start", "loaded")) in both.required()
     assert M.parse("R-X", "path(rsync, gdr) × staged").required().count((("path", "gdr"), ("staged", "staged"))) == 0
     assert len(M.parse("R-X", "path(parts) × staged").required()) == 2
+
+
+def test_an_admitted_pair_is_required_again_for_that_rule_only():
+    """``admit`` keeps a globally excluded pair for the rule that says so (with its reason); every other pair the
+    global exclusions remove stays removed, for it and for a rule that does not admit."""
+    admits = M.parse("R-X", "path(parts, single, rsync) × start; admit path=parts with start=loaded (placeholders)")
+    assert admits.admitted == {(("path", "parts"), ("start", "loaded")): "placeholders"}
+    assert (("path", "parts"), ("start", "loaded")) in admits.required()
+    assert (("path", "single"), ("start", "loaded")) not in admits.required()
+    assert (("path", "parts"), ("start", "loaded")) not in M.parse("R-X", "path(parts, single, rsync) × start").required()
 
 
 def _item(marks=(), params=None, requires=()):
