@@ -14,7 +14,9 @@ An axis of :data:`AXES` takes its default values unless the rule lists some; any
 its values. ``except A=v with B=w (why)`` removes a pair no case can exercise; ``admit A=v with B=w (why)``
 keeps, for this rule, a pair :data:`GLOBAL_EXCLUDED` removes everywhere else (a rule whose cases can exercise it:
 MODEL-STORAGE-KEPT's first update into an engine's placeholders on a clear-first path); ``note: ...`` is for the
-reader. The rule's cases must then
+reader; ``quick: each`` splits a rule whose pairs cost too much for the quick run (forked ranks, held windows): the
+quick run covers **every value of every axis**, and the tier ``pairs`` (``-m pairs``) holds the rest of its cases,
+so the quick run and the tier together cover every pair (:func:`quick_split`). The rule's cases must then
 cover **every pair of values of every two axes** (every value, for a rule of one axis): the plugin computes
 which pairs the collected cases cover (from each case's ``@pytest.mark.modes(axis=value, ...)`` marks and
 what :func:`item_modes` derives), and ``--list-rules``, the JSON report and the matrix page state them,
@@ -87,15 +89,22 @@ _EXCEPT = re.compile(r"^(except|admit)\s+([a-z][a-z_]*)=(\S+)\s+with\s+([a-z][a-
 Pair = tuple[tuple[str, str], ...]  # ((axis, value),) or ((axis_a, a), (axis_b, b)) with axis_a < axis_b
 
 
+#: The tier that holds the cases a ``quick: each`` rule's quick run leaves out (its marker; ``-m pairs`` runs it).
+PAIRS_TIER = "pairs"
+QUICK_EACH = "each"
+
+
 class Declaration(NamedTuple):
     """A rule's mode space: ``axes`` (axis -> values, in declaration order), the excluded pairs (each with its
-    reason), ``na``: the reason the rule has no mode axis (then ``axes`` is empty), and ``admitted``: the pairs of
-    :data:`GLOBAL_EXCLUDED` this rule keeps (each with its reason)."""
+    reason), ``na``: the reason the rule has no mode axis (then ``axes`` is empty), ``admitted``: the pairs of
+    :data:`GLOBAL_EXCLUDED` this rule keeps (each with its reason), and ``quick``: ``"each"`` where the quick run
+    covers every value and the tier ``pairs`` the rest of the pairs (``quick: each``), else empty."""
 
     axes: dict[str, tuple[str, ...]]
     excluded: dict[Pair, str]
     na: str = ""
     admitted: Mapping[Pair, str] = {}
+    quick: str = ""
 
     def required(self) -> list[Pair]:
         """Every pair a rule's cases must cover (every value, for one axis): excluded pairs (the rule's own and
@@ -125,7 +134,14 @@ class Declaration(NamedTuple):
     def text(self) -> str:
         if not self.axes:
             return f"n/a ({self.na})"
-        return " × ".join(f"{a}({', '.join(v)})" for a, v in self.axes.items())
+        return " × ".join(f"{a}({', '.join(v)})" for a, v in self.axes.items()) + (
+            f" [quick run: every value; every pair with -m {PAIRS_TIER}]" if self.quick else "")
+
+    def values(self) -> list[Pair]:
+        """Every value of every axis (as one-axis pairs) that some whole combination holds: what a ``quick: each``
+        rule's quick run must cover."""
+        excluded = self.all_excluded()
+        return [((a, v),) for a, vs in self.axes.items() for v in vs if _completes(self.axes, excluded, {a: v})]
 
 
 def _completes(axes: Mapping[str, tuple], excluded, partial: Mapping[str, str]) -> bool:
@@ -187,8 +203,18 @@ def parse(rule_id: str, text: str) -> Declaration:
         axes[name] = values
     excluded: dict[Pair, str] = {}
     admitted: dict[Pair, str] = {}
+    quick = ""
     for clause in clauses:
         if clause.startswith("note:"):  # a reader's note (where a mode left out is judged instead)
+            continue
+        if clause.startswith("quick:"):
+            quick = clause.removeprefix("quick:").strip()
+            if quick != QUICK_EACH:
+                raise ValueError(f"SPEC rule {rule_id}: 'Modes:' clause {clause!r}: the only quick split is "
+                                 f"'quick: {QUICK_EACH}' (the quick run covers every value, -m {PAIRS_TIER} the pairs)")
+            if len(axes) < 2:
+                raise ValueError(f"SPEC rule {rule_id}: 'quick: {QUICK_EACH}' needs two axes or more (one axis: "
+                                 "the quick run already covers every value)")
             continue
         m = _EXCEPT.match(clause)
         if not m:
@@ -214,7 +240,7 @@ def parse(rule_id: str, text: str) -> Declaration:
     both = sorted(set(excluded) & set(admitted))
     if both:
         raise ValueError(f"SPEC rule {rule_id}: 'Modes:' both excepts and admits {both}")
-    return Declaration(axes, excluded, admitted=admitted)
+    return Declaration(axes, excluded, admitted=admitted, quick=quick)
 
 
 def _split_top(text: str, sep: str) -> list[str]:
@@ -328,8 +354,51 @@ def params(rule_id: str, *, axes: Mapping[str, Iterable[str]] | None = None,
         raise ValueError(f"{rule_id}: axes {unknown} are not declared on its 'Modes:' line ({decl.text()})")
     combos = pairwise(space, decl.all_excluded(), valid)
     requires = requires or default_requires
-    return [pytest.param(combo, *extra, marks=[pytest.mark.modes(**combo), pytest.mark.requires(*requires(combo))],
-                         id=ids(combo) if ids else "-".join(combo.values()) or "one") for combo in combos]
+    return quick_split(rule_id, [
+        pytest.param(combo, *extra, marks=[pytest.mark.modes(**combo), pytest.mark.requires(*requires(combo))],
+                     id=ids(combo) if ids else "-".join(combo.values()) or "one") for combo in combos])
+
+
+def param_modes(param) -> dict[str, str]:
+    """The modes of a ``pytest.param`` before collection, as :func:`item_modes` derives them from its marks: its
+    ``modes`` marks (several values joined by ``|``), the path its ``requires`` name when they name exactly one path
+    capability, and ``staged`` from the ``staged`` capability."""
+    out: dict[str, str] = {}
+    caps: set[str] = set()
+    for mark in param.marks:
+        if mark.name == "modes":
+            for axis, value in mark.kwargs.items():
+                out.setdefault(axis, "|".join(values_of(value)))
+        elif mark.name == "requires":
+            caps.update(mark.args)
+    paths = {PATH_OF_CAPABILITY[c] for c in caps if c in PATH_OF_CAPABILITY}
+    if "path" not in out and len(paths) == 1:
+        out["path"] = paths.pop()
+    out.setdefault("staged", "staged" if "staged" in caps else "plain")
+    return out
+
+
+def quick_split(rule_id: str, cases: list, modes_of: Callable[[object], Mapping[str, str]] = param_modes) -> list:
+    """``cases`` (``pytest.param`` s of one rule) as they are, unless the rule declares ``quick: each``: then the
+    fewest cases that hold every value of a declared axis that any of ``cases`` holds stay in the quick run (greedy:
+    each the one holding the most values still uncovered; ties to the one that requires fewer capabilities, so that
+    a loader claiming fewer still meets every value it can, then to the earlier), and every other case is marked
+    with the tier :data:`PAIRS_TIER`. The suite's own tests check that a rule's quick-run cases, all lists
+    together, hold every value of its declaration (tests/test_modes_coverage.py)."""
+    decl = declaration(rule_id)
+    if decl.quick != QUICK_EACH:
+        return list(cases)
+    declared = set(decl.values())
+    held = [{((a, v),) for a in decl.axes for v in str(modes_of(c).get(a, "")).split("|")} & declared for c in cases]
+    needs = [len({r for m in c.marks if m.name == "requires" for r in m.args}) for c in cases]
+    todo = set().union(*held) if held else set()
+    quick: set[int] = set()
+    while todo:
+        best = max(range(len(cases)), key=lambda i: (len(held[i] & todo), -needs[i], -i))
+        quick.add(best)
+        todo -= held[best]
+    return [c if i in quick else pytest.param(*c.values, id=c.id, marks=[*c.marks, getattr(pytest.mark, PAIRS_TIER)])
+            for i, c in enumerate(cases)]
 
 
 def default_requires(combo: Mapping[str, str]) -> list[str]:
@@ -407,6 +476,7 @@ class Coverage(NamedTuple):
     required: int
     covered: int
     uncovered: list[str]  # "a=v & b=w" per uncovered pair, in declaration order
+    quick: str = ""  # "each": the quick run covers every value, the tier pairs the rest of the pairs
 
     def summary(self) -> str:
         if not self.required:
@@ -422,7 +492,7 @@ class Coverage(NamedTuple):
 
     def as_json(self) -> dict:
         return {"declared": self.declared, "required": self.required, "covered": self.covered,
-                "uncovered": list(self.uncovered)}
+                "uncovered": list(self.uncovered), "quick": self.quick}
 
 
 def coverage(rule_id: str, cases: Iterable[Mapping[str, str]], decl: Declaration | None | bool = False) -> Coverage:
@@ -436,4 +506,4 @@ def coverage(rule_id: str, cases: Iterable[Mapping[str, str]], decl: Declaration
     required = decl.required()
     got = covered(decl, cases)
     missing = [" & ".join(f"{a}={v}" for a, v in pair) for pair in required if pair not in got]
-    return Coverage(rule_id, decl.text(), len(required), len(required) - len(missing), missing)
+    return Coverage(rule_id, decl.text(), len(required), len(required) - len(missing), missing, decl.quick)

@@ -278,10 +278,12 @@ class Route:
     def fp8(self) -> bool:
         return self.path.fp8()
 
-    def open(self, model, rank: int = 0, options=None):
-        """``options``: added to the path's own (e.g. ``recapture``, capability ``model.recapture``)."""
+    def open(self, model, rank: int = 0, options=None, without=()):
+        """``options``: added to the path's own (e.g. ``recapture``, capability ``model.recapture``); ``without``:
+        the path's own options left out (``version``: a streamed session whose steps come from version.yaml)."""
+        own = {k: v for k, v in self.feed.options(rank).items() if k not in without}
         session = self.loader.open(model, strategy=self.path.strategy, worker=self.worker_of(rank),
-                                   options={**self.feed.options(rank), **(options or {})})
+                                   options={**own, **(options or {})})
         self.sessions[rank] = session
         self.feed.opened(session)
         return session

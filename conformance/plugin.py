@@ -61,6 +61,8 @@ MARKERS = (
     "multirank: multi-rank jobs under paddle.distributed.launch (tier: runs with -m multirank)",
     "cycles: many clear/update cycles with resources compared (tier: runs with -m cycles)",
     "restart: a worker SIGKILLed at every phase on every path, then restarted (tier: runs with -m restart)",
+    "pairs: the cases of a rule declared 'quick: each' that its quick run leaves out, which cover the rest of its mode "
+    "pairs (tier: runs with -m pairs; conformance/modes.py)",
     "hosts: a multirank test that only two hosts can prove (runs with -m multirank --hosts 2)",
     "huge: a tensor over 2 GiB from a sparse file, about 7 GiB of memory and a minute; headers of 10^5 tensors (tier: runs with -m huge)",
 )
@@ -392,7 +394,7 @@ def pytest_runtest_setup(item):
 # a tensor over 2 GiB).
 # They run when the -m expression names their marker (-m multirank, -m "multirank or cycles"); otherwise
 # they are reported skipped with the command that runs them, never passed.
-TIERS = ("multirank", "cycles", "restart", "huge")
+TIERS = ("multirank", "cycles", "restart", "huge", "pairs")
 
 
 def _skip_unselected_tier(item) -> None:

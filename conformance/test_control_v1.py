@@ -74,14 +74,14 @@ class Rig:
     the trainer; version 1 loaded (checked). ``publish(v, missing=...)`` has the trainer publish version v,
     ``missing`` the names it leaves out."""
 
-    def __init__(self, loader, route, *, model="main", path="single", options=None, rank=0):
+    def __init__(self, loader, route, *, model="main", path="single", options=None, rank=0, without=()):
         self.spec = SPECS[model]
         self.path = path
         self.engine = E.Engine()
         self.route = route(path)
         self.rank = rank
         opts = {"engine": self.engine, "recapture": self.engine.recapture, **(options or {})}
-        self.session = self.route.open(self.spec, rank, options=opts)
+        self.session = self.route.open(self.spec, rank, options=opts, without=without)
         self.models = self.session.models
         self.states = {}
         self.publish(1)
@@ -490,6 +490,33 @@ def test_update_weights_stamps_its_version(loader, route, impl, combo):
             served_version = reported = version
         rig.expect(served_version, where)
         _reported(rig, impl.capabilities, reported, where)
+
+
+@pytest.mark.rule("CTL-UPDATE-VERSION")
+@pytest.mark.requires("control.update_in_place", "stream.rsync")
+@pytest.mark.parametrize("outcome", [pytest.param(o, marks=pytest.mark.modes(outcome=o, call="second"), id=o)
+                                     for o in ("ok", "failed")])
+def test_the_version_asked_for_is_that_calls_only(loader, route, impl, outcome):
+    """A session configured without a version (each update's step from version.yaml, as a bootstrap's):
+    ``update_weights(version='2')``, which commits or fails, asks for step 2 in that call only; the next
+    ``update_weights()`` without a version asks for the step version.yaml names then (3), and stamps it."""
+    rig = Rig(loader, route, path="rsync", without=("version",))
+    pause_if_claimed(rig, impl.capabilities)
+    first = f"update_weights(version='2') ({outcome})"
+    _serve(rig, 2, fault=("corrupt", 0) if outcome == "failed" else None)
+    if outcome == "failed":
+        with check.refused(Exception, where=first):
+            rig.session.update_weights(version="2", verify_checksum=True)
+    else:
+        rig.session.update_weights(version="2", verify_checksum=True)
+    S.write_version_file(loader.model_dir, "step: 3\n")
+    _serve(rig, 3)
+    where = f"update_weights() without a version after {first}, version.yaml naming step 3"
+    result = rig.session.update_weights(verify_checksum=True)
+    check.that(isinstance(result, dict) and str(result.get("version")) == "3",
+               f"{where}: the result's version: got {result!r}, expected '3' (a version asked for by an earlier call "
+               "is that call's only)")
+    rig.expect(3, where)  # (version(): a step read from version.yaml is RSYNC-VERSION's)
 
 
 @pytest.mark.rule("CTL-UPDATE-CHECKSUM")

@@ -72,9 +72,15 @@ NAMES = {C.NORMAL: "NORMAL", C.UPDATING: "UPDATING", C.CLEARING: "CLEARING", C.C
 
 
 # -- in each rank's process (forked before the case's trainers and threads exist) -------------------------
+# What the suite's failing runner says: the engine naming every request it could not stop, several KiB (a loader
+# that hands a failing rank's error to its peers must carry a long one too, cut if it must, never fail on it).
+STUCK_REQUESTS = ", ".join(f"chatcmpl-{i:06d}" for i in range(256))
+
+
 class _Runner:
     """The engine's GPU model runner as the suite hands it to the loop (capability ``loop.runner``): records
-    each call; ``clear_requests()`` raises when the case has this rank's engine fail to stop its requests."""
+    each call; ``clear_requests()`` raises when the case has this rank's engine fail to stop its requests, naming
+    each of the 256 requests still running (:data:`STUCK_REQUESTS`, about 4 KiB)."""
 
     def __init__(self, fail: bool):
         self.fail, self.calls = fail, []
@@ -82,7 +88,8 @@ class _Runner:
     def clear_requests(self) -> None:
         self.calls.append("clear_requests")
         if self.fail:
-            raise RuntimeError("the engine could not stop its in-flight requests (the suite's runner failed)")
+            raise RuntimeError("the engine could not stop its in-flight requests (the suite's runner failed); "
+                               f"still running: {STUCK_REQUESTS}")
 
     def shutdown_process_group(self, group="default") -> None:
         self.calls.append(f"shutdown:{group}")

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from conformance import check
+from conformance import check, modes
 from conformance.paths import PATHS, cases, route, staged_options  # noqa: F401 (the fixture)
 from weightsync.fixtures import models as M
 
@@ -151,7 +151,7 @@ def _serve_cases(staged: bool):
 
 
 @pytest.mark.rule("SERVE-NO-MIXED-VERSIONS")
-@pytest.mark.parametrize("path,staged,clears", _serve_cases(staged=True))
+@pytest.mark.parametrize("path,staged,clears", modes.quick_split("SERVE-NO-MIXED-VERSIONS", _serve_cases(staged=True)))
 def test_forward_passes_never_mix_versions(route, loader, path, staged, clears):  # noqa: F811 (route: the fixture)
     rt = route(path)
     in_place = rt.path.in_place and not clears  # a streamed session cleared first: its update fills cleared parameters
@@ -240,18 +240,47 @@ def _publish_failing(rt, path: str, v2: dict) -> str:
     return f"{ORDER[0]} missing from the source (the others landed)"
 
 
+class _FailingHook:
+    """A stale-state hook (capability ``model.hooks``) that raises at its first call, as an engine whose prefix
+    cache could not be reset, and runs healthy after; ``calls`` counts them."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("the suite's stale-state hook failed (the prefix cache could not be reset)")
+
+
 @pytest.mark.rule("SERVE-NO-MIXED-VERSIONS")
 @pytest.mark.modes(op="update")
 @pytest.mark.parametrize("path", cases(extra=("serve",)))
 def test_a_failed_update_keeps_passes_held(route, loader, path):  # noqa: F811 (route: the fixture)
     """A pass held through an update that fails, and one arriving after the failure, run on no partial model:
     they wait until an update commits (the recovery), then read it whole."""
-    rt = route(path)
+    _failed_update_keeps_passes_held(route, loader, path, hook=None)
+
+
+@pytest.mark.rule("SERVE-NO-MIXED-VERSIONS")
+@pytest.mark.modes(op="update")
+@pytest.mark.parametrize("path", cases(extra=("serve", "model.hooks")))
+def test_a_failed_hook_keeps_passes_held(route, loader, path):  # noqa: F811 (route: the fixture)
+    """Every byte of version 2 lands and commits, then the stale-state hook raises (MODEL-HOOK-FAILURE): the
+    update failed, and the state the hook had to reset is stale, so a pass held through it, and one arriving after
+    it, still wait until an update commits with its hooks done (the recovery), then read it whole."""
+    _failed_update_keeps_passes_held(route, loader, path, hook=_FailingHook())
+
+
+def _failed_update_keeps_passes_held(rt_fixture, loader, path: str, hook: _FailingHook | None) -> None:
+    rt = rt_fixture(path)
     session = rt.open(SPEC)
     states = {v: M.state(SPEC, version=v) for v in (1, 2, 3)}
     versions = {v: {n: a.tobytes() for n, a in st.items()} for v, st in states.items()}
     rt.publish(0, states[1], 1)
     rt.update(0)
+    if hook is not None:  # (after the first load: its first call is version 2's commit)
+        session.register_hook("conformance-failing-hook", hook)
     recovered = threading.Event()
     forwards = []
     if not rt.path.in_place:
@@ -259,12 +288,18 @@ def test_a_failed_update_keeps_passes_held(route, loader, path):  # noqa: F811 (
         h = Forward(session, "arriving at CLEARED, before an update that fails", versions, recovered, LATE_GAP_S)
         forwards.append(h)
         h.first.wait(HOLD_S)
-    fault = _publish_failing(rt, path, states[2])
+    if hook is None:
+        fault = _publish_failing(rt, path, states[2])
+    else:
+        rt.publish(0, states[2], 2)
+        fault = "every byte landed, then the stale-state hook raising"
     where = f"{path}: the update of version 2 failing ({fault})"
     failed = Change("the failing update()", lambda: rt.update(0), threading.Event())
     deadline = time.monotonic() + BOUND_S
     check.that(failed.returned.wait(BOUND_S), f"{where}: the update had not returned {BOUND_S:g}s on")
     check.that(failed.error is not None, f"{where}: the update returned without an error")
+    if hook is not None:
+        check.equal(hook.calls, 1, f"{where}: the stale-state hook's calls by the failing update's end")
     late = Forward(session, "arriving after the update failed", versions, recovered, LATE_GAP_S)
     forwards.append(late)
     late.first.wait(HOLD_S)

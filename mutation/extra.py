@@ -62,7 +62,7 @@ with open(os.path.join(REPO, "pyproject.toml"), "rb") as _f:
 # The project's unit tests first: they take seconds, and a mutant they kill stops the run (-x) before the suite.
 TESTS = sorted(TESTS, key=lambda t: not t.startswith("tests/"))
 PYTEST_ARGS = ["--impl=reference", "--project-tests-count", "-p", "no:cacheprovider", "-q", "-x",
-               "-m", "restart or not (multirank or cycles or huge)"]
+               "-m", "restart or pairs or not (multirank or cycles or huge)"]
 # Constants that are not behaviour: the package's version string and export list, the logger names.
 SKIP_CONSTANTS = {"__version__", "_EXPORTS", "__all__"}
 

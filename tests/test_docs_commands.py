@@ -63,7 +63,7 @@ INSTALL = "tests/test_install.py::"
 FOUR = {
     ".venv/bin/python -m pytest conformance --impl=reference -n 2": ci(),
     ".venv/bin/python -m pytest tests --durations=15": ci(),
-    '.venv/bin/python -m pytest conformance --impl=reference -m "multirank or cycles or restart"': ci(),
+    '.venv/bin/python -m pytest conformance --impl=reference -m "multirank or cycles or restart or pairs"': ci(),
     ".venv/bin/python -m pytest conformance --impl=reference -m multirank --hosts 2": ci(),
 }
 WHERE: dict[str, Where] = {

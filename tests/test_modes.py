@@ -102,6 +102,8 @@ def test_a_declaration_parses(text, axes, excluded):
     ("path × start; admit path=rsync with start=loaded (x)", "nothing to admit"),
     ("path × start; admit path=parts with start=loaded", "no reason"),
     ("path × start; admit path=parts with start=loaded (x); except path=parts with start=loaded (y)", "both"),
+    ("path × staged; quick: all", "quick: each"), ("path × staged; quick:", "quick: each"),
+    ("path(parts, ipc); quick: each", "two axes"),
 ])
 def test_a_bad_declaration_names_the_rule_and_the_fault(text, says):
     with pytest.raises(ValueError, match=r"R-X") as info:
@@ -187,6 +189,64 @@ def test_params_carry_modes_and_requires_and_cover_the_declaration(monkeypatch):
         assert ("mtp" in requires.args) == (p.values[0]["model"] == "draft")
     with pytest.raises(ValueError, match="not declared"):
         M.params("R-X", axes={"call": ("first",)})
+
+
+def test_quick_each_parses_and_shows_in_the_text():
+    decl = M.parse("R-X", "path(parts, ipc) × staged; except path=ipc with staged=staged (x); quick: each.")
+    assert decl.quick == "each" and decl.excluded == {(("path", "ipc"), ("staged", "staged")): "x"}
+    assert "every pair with -m pairs" in decl.text()
+    assert M.parse("R-X", "path(parts, ipc) × staged").quick == "" and "-m pairs" not in M.parse("R-X", "path × staged").text()
+    assert decl.values() == [(("path", "parts"),), (("path", "ipc"),), (("staged", "plain"),), (("staged", "staged"),)]
+    assert M.parse("R-X", "path(parts, rsync) × start").values().count((("start", "loaded"),)) == 1, \
+        "a value a whole combination holds (rsync in place) is a value to meet"
+
+
+def _split(monkeypatch, text, **kw):
+    decl = M.parse("R-X", text)
+    monkeypatch.setattr(M, "declarations", lambda path=None: {"R-X": decl})
+    return decl, M.params("R-X", **kw)
+
+
+def _quick(params):
+    return [p for p in params if not any(m.name == M.PAIRS_TIER for m in p.marks)]
+
+
+@pytest.mark.parametrize("text", [
+    "path(parts, ipc, bucket) × rank(rank0, follower) × staged",
+    "path(parts, ipc, bucket) × fault(partial, bad-dtype, runner) × failing(one, several) × rank(rank0, follower) × call(first, second)",
+    "path(parts, single, rsync, gdr) × staged × model; except path=rsync with model=draft (x)",
+])
+def test_quick_each_keeps_every_value_in_the_quick_run_and_every_pair_with_the_tier(monkeypatch, text):
+    """The quick run's cases (no ``pairs`` mark) meet every value of every axis and are fewer than all; every case
+    is kept, the others marked ``pairs``, so the two together cover every pair; a case is never marked twice."""
+    decl, params = _split(monkeypatch, text + "; quick: each")
+    quick = _quick(params)
+    held = {((a, v),) for p in quick for a, v in p.values[0].items()}
+    assert held >= set(decl.values()), f"values the quick run misses: {set(decl.values()) - held}"
+    assert len(quick) < len(params)
+    assert M.coverage("R-X", [p.values[0] for p in params], decl).uncovered == []
+    assert all(sum(m.name == M.PAIRS_TIER for m in p.marks) <= 1 for p in params)
+    _, plain = _split(monkeypatch, text)
+    assert [p.values for p in plain] == [p.values for p in params] and _quick(plain) == plain, \
+        "without 'quick: each' every case stays in the quick run"
+
+
+def test_quick_split_meets_the_values_of_each_list_and_prefers_fewer_capabilities(monkeypatch):
+    """A list holding some values only (one test's cases of a rule) keeps what meets those; between cases that
+    meet as many values still to meet, the one needing fewer capabilities stays (a loader claiming less still
+    meets every value it can); modes come from marks, requires and ``staged``."""
+    decl = M.parse("R-X", "path(parts, ipc) × staged × call(first, second); quick: each")
+    monkeypatch.setattr(M, "declarations", lambda path=None: {"R-X": decl})
+    cases = [pytest.param(1, marks=[pytest.mark.requires("snapshot.parts", "staged"), pytest.mark.modes(call="first")]),
+             pytest.param(2, marks=[pytest.mark.requires("snapshot.parts"), pytest.mark.modes(call="first")]),
+             pytest.param(3, marks=[pytest.mark.requires("snapshot.parts"), pytest.mark.modes(call=("first", "second"))])]
+    out = M.quick_split("R-X", cases)
+    assert [p.values[0] for p in _quick(out)] == [1, 3], "3 meets three values, then staged, which only 1 holds; not 2"
+    assert [p.values[0] for p in out] == [1, 2, 3]
+    same = [pytest.param(1, marks=[pytest.mark.requires("snapshot.parts", "mtp"), pytest.mark.modes(call="first")]),
+            pytest.param(2, marks=[pytest.mark.requires("snapshot.parts"), pytest.mark.modes(call="first")])]
+    assert [p.values[0] for p in _quick(M.quick_split("R-X", same))] == [2], "the one needing fewer capabilities"
+    assert M.param_modes(cases[2]) == {"call": "first|second", "path": "parts", "staged": "plain"}
 
 
 def test_encode_and_decode_are_inverse():

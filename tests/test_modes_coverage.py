@@ -35,3 +35,29 @@ def test_generated_rows_cover_every_pair_of_their_axes():
             continue
         rows = modes.pairwise(decl.axes, decl.all_excluded())
         assert not modes.coverage(rule, rows, decl).uncovered, rule
+
+
+QUICK_EACH = [rule for rule in DECLARED if modes.declaration(rule).quick == modes.QUICK_EACH]
+
+
+def test_some_rules_split_their_pairs_with_the_tier():
+    assert QUICK_EACH, "no rule declares 'quick: each' (then the pairs tier holds nothing: drop it, or this test)"
+
+
+@pytest.mark.parametrize("rule", QUICK_EACH)
+def test_a_quick_each_rule_meets_every_value_in_the_quick_run(collected, rule):
+    """A rule whose pairs the tier ``pairs`` completes: its cases that carry no tier marker (the quick run's)
+    meet every value of every declared axis; its ``pairs`` cases exist, and only such a rule has any."""
+    decl = modes.declaration(rule)
+    cases = collected.get(rule, [])
+    quick = [c["modes"] for c in cases if not c["tiers"]]
+    held = {((a, v),) for c in quick for a in decl.axes for v in str(c.get(a, "")).split("|")}
+    missing = [f"{a}={v}" for ((a, v),) in decl.values() if ((a, v),) not in held]
+    assert not missing, f"{rule}: values its quick-run cases never meet: {missing}"
+    assert any(modes.PAIRS_TIER in c["tiers"] for c in cases), f"{rule}: 'quick: each' and no case in the pairs tier"
+
+
+def test_only_quick_each_rules_have_pairs_cases(collected):
+    stray = sorted({rule for rule, cases in collected.items() for c in cases
+                    if modes.PAIRS_TIER in c["tiers"] and rule not in QUICK_EACH})
+    assert not stray, f"rules with cases in the pairs tier that do not declare 'quick: each': {stray}"

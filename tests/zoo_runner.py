@@ -105,7 +105,7 @@ def conformance_args(name: str, report: str) -> list[str]:
 # Every test of the mutant's rules, the tiers' included (a tier runs when -m names it; the multi-rank job
 # starts only when a selected test needs it). A mutant's ``zoo_args`` narrow the run (``-k bucket``: one
 # path of the multi-rank job, enough to kill it, instead of all three).
-TIERS_AND_THE_REST = "multirank or cycles or not (multirank or cycles)"
+TIERS_AND_THE_REST = "multirank or cycles or pairs or not (multirank or cycles)"
 
 
 class SkipOnceFailed:
